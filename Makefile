@@ -1,0 +1,26 @@
+# Two commands matter: `make serve` and `make test`. Both install what is missing first.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+# A CPU build of torch unless one is installed already (a GPU machine keeps its CUDA build).
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install serve test test-gpu lint bench-encoder
+
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	@$(PYTHON) -c "import app, ray, av, fastapi, transformers, pytest, hypothesis" 2>/dev/null || $(PIP) install -q -e ".[dev]"
+
+serve: install
+	serve run serve_config.yaml
+
+test: install
+	$(PYTHON) -m pytest -q
+
+test-gpu: install
+	$(PYTHON) -m pytest -q -m gpu
+
+lint: install
+	$(PYTHON) -m ruff check .
+
+bench-encoder:
+	$(PYTHON) benchmarks/encoder.py

@@ -1,0 +1,99 @@
+"""Typed application configuration.
+
+Every field the application builder accepts is declared here, so a misspelt or
+unknown field fails at start-up with its name instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MediaConfig(_Strict):
+    """Decoding, sampling and per-request limits for images and videos."""
+
+    video_fps: float = Field(2.0, gt=0, description="frames sampled per second of video")
+    video_min_frames: int = Field(4, ge=2)
+    video_max_frames: int = Field(64, ge=2)
+    image_min_pixels: int = Field(64 * 32 * 32, gt=0, description="smart-resize lower bound")
+    image_max_pixels: int = Field(1024 * 1024, gt=0, description="smart-resize upper bound")
+    video_min_pixels: int = Field(64 * 32 * 32, gt=0, description="per-frame lower bound")
+    video_max_pixels: int = Field(256 * 32 * 32, gt=0, description="per-frame upper bound")
+    max_items_per_request: int = Field(16, ge=1)
+    max_input_pixels: int = Field(64_000_000, gt=0, description="decoded image size above which a request is refused")
+    max_video_duration_s: float = Field(3600.0, gt=0)
+    max_media_bytes: int = Field(256 * 1024 * 1024, gt=0)
+    fetch_timeout_s: float = Field(15.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> MediaConfig:
+        if self.video_min_frames > self.video_max_frames:
+            raise ValueError("video_min_frames must not exceed video_max_frames")
+        if self.image_min_pixels > self.image_max_pixels:
+            raise ValueError("image_min_pixels must not exceed image_max_pixels")
+        if self.video_min_pixels > self.video_max_pixels:
+            raise ValueError("video_min_pixels must not exceed video_max_pixels")
+        return self
+
+
+class EncoderConfig(_Strict):
+    """Vision encoder: CUDA-graph budgets and per-batch limits (see app/vision/graphs.py)."""
+
+    cuda_graphs: bool = True
+    token_budgets: list[int] | None = Field(None, description="explicit budgets (patch tokens); else powers of two")
+    min_budget: int = Field(256, ge=4)
+    max_budget: int = Field(8192, ge=4)
+    max_items_per_batch: int = Field(16, ge=1)
+    max_frames_per_batch: int = Field(32, ge=1, description="attention sequences (images + temporal groups)")
+    autotune: bool = Field(True, description="drop graphs that are not faster than eager")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+
+    @model_validator(mode="after")
+    def _check_budgets(self) -> EncoderConfig:
+        if self.min_budget > self.max_budget:
+            raise ValueError("min_budget must not exceed max_budget")
+        for b in self.token_budgets or []:
+            if b <= 0 or b % 4:
+                raise ValueError(f"token budget {b} must be a positive multiple of 4")
+        return self
+
+
+class LLMConfig(_Strict):
+    """Text generation."""
+
+    max_model_len: int = Field(32768, ge=16)
+    default_max_tokens: int = Field(256, ge=1)
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+
+
+class PlacementConfig(_Strict):
+    """Where replicas go. 'auto' = one encoder replica per GPU, CPU replicas when there is none."""
+
+    encoder_replicas: int | Literal["auto"] = "auto"
+    encoder_num_gpus: float | Literal["auto"] = "auto"
+    llm_num_gpus: float | Literal["auto"] = "auto"
+
+
+class AppConfig(_Strict):
+    """Arguments of `deployments.app:build_app` (the `args:` block of serve_config.yaml)."""
+
+    model: str = Field("embedded:tiny", description="'embedded:<preset>' or a path to a Qwen3-VL checkpoint")
+    served_model_name: str | None = None
+    cache_dir: str | None = Field(None, description="where embedded checkpoints are built; default ~/.cache/vlm-serve")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    media: MediaConfig = MediaConfig()
+    encoder: EncoderConfig = EncoderConfig()
+    llm: LLMConfig = LLMConfig()
+    placement: PlacementConfig = PlacementConfig()
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model.split(":", 1)[1] if self.model.startswith("embedded:") else self.model.rstrip("/").split("/")[-1]

@@ -1,0 +1,186 @@
+"""Build random-weight Qwen3-VL checkpoints offline.
+
+No weights or tokenizers can be downloaded here, so the project makes its own: a tiny model
+for CPU tests and `make serve`, and checkpoints with the real Qwen3-VL-2B/8B shapes for GPU
+benchmarks (speed does not depend on weight values). The result is an ordinary checkpoint
+folder that loads through `from_pretrained`, exactly like a real one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
+DEFAULT_CACHE = Path(os.environ.get("VLM_SERVE_CACHE", Path.home() / ".cache" / "vlm-serve"))
+BUILDER_VERSION = 1  # bump when the built files change, so stale caches are rebuilt
+
+# Qwen's special tokens, in Qwen's order; they follow the byte-level vocabulary.
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]
+
+# Same prompt format as Qwen3-VL's template: images and videos become
+# <|vision_start|><|image_pad|><|vision_end|> (or <|video_pad|>), expanded later per item.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] in ('image', 'image_url') -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] in ('video', 'video_url') -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+# A small fixed corpus so BPE training is deterministic and offline.
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Describe this image in detail. What is happening in the video?",
+    "A photo of a cat sitting on a red chair next to a window.",
+    "user assistant system You are a helpful assistant.",
+    "0.5 1.0 1.5 2.0 2.5 3.0 seconds frames pixels colors shapes",
+    "How many people are there? What color is the car? Where was this taken?",
+] * 8
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def load_preset(name: str) -> dict:
+    path = PRESET_DIR / f"{name}.json"
+    if not path.is_file():
+        raise ValueError(f"unknown embedded model preset {name!r}; known: {', '.join(preset_names())}")
+    return json.loads(path.read_text())
+
+
+def build_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE trained on a fixed corpus, with Qwen's special tokens appended."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        padding_side="left",
+        extra_special_tokens={},
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _processor_configs(vision: dict) -> tuple[dict, dict]:
+    common = {
+        "patch_size": vision["patch_size"],
+        "temporal_patch_size": vision["temporal_patch_size"],
+        "merge_size": vision["spatial_merge_size"],
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_resize": True,
+        "do_convert_rgb": True,
+    }
+    image = {**common, "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+             "size": {"shortest_edge": 65536, "longest_edge": 16777216}}
+    video = {**common, "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
+             "size": {"shortest_edge": 4096, "longest_edge": 25165824}, "fps": 2, "min_frames": 4,
+             "max_frames": 768, "do_sample_frames": True}
+    return image, video
+
+
+def build_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, with_weights: bool = True,
+                     dtype: str = "bfloat16") -> Path:
+    """Write a complete checkpoint folder for `preset` into `out_dir` (atomically)."""
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    out_dir = Path(out_dir)
+    spec = load_preset(preset)
+    tokenizer = build_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    if preset == "tiny":  # the tiny model uses the tiny tokenizer's ids; real shapes keep Qwen's
+        spec["text_config"]["vocab_size"] = len(tokenizer)
+        spec.update(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                    vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    text = spec["text_config"]
+    text.setdefault("bos_token_id", ids["<|endoftext|>"])
+    text.setdefault("eos_token_id", ids["<|im_end|>"])
+    text.setdefault("pad_token_id", ids["<|endoftext|>"])
+    config = Qwen3VLConfig(**spec)
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent if out_dir.parent.exists() else None))
+    try:
+        if with_weights:
+            torch.manual_seed(seed)
+            torch_dtype = getattr(torch, dtype) if preset != "tiny" else torch.float32
+            model = Qwen3VLForConditionalGeneration(config).to(torch_dtype)
+            model.generation_config.eos_token_id = ids["<|im_end|>"]
+            model.generation_config.pad_token_id = ids["<|endoftext|>"]
+            model.save_pretrained(tmp)
+        else:
+            config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        image_cfg, video_cfg = _processor_configs(spec["vision_config"])
+        (tmp / "preprocessor_config.json").write_text(json.dumps(image_cfg, indent=2))
+        (tmp / "video_preprocessor_config.json").write_text(json.dumps(video_cfg, indent=2))
+        (tmp / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+        (tmp / "vlm_serve_builder.json").write_text(json.dumps({"preset": preset, "seed": seed,
+                                                                 "version": BUILDER_VERSION}))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("built %s checkpoint at %s", preset, out_dir)
+    return out_dir
+
+
+def ensure_embedded(preset: str = "tiny", cache_dir: str | Path | None = None, seed: int = 0) -> Path:
+    """Path of the cached embedded checkpoint for `preset`, building it on first use."""
+    cache = Path(cache_dir) if cache_dir else DEFAULT_CACHE
+    out = cache / f"{preset}-seed{seed}-v{BUILDER_VERSION}"
+    marker = out / "vlm_serve_builder.json"
+    if not marker.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        build_checkpoint(out, preset=preset, seed=seed)
+    return out
+
+
+def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("preset", choices=preset_names())
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config-only", action="store_true", help="config, tokenizer and processor files, no weights")
+    a = p.parse_args()
+    print(build_checkpoint(a.out_dir, a.preset, a.seed, with_weights=not a.config_only))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""CUDA-graph manager for the vision tower: capture per token budget, replay with padding.
+
+One set of max-size static input buffers is shared by every budget (each graph reads a prefix
+slice), and all graphs share one memory pool. A batch replays the smallest budget that holds its
+tokens; what fits no graph (too many tokens, attention sequences or items) runs eagerly through
+the same tower code and is counted. Without CUDA (or with graphs off) the same padded
+static-shape path runs without capture, so the padding logic is exercised on the CPU too.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from .metadata import BatchLayout, Grid, TowerGeometry, cu_seqlens, layout, position_metadata
+from .tower import TowerInputs, VisionTower
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VisionItem:
+    """One image or video (or a video chunk) ready for the tower."""
+
+    pixels: torch.Tensor  # [t*h*w, C*T*P*P], float
+    grid: Grid
+
+
+@dataclass
+class VisionEmbedding:
+    """Tower output for one item: merged tokens for the LLM and one tensor per deepstack layer."""
+
+    main: torch.Tensor  # [t*h*w / merge^2, out_dim]
+    deepstack: list[torch.Tensor]
+
+
+@dataclass
+class GraphSettings:
+    budgets: list[int]
+    max_items_per_batch: int = 16
+    max_frames_per_batch: int = 32
+    use_cuda_graphs: bool = True
+    autotune: bool = True
+
+    @staticmethod
+    def power_of_two_budgets(min_budget: int, max_budget: int) -> list[int]:
+        """Powers of two from `min_budget` up to `max_budget`, with `max_budget` always included."""
+        out, b = [], 1
+        while b < min_budget:
+            b *= 2
+        while b < max_budget:
+            out.append(b)
+            b *= 2
+        out.append(max_budget)
+        return sorted(set(out))
+
+
+@dataclass
+class EncoderStats:
+    """Counters exported as metrics."""
+
+    graph_hits: int = 0
+    eager_batches: int = 0
+    eager_reasons: Counter = field(default_factory=Counter)
+    per_budget: Counter = field(default_factory=Counter)
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    items: int = 0
+
+    @property
+    def padding_ratio(self) -> float:
+        total = self.real_tokens + self.padded_tokens
+        return self.padded_tokens / total if total else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "graph_hits": self.graph_hits,
+            "eager_batches": self.eager_batches,
+            "eager_reasons": dict(self.eager_reasons),
+            "per_budget": {str(k): v for k, v in sorted(self.per_budget.items())},
+            "real_tokens": self.real_tokens,
+            "padded_tokens": self.padded_tokens,
+            "padding_ratio": self.padding_ratio,
+            "items": self.items,
+        }
+
+
+class GraphManager:
+    """Owns static buffers, captured graphs and the eager fallback for one tower (one GPU)."""
+
+    def __init__(self, tower: VisionTower, settings: GraphSettings):
+        if not settings.budgets:
+            raise ValueError("at least one token budget is needed")
+        unit = tower.merge_unit
+        for b in settings.budgets:
+            if b % unit:
+                raise ValueError(f"token budget {b} is not a multiple of the merge unit {unit}")
+        self.tower = tower
+        self.settings = settings
+        self.geo = TowerGeometry.from_config(tower.visual.config)
+        self.budgets = sorted(set(settings.budgets))
+        self.max_budget = self.budgets[-1]
+        self.seq_slots = settings.max_frames_per_batch + 1  # + one sequence for the padding tokens
+        self.device = tower.device
+        self.capture_enabled = settings.use_cuda_graphs and self.device.type == "cuda"
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_out: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.autotune_table: list[dict] = []
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+        self.stats = EncoderStats()
+        self._lock = threading.Lock()
+        self._alloc_static()
+
+    # ------------------------------------------------------------------ buffers
+    def _alloc_static(self) -> None:
+        n, dev = self.max_budget, self.device
+        self._pixels = torch.zeros(n, self.tower.patch_dim, dtype=self.tower.dtype, device=dev)
+        self._taps = torch.zeros(n, 4, dtype=torch.long, device=dev)
+        self._weights = torch.zeros(n, 4, dtype=torch.float32, device=dev)
+        self._rot = torch.zeros(n, 2, dtype=torch.long, device=dev)
+        self._cu = torch.zeros(self.seq_slots + 1, dtype=torch.int32, device=dev)
+
+    def _static_inputs(self, budget: int) -> TowerInputs:
+        return TowerInputs(self._pixels[:budget], self._taps[:budget], self._weights[:budget],
+                           self._rot[:budget], self._cu, budget)
+
+    def _fill(self, items: list[VisionItem], lay: BatchLayout, budget: int) -> None:
+        """Copy a batch into the static buffers, zero the padding rows, pad cu_seqlens."""
+        n = lay.num_tokens
+        off = 0
+        for it in items:
+            k = it.pixels.shape[0]
+            self._pixels[off:off + k].copy_(it.pixels, non_blocking=True)
+            off += k
+        taps, weights, rot = position_metadata(lay.grids, self.geo)
+        self._taps[:n].copy_(taps, non_blocking=True)
+        self._weights[:n].copy_(weights, non_blocking=True)
+        self._rot[:n].copy_(rot, non_blocking=True)
+        if budget > n:
+            self._pixels[n:budget].zero_()
+            self._taps[n:budget].zero_()
+            self._weights[n:budget].zero_()
+            self._rot[n:budget].zero_()
+        self._cu.copy_(cu_seqlens(lay.seq_lens, pad_to_tokens=budget, pad_to_seqs=self.seq_slots), non_blocking=True)
+
+    # ------------------------------------------------------------------ selection
+    def choose_budget(self, lay: BatchLayout) -> tuple[int | None, str | None]:
+        """Smallest budget holding the batch, or (None, reason) when it must run eagerly."""
+        if lay.num_items > self.settings.max_items_per_batch:
+            return None, "items"
+        if lay.num_seqs > self.settings.max_frames_per_batch:
+            return None, "frames"
+        if lay.num_tokens > self.max_budget:
+            return None, "tokens"
+        for b in self.budgets:
+            if b >= lay.num_tokens:
+                if self.capture_enabled and b not in self.graphs:
+                    continue  # dropped by auto-tune: a larger captured budget may still pay
+                return b, None
+        return None, "no_graph"
+
+    # ------------------------------------------------------------------ capture
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every budget, largest first, into one pool; then auto-tune."""
+        if not self.capture_enabled:
+            return
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        free0 = torch.cuda.mem_get_info(self.device)[0]
+        warm = self._synthetic_batch(self.max_budget)
+        self._fill(warm, layout([it.grid for it in warm], self.geo.merge), self.max_budget)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up outside capture (cuBLAS handles, lazy init)
+            for _ in range(2):
+                self.tower(self._static_inputs(self.max_budget))
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        for i, b in enumerate(sorted(self.budgets, reverse=True)):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                out = self.tower(self._static_inputs(b))
+            self.graphs[b] = g
+            self._graph_out[b] = out
+            log.info("captured vision graph %d/%d: budget %d tokens", i + 1, len(self.budgets), b)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+        self.capture_bytes = max(0, free0 - torch.cuda.mem_get_info(self.device)[0])
+        log.info("captured %d vision graphs in %.2f s using %.1f MiB", len(self.graphs), self.capture_seconds,
+                 self.capture_bytes / 2**20)
+        if self.settings.autotune:
+            self.autotune()
+
+    def _synthetic_batch(self, budget: int) -> list[VisionItem]:
+        """Images that fill `budget` tokens exactly (random pixels: zeros could time differently)."""
+        m = self.geo.merge
+        per_item = min(budget, 1024)  # 1024 patches = a 512x512 image
+        items, left = [], budget
+        while left > 0:
+            n = min(per_item, left)
+            items.append(VisionItem(torch.randn(n, self.tower.patch_dim, device=self.device), (1, m, n // m)))
+            left -= n
+        return items[: self.settings.max_items_per_batch]
+
+    def _time_ms(self, fn, reps: int = 10) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    @torch.inference_mode()
+    def autotune(self) -> None:
+        """Time graph vs eager per budget on a batch that fills it; drop graphs that are not faster."""
+        rows = []
+        for b in sorted(self.graphs):
+            items = self._synthetic_batch(b)
+            lay = layout([it.grid for it in items], self.geo.merge)
+            eager_ms = self._time_ms(lambda items=items, lay=lay: self._run_eager(items, lay))
+            graph_ms = self._time_ms(lambda items=items, lay=lay, b=b: self._run_graph(items, lay, b))
+            keep = graph_ms < eager_ms
+            rows.append({"budget": b, "eager_ms": round(eager_ms, 3), "graph_ms": round(graph_ms, 3), "kept": keep})
+            if not keep:
+                del self.graphs[b]
+                del self._graph_out[b]
+        self.autotune_table = rows
+        log.info("vision graph auto-tune (budget, eager ms, graph ms, kept):\n%s",
+                 "\n".join(f"  {r['budget']:>6} {r['eager_ms']:>9.3f} {r['graph_ms']:>9.3f} {r['kept']}" for r in rows))
+
+    # ------------------------------------------------------------------ run
+    def _split(self, main: torch.Tensor, deepstack: list[torch.Tensor], lay: BatchLayout) -> list[VisionEmbedding]:
+        n_out = lay.num_tokens // lay.merge_unit
+        main = main[:n_out].clone()  # one copy per output: the results must outlive the next replay
+        deepstack = [d[:n_out].clone() for d in deepstack]
+        return [VisionEmbedding(main[s], [d[s] for d in deepstack]) for s in lay.item_slices()]
+
+    def _run_eager(self, items: list[VisionItem], lay: BatchLayout) -> list[VisionEmbedding]:
+        dev = self.device
+        pixels = torch.cat([it.pixels.to(dev, non_blocking=True) for it in items]) if len(items) > 1 \
+            else items[0].pixels.to(dev, non_blocking=True)
+        taps, weights, rot = position_metadata(lay.grids, self.geo)
+        inp = TowerInputs(pixels, taps.to(dev, non_blocking=True), weights.to(dev, non_blocking=True),
+                          rot.to(dev, non_blocking=True), cu_seqlens(lay.seq_lens).to(dev, non_blocking=True),
+                          max(lay.seq_lens))
+        main, deepstack = self.tower(inp)
+        return self._split(main, deepstack, lay)
+
+    def _run_graph(self, items: list[VisionItem], lay: BatchLayout, budget: int) -> list[VisionEmbedding]:
+        self._fill(items, lay, budget)
+        if self.capture_enabled:
+            self.graphs[budget].replay()
+            main, deepstack = self._graph_out[budget]
+        else:
+            main, deepstack = self.tower(self._static_inputs(budget))
+        return self._split(main, deepstack, lay)
+
+    @torch.inference_mode()
+    def encode(self, items: list[VisionItem], force_eager: bool = False) -> list[VisionEmbedding]:
+        """Encode one batch (images and videos may be mixed); results in item order."""
+        if not items:
+            return []
+        for it in items:
+            t, h, w = it.grid
+            if it.pixels.shape[0] != t * h * w:
+                raise ValueError(f"item has {it.pixels.shape[0]} patch rows but grid {it.grid} needs {t * h * w}")
+        lay = layout([it.grid for it in items], self.geo.merge)
+        budget, reason = (None, "forced") if force_eager else self.choose_budget(lay)
+        with self._lock:
+            if budget is None:
+                out = self._run_eager(items, lay)
+                self.stats.eager_batches += 1
+                self.stats.eager_reasons[reason] += 1
+            else:
+                out = self._run_graph(items, lay, budget)
+                self.stats.graph_hits += 1
+                self.stats.per_budget[budget] += 1
+                self.stats.padded_tokens += budget - lay.num_tokens
+            self.stats.real_tokens += lay.num_tokens
+            self.stats.items += len(items)
+        return out

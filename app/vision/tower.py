@@ -1,0 +1,120 @@
+"""Qwen3-VL vision tower with a static-shape body that CUDA graphs can capture.
+
+It runs on the parameters of transformers' `Qwen3VLVisionModel` (same modules, no copy of the
+weights). What the reference computes from `grid_thw` on the host inside its forward is passed
+in as tensors (see metadata.py), and attention is one block-diagonal variable-length call over
+the whole packed batch instead of one call per frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    _varlen_attn = None
+
+
+@dataclass
+class TowerInputs:
+    """One packed batch, on the tower's device. Shapes are static for a given token budget."""
+
+    pixels: torch.Tensor  # [N, C*T*P*P]
+    pos_taps: torch.Tensor  # [N, 4] int64 indices into the learned position table
+    pos_weights: torch.Tensor  # [N, 4] float32 bilinear weights
+    rot_ids: torch.Tensor  # [N, 2] int64 (row, col) for the 2-D rotary embedding
+    cu_seqlens: torch.Tensor  # [S + 1] int32, monotonic
+    max_seqlen: int  # host int: an upper bound of every sequence length
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class VisionTower(nn.Module):
+    """Wraps a transformers `Qwen3VLVisionModel`; `forward(TowerInputs)` -> (main, [deepstack...])."""
+
+    def __init__(self, visual: nn.Module):
+        super().__init__()
+        self.visual = visual
+        cfg = visual.config
+        self.hidden = cfg.hidden_size
+        self.heads = cfg.num_heads
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.merge_unit = cfg.spatial_merge_size**2
+        self.deepstack_index = {layer: i for i, layer in enumerate(cfg.deepstack_visual_indexes)}
+        self.inv_freq = visual.rotary_pos_emb.inv_freq
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.visual.patch_embed.proj.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.visual.patch_embed.proj.weight.device
+
+    @property
+    def patch_dim(self) -> int:
+        w = self.visual.patch_embed.proj.weight
+        return w[0].numel()
+
+    @property
+    def out_dim(self) -> int:
+        return self.visual.merger.linear_fc2.out_features
+
+    @property
+    def num_deepstack(self) -> int:
+        return len(self.deepstack_index)
+
+    def uses_varlen(self) -> bool:
+        return _varlen_attn is not None and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+
+    def _rotary(self, rot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = rot_ids[..., None].float() * self.inv_freq.float()  # [N, 2, d/4]
+        freqs = freqs.flatten(1)  # h-frequencies then w-frequencies
+        emb = torch.cat((freqs, freqs), dim=-1)  # [N, head_dim]
+        return emb.cos()[:, None, :], emb.sin()[:, None, :]
+
+    def _attention(self, q, k, v, cu_seqlens, max_seqlen):
+        if self.uses_varlen():
+            return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+        # Block-diagonal mask from cu_seqlens, without host synchronisation (graph-safe).
+        n = q.shape[0]
+        seg = torch.searchsorted(cu_seqlens[1:], torch.arange(n, device=q.device, dtype=cu_seqlens.dtype), right=True)
+        mask = seg[:, None] == seg[None, :]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
+        return out.transpose(0, 1)
+
+    def _block(self, blk, x, cos, sin, cu_seqlens, max_seqlen):
+        n = x.shape[0]
+        h = blk.norm1(x)
+        q, k, v = blk.attn.qkv(h).view(n, 3, self.heads, self.head_dim).unbind(1)
+        # Same precision as the reference: rotate in float32, back to the activation dtype.
+        qf, kf = q.float(), k.float()
+        q = (qf * cos + _rotate_half(qf) * sin).to(x.dtype)
+        k = (kf * cos + _rotate_half(kf) * sin).to(x.dtype)
+        attn = self._attention(q, k, v, cu_seqlens, max_seqlen).reshape(n, self.hidden)
+        x = x + blk.attn.proj(attn)
+        return x + blk.mlp(blk.norm2(x))
+
+    def forward(self, inp: TowerInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        vis = self.visual
+        proj = vis.patch_embed.proj
+        # The Conv3d's kernel equals its stride: it is a matmul over flattened patches.
+        x = F.linear(inp.pixels.to(self.dtype), proj.weight.view(proj.weight.shape[0], -1), proj.bias)
+        pos = (vis.pos_embed.weight[inp.pos_taps] * inp.pos_weights[:, :, None]).sum(1)
+        x = x + pos.to(x.dtype)
+        cos, sin = self._rotary(inp.rot_ids)
+        deepstack: list[torch.Tensor] = [None] * self.num_deepstack  # type: ignore[list-item]
+        for i, blk in enumerate(vis.blocks):
+            x = self._block(blk, x, cos, sin, inp.cu_seqlens, inp.max_seqlen)
+            j = self.deepstack_index.get(i)
+            if j is not None:
+                deepstack[j] = vis.deepstack_merger_list[j](x)
+        return vis.merger(x), deepstack
