@@ -1,0 +1,167 @@
+"""The graph-friendly tower and graph manager against transformers' reference `model.visual`.
+
+CPU: the tiny embedded tower in float32 (max relative error <= 1e-4), graphs off, so the padded
+static-shape path is exercised. GPU (marker `gpu`): a Qwen3-VL-2B-shaped tower in bfloat16 with
+captured CUDA graphs (<= 1e-2). Relative error = max |ours - ref| / max |ref| per output tensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.vision.graphs import GraphManager, GraphSettings, VisionItem
+from app.vision.tower import VisionTower
+
+BUDGETS = [64, 128, 256]  # patch tokens; the tiny tower packs small grids
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    assert torch.isfinite(a).all()
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+class Harness:
+    def __init__(self, visual, dtype, tol, scale=1):
+        self.visual, self.dtype, self.tol, self.scale = visual, dtype, tol, scale
+        self.tower = VisionTower(visual)
+        self.device = self.tower.device
+        budgets = [b * scale for b in BUDGETS]
+        self.mgr = GraphManager(self.tower, GraphSettings(budgets=budgets, max_items_per_batch=4,
+                                                          max_frames_per_batch=8, autotune=False))
+        self.mgr.capture()
+
+    def items(self, grids, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        return [VisionItem(torch.randn(t * h * w, self.tower.patch_dim, generator=g).to(self.device, self.dtype),
+                           (t, h, w)) for t, h, w in grids]
+
+    @torch.inference_mode()
+    def check(self, items, expect_graph: bool | None = None):
+        hits, eager = self.mgr.stats.graph_hits, self.mgr.stats.eager_batches
+        out = self.mgr.encode(items)
+        if expect_graph is not None:
+            assert (self.mgr.stats.graph_hits - hits, self.mgr.stats.eager_batches - eager) == \
+                ((1, 0) if expect_graph else (0, 1))
+        grids = torch.tensor([it.grid for it in items], device=self.device)
+        ref = self.visual(torch.cat([it.pixels for it in items]), grid_thw=grids)
+        assert len(out) == len(items)
+        for o, it in zip(out, items):
+            t, h, w = it.grid
+            assert o.main.shape[0] == t * h * w // 4
+        assert _rel(torch.cat([o.main for o in out]), ref.pooler_output) <= self.tol
+        for j, feat in enumerate(ref.deepstack_features):
+            assert _rel(torch.cat([o.deepstack[j] for o in out]), feat) <= self.tol
+        return out
+
+
+@pytest.fixture(scope="module")
+def cpu_harness(tiny_checkpoint):
+    from app.vision.loading import load_vision_model
+
+    return Harness(load_vision_model(tiny_checkpoint, torch.float32), torch.float32, 1e-4)
+
+
+@pytest.fixture(scope="module")
+def gpu_harness():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from transformers import AutoConfig
+
+    from app.model_builder import PRESET_DIR
+    from app.vision.loading import vision_model_from_config
+
+    cfg = AutoConfig.for_model(**__import__("json").loads((PRESET_DIR / "qwen3-vl-2b.json").read_text()))
+    visual = vision_model_from_config(cfg.vision_config, torch.bfloat16, "cuda")
+    return Harness(visual, torch.bfloat16, 1e-2, scale=16)
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def h(request):
+    return request.getfixturevalue(f"{request.param}_harness")
+
+
+def _grid_for(tokens: int) -> tuple[int, int, int]:
+    return (1, 2, tokens // 2)
+
+
+def test_one_image(h):
+    h.check(h.items([(1, 4 * h.scale, 6)]), expect_graph=True)
+
+
+def test_images_of_different_sizes(h):
+    h.check(h.items([(1, 4, 6), (1, 8, 8), (1, 2, 2), (1, 6, 4)]), expect_graph=True)
+
+
+def test_one_video(h):
+    h.check(h.items([(3, 4, 4 * h.scale)]), expect_graph=True)
+
+
+def test_images_and_videos_mixed(h):
+    h.check(h.items([(1, 4, 6), (2, 4, 4), (1, 8, 8 * h.scale)]), expect_graph=True)
+
+
+def test_batch_exactly_filling_largest_budget(h):
+    top = h.mgr.max_budget
+    h.check(h.items([_grid_for(top // 2), _grid_for(top // 2)]), expect_graph=True)
+    assert h.mgr.stats.per_budget[top] >= 1
+
+
+def test_one_token_group_over_a_budget_takes_the_next(h):
+    b = h.mgr.budgets[0]
+    before = h.mgr.stats.per_budget[h.mgr.budgets[1]]
+    h.check(h.items([_grid_for(b + 4)]), expect_graph=True)  # 4 patches = one merged token
+    assert h.mgr.stats.per_budget[h.mgr.budgets[1]] == before + 1
+
+
+def test_over_the_largest_budget_falls_back_to_eager(h):
+    before = h.mgr.stats.eager_reasons["tokens"]
+    h.check(h.items([_grid_for(h.mgr.max_budget + 4)]), expect_graph=False)
+    assert h.mgr.stats.eager_reasons["tokens"] == before + 1
+
+
+def test_video_with_more_frames_than_any_graph_holds_falls_back(h):
+    before = h.mgr.stats.eager_reasons["frames"]
+    h.check(h.items([(h.mgr.settings.max_frames_per_batch + 1, 2, 2)]), expect_graph=False)
+    assert h.mgr.stats.eager_reasons["frames"] == before + 1
+
+
+def test_too_many_items_falls_back(h):
+    before = h.mgr.stats.eager_reasons["items"]
+    h.check(h.items([(1, 2, 2)] * (h.mgr.settings.max_items_per_batch + 1)), expect_graph=False)
+    assert h.mgr.stats.eager_reasons["items"] == before + 1
+
+
+def test_replay_after_replay_has_no_stale_data(h):
+    big = h.check(h.items([(1, 8, 8), (2, 4, 4)], seed=1), expect_graph=True)
+    kept = big[0].main.clone()
+    # A smaller batch in the same budget next: stale rows of the first must not leak in.
+    h.check(h.items([(1, 4, 4)], seed=2), expect_graph=True)
+    h.check(h.items([(1, 8, 8), (2, 4, 4)], seed=3), expect_graph=True)
+    assert torch.equal(big[0].main, kept), "results must outlive later replays"
+
+
+def test_padding_rows_are_finite_and_do_not_touch_real_rows(h):
+    items = h.items([(1, 2, 6)])  # 12 tokens padded up to the smallest budget
+    padded = h.mgr.encode(items)[0]
+    budget = h.mgr.budgets[0]
+    main, deep = h.mgr._graph_out[budget] if h.mgr.graphs else h.mgr.tower(h.mgr._static_inputs(budget))
+    assert torch.isfinite(main).all() and all(torch.isfinite(d).all() for d in deep)
+    eager = h.mgr.encode(items, force_eager=True)[0]
+    assert _rel(padded.main, eager.main) <= h.tol
+
+
+def test_power_of_two_budgets_include_the_maximum():
+    assert GraphSettings.power_of_two_budgets(256, 8192) == [256, 512, 1024, 2048, 4096, 8192]
+    assert GraphSettings.power_of_two_budgets(200, 3000) == [256, 512, 1024, 2048, 3000]
+
+
+def test_cu_seqlens_padding_is_monotonic():
+    from app.vision.metadata import cu_seqlens
+
+    cu = cu_seqlens([4, 8, 8], pad_to_tokens=32, pad_to_seqs=6).tolist()
+    assert cu == [0, 4, 12, 20, 32, 32, 32]
+    assert all(a <= b for a, b in zip(cu, cu[1:]))
+    with pytest.raises(ValueError):
+        cu_seqlens([4] * 7, pad_to_seqs=6)
