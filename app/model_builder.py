@@ -149,10 +149,14 @@ def build_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, w
         (tmp / "chat_template.jinja").write_text(CHAT_TEMPLATE)
         (tmp / "vlm_serve_builder.json").write_text(json.dumps({"preset": preset, "seed": seed,
                                                                  "version": BUILDER_VERSION}))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, out_dir)
+        if out_dir.exists() and not (out_dir / "vlm_serve_builder.json").is_file():
+            shutil.rmtree(out_dir)  # an incomplete earlier build
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if not (out_dir / "vlm_serve_builder.json").is_file():
+                raise  # else another process finished the same build first
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("built %s checkpoint at %s", preset, out_dir)
@@ -168,6 +172,22 @@ def ensure_embedded(preset: str = "tiny", cache_dir: str | Path | None = None, s
         cache.mkdir(parents=True, exist_ok=True)
         build_checkpoint(out, preset=preset, seed=seed)
     return out
+
+
+def resolve_model(model: str, cache_dir: str | Path | None = None) -> Path:
+    """'embedded:<preset>' -> built checkpoint; anything else must be a readable checkpoint folder."""
+    if model.startswith("embedded:"):
+        return ensure_embedded(model.split(":", 1)[1], cache_dir)
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"model path {path} does not exist or is not a directory (no hub downloads are made)")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model path {path} has no config.json: not a transformers checkpoint")
+    try:
+        json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model path {path}: config.json is unreadable: {e}") from e
+    return path
 
 
 def main() -> None:

@@ -1,0 +1,14 @@
+"""Client errors in OpenAI's error shape. Anything raised as ClientError becomes a 4xx, never a 500."""
+
+from __future__ import annotations
+
+
+class ClientError(Exception):
+    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers or {}
+
+    def to_json(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

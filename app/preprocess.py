@@ -1,0 +1,115 @@
+"""Qwen-style preprocessing without torchvision: smart resize, normalise, patchify.
+
+Produces exactly the tower's input layout: `pixel_values` rows of C*T*P*P values, ordered by
+temporal group, then merge block, then patch inside the block, and `grid_thw` in patches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ClientError
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    """The checkpoint's processor settings that fix the tower's input layout."""
+
+    patch: int = 16
+    temporal: int = 2
+    merge: int = 2
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    @property
+    def factor(self) -> int:
+        return self.patch * self.merge
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> PatchSpec:
+        cfg_path = Path(path) / "preprocessor_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        return cls(patch=cfg.get("patch_size", 16), temporal=cfg.get("temporal_patch_size", 2),
+                   merge=cfg.get("merge_size", 2), mean=tuple(cfg.get("image_mean", (0.5,) * 3)),
+                   std=tuple(cfg.get("image_std", (0.5,) * 3)))
+
+
+@dataclass
+class Patches:
+    pixel_values: np.ndarray  # [t*h*w, C*T*P*P] float32
+    grid: tuple[int, int, int]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the LLM sees (after the spatial merge)."""
+        t, h, w = self.grid
+        return t * h * w // 4
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Dimensions divisible by `factor`, pixel count within bounds, aspect ratio kept (Qwen's rule)."""
+    if min(height, width) <= 0:
+        raise ClientError("image has a zero dimension", code="invalid_image")
+    if max(height, width) / min(height, width) > 200:
+        raise ClientError(f"aspect ratio {max(height, width) / min(height, width):.0f} exceeds 200",
+                          code="invalid_image")
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _resize(frames: np.ndarray, h: int, w: int) -> np.ndarray:
+    from PIL import Image
+
+    if frames.shape[1:3] == (h, w):
+        return frames
+    return np.stack([np.asarray(Image.fromarray(f).resize((w, h), Image.Resampling.BICUBIC)) for f in frames])
+
+
+def patchify(frames: np.ndarray, spec: PatchSpec) -> Patches:
+    """[n, H, W, 3] uint8 frames (H, W already multiples of patch*merge) -> tower rows."""
+    x = frames.astype(np.float32) * (1 / 255)
+    x = (x - np.asarray(spec.mean, np.float32)) / np.asarray(spec.std, np.float32)
+    x = x.transpose(0, 3, 1, 2)  # n, C, H, W
+    if x.shape[0] % spec.temporal:
+        x = np.concatenate([x, np.repeat(x[-1:], spec.temporal - x.shape[0] % spec.temporal, axis=0)])
+    n, c, hh, ww = x.shape
+    p, m, tp = spec.patch, spec.merge, spec.temporal
+    gt, gh, gw = n // tp, hh // p, ww // p
+    x = x.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return Patches(np.ascontiguousarray(x.reshape(gt * gh * gw, c * tp * p * p)), (gt, gh, gw))
+
+
+def preprocess_image(image: np.ndarray, spec: PatchSpec, min_pixels: int, max_pixels: int) -> Patches:
+    h, w = smart_resize(image.shape[0], image.shape[1], spec.factor, min_pixels, max_pixels)
+    frames = _resize(image[None], h, w)
+    return patchify(np.repeat(frames, spec.temporal, axis=0), spec)
+
+
+def preprocess_video(frames: np.ndarray, spec: PatchSpec, min_pixels: int, max_pixels: int) -> Patches:
+    """Per-frame pixel bounds; every frame gets the same size."""
+    h, w = smart_resize(frames.shape[1], frames.shape[2], spec.factor, min_pixels, max_pixels)
+    return patchify(_resize(frames, h, w), spec)
+
+
+def frame_timestamps(indices: list[int], fps: float, temporal: int) -> list[float]:
+    """Seconds of each temporal group: mean of its first and last source frame (Qwen3-VL's rule)."""
+    idx = list(indices)
+    if len(idx) % temporal:
+        idx += [idx[-1]] * (temporal - len(idx) % temporal)
+    ts = [i / fps for i in idx]
+    return [(ts[i] + ts[i + temporal - 1]) / 2 for i in range(0, len(ts), temporal)]

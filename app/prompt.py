@@ -1,0 +1,92 @@
+"""Chat prompt -> token ids with every media placeholder expanded to its exact token count.
+
+The checkpoint's own chat template renders the messages; each image placeholder becomes
+`<|vision_start|>` + n x `<|image_pad|>` + `<|vision_end|>`, and each video becomes, per temporal
+group, `<t seconds>` + `<|vision_start|>` + n x `<|video_pad|>` + `<|vision_end|>` (Qwen3-VL's video
+format). Text between placeholders is tokenized piecewise, so the counts are exact by construction.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
+VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
+_PLACEHOLDER = re.compile(
+    r"(?:<\|vision_start\|>)?(<\|image_pad\|>|<\|video_pad\|>)(?:<\|vision_end\|>)?"
+)
+TEXT, IMAGE_TYPE, VIDEO_TYPE = 0, 1, 2
+
+
+@dataclass
+class MediaSlot:
+    """What the prompt needs to know about one media item."""
+
+    kind: str  # "image" | "video"
+    grid: tuple[int, int, int]  # (t, h, w) in patches
+    timestamps: list[float] = field(default_factory=list)  # video: seconds per temporal group
+    merge: int = 2
+
+    @property
+    def tokens_per_group(self) -> int:
+        _, h, w = self.grid
+        return h * w // (self.merge * self.merge)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.grid[0] * self.tokens_per_group
+
+
+@dataclass
+class Prompt:
+    input_ids: list[int]
+    mm_token_type_ids: list[int]  # 0 text, 1 image, 2 video (as transformers' processor)
+
+    def count(self, kind: int) -> int:
+        return sum(1 for t in self.mm_token_type_ids if t == kind)
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        ids = tokenizer.convert_tokens_to_ids
+        self.vs, self.ve = ids(VISION_START), ids(VISION_END)
+        self.image_id, self.video_id = ids(IMAGE_PAD), ids(VIDEO_PAD)
+
+    def render(self, messages: list[dict]) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _text(self, s: str) -> list[int]:
+        return self.tok.encode(s, add_special_tokens=False) if s else []
+
+    def build(self, messages: list[dict], slots: list[MediaSlot]) -> Prompt:
+        """`messages` content parts use types text/image/video; `slots` are in the same order."""
+        text = self.render(messages)
+        ids: list[int] = []
+        types: list[int] = []
+
+        def add(tokens: list[int], kind: int = TEXT) -> None:
+            ids.extend(tokens)
+            types.extend([kind] * len(tokens))
+
+        pos, queue = 0, list(slots)
+        for m in _PLACEHOLDER.finditer(text):
+            add(self._text(text[pos:m.start()]))
+            pos = m.end()
+            if not queue:
+                raise ValueError("the chat template produced more media placeholders than there are media items")
+            slot = queue.pop(0)
+            want = IMAGE_PAD if slot.kind == "image" else VIDEO_PAD
+            if m.group(1) != want:
+                raise ValueError(f"placeholder {m.group(1)} does not match a {slot.kind} item")
+            if slot.kind == "image":
+                add([self.vs]); add([self.image_id] * slot.num_tokens, IMAGE_TYPE); add([self.ve])  # noqa: E702
+            else:
+                for ts in slot.timestamps:
+                    add(self._text(f"<{ts:.1f} seconds>"))
+                    add([self.vs]); add([self.video_id] * slot.tokens_per_group, VIDEO_TYPE); add([self.ve])  # noqa: E702
+        add(self._text(text[pos:]))
+        if queue:
+            raise ValueError("the chat template dropped media placeholders; it must render image and video parts")
+        return Prompt(ids, types)
