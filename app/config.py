@@ -78,6 +78,7 @@ class PlacementConfig(_Strict):
     encoder_replicas: int | Literal["auto"] = "auto"
     encoder_num_gpus: float | Literal["auto"] = "auto"
     llm_num_gpus: float | Literal["auto"] = "auto"
+    num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each encoder and LLM replica")
 
 
 class AppConfig(_Strict):

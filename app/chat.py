@@ -1,0 +1,96 @@
+"""One chat completion, end to end, independent of Ray.
+
+parse -> fetch/decode/preprocess media (worker pool) -> prompt with exact placeholders ->
+backend.stream(generation request, encoder payload) -> OpenAI JSON or server-sent events.
+The backend decides how encoding and generation run (Ray handles in production).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Protocol
+
+from .config import AppConfig
+from .errors import ClientError
+from .media_pipeline import MediaPipeline, to_encoder_payload
+from .prompt import IMAGE_TYPE, VIDEO_TYPE, PromptBuilder
+from .schemas import ChatRequest, completion_response, parse_chat_request, stream_chunk, usage
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    def stream(self, gen_request: dict, encoder_payload: list) -> AsyncIterator[dict]:
+        """Yields engine chunks (dicts of app.llm.engine.Chunk) for one request."""
+
+
+def unwrap_client_error(e: BaseException) -> ClientError | None:
+    """Ray wraps remote exceptions; find a ClientError inside, if any."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, ClientError):
+            return e
+        e = getattr(e, "cause", None) or e.__cause__
+        seen += 1
+    return None
+
+
+class ChatService:
+    def __init__(self, cfg: AppConfig, tokenizer, media: MediaPipeline, backend: Backend):
+        self.cfg, self.media, self.backend = cfg, media, backend
+        self.prompts = PromptBuilder(tokenizer)
+        self.merge = media.spec.merge
+
+    async def prepare(self, body) -> tuple[ChatRequest, dict, list]:
+        req = parse_chat_request(body, self.cfg.llm.default_max_tokens, self.cfg.media.max_items_per_request)
+        items = await self.media.prepare_all(req.media)
+        prompt = self.prompts.build(req.messages, [it.slot(self.merge) for it in items])
+        if len(prompt.input_ids) >= self.cfg.llm.max_model_len:
+            raise ClientError(f"prompt of {len(prompt.input_ids)} tokens exceeds max_model_len "
+                              f"{self.cfg.llm.max_model_len}", param="messages", code="context_length_exceeded")
+        gen = {"input_ids": prompt.input_ids, "mm_token_type_ids": prompt.mm_token_type_ids,
+               "grids": [it.patches.grid for it in items], "params": asdict(req.params),
+               "image_tokens": prompt.count(IMAGE_TYPE), "video_tokens": prompt.count(VIDEO_TYPE)}
+        return req, gen, to_encoder_payload(items)
+
+    def _usage(self, gen: dict, last: dict) -> dict:
+        return usage(last["prompt_tokens"], last["completion_tokens"], gen["image_tokens"], gen["video_tokens"],
+                     last["vision_embeddings"])
+
+    async def complete(self, req: ChatRequest, gen: dict, payload: list) -> dict:
+        t0 = time.perf_counter()
+        text, last = [], None
+        async for chunk in self.backend.stream(gen, payload):
+            text.append(chunk["text"])
+            last = chunk
+        log.info("request %s done: %d media, %d prompt + %d completion tokens, %.3f s", req.id, len(payload),
+                 last["prompt_tokens"], last["completion_tokens"], time.perf_counter() - t0)
+        return completion_response(req, self.cfg.model_name, "".join(text), last["finish_reason"],
+                                   self._usage(gen, last))
+
+    async def stream_sse(self, req: ChatRequest, gen: dict, payload: list) -> AsyncIterator[str]:
+        """Server-sent events; errors after the first byte become an error event, then [DONE]."""
+        model = self.cfg.model_name
+
+        def event(obj: dict) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
+        yield event(stream_chunk(req, model, {"role": "assistant", "content": ""}))
+        try:
+            async for chunk in self.backend.stream(gen, payload):
+                if chunk["text"]:
+                    yield event(stream_chunk(req, model, {"content": chunk["text"]}))
+                if chunk["finish_reason"]:
+                    yield event(stream_chunk(req, model, {}, chunk["finish_reason"]))
+                    if req.include_usage:
+                        yield event(stream_chunk(req, model, {}, usage_=self._usage(gen, chunk), choices=False))
+        except Exception as e:  # the status line is already sent: report in-band
+            err = unwrap_client_error(e)
+            log.exception("request %s failed while streaming", req.id) if err is None else None
+            yield event((err or ClientError("internal error while generating", status=500,
+                                            type="server_error")).to_json())
+        yield "data: [DONE]\n\n"

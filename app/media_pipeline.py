@@ -1,0 +1,57 @@
+"""Request media -> tower-ready items: fetch (async), then decode and preprocess in a worker pool.
+
+Decoding and resizing are CPU-bound; they never run on the asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .config import MediaConfig
+from .media import IMAGE, VIDEO, decode_image, decode_video, fetch
+from .preprocess import PatchSpec, Patches, frame_timestamps, preprocess_image, preprocess_video
+from .prompt import MediaSlot
+from .schemas import MediaRef
+
+
+@dataclass
+class PreparedItem:
+    kind: str
+    patches: Patches
+    timestamps: list[float] = field(default_factory=list)
+
+    def slot(self, merge: int) -> MediaSlot:
+        return MediaSlot(self.kind, self.patches.grid, self.timestamps, merge)
+
+
+def prepare_bytes(data: bytes, ref: MediaRef, cfg: MediaConfig, spec: PatchSpec) -> PreparedItem:
+    if ref.kind == IMAGE:
+        img = decode_image(data, param=ref.param, max_pixels=cfg.max_input_pixels)
+        return PreparedItem(IMAGE, preprocess_image(img, spec, cfg.image_min_pixels, cfg.image_max_pixels))
+    video = decode_video(data, param=ref.param, fps=cfg.video_fps, min_frames=cfg.video_min_frames,
+                         max_frames=cfg.video_max_frames, max_duration_s=cfg.max_video_duration_s,
+                         max_pixels=cfg.max_input_pixels)
+    patches = preprocess_video(video.frames, spec, cfg.video_min_pixels, cfg.video_max_pixels)
+    return PreparedItem(VIDEO, patches, frame_timestamps(video.indices, video.fps, spec.temporal))
+
+
+class MediaPipeline:
+    def __init__(self, cfg: MediaConfig, spec: PatchSpec, executor: Executor | None = None):
+        self.cfg, self.spec, self.executor = cfg, spec, executor
+
+    async def prepare(self, ref: MediaRef) -> PreparedItem:
+        data = await fetch(ref.url, timeout_s=self.cfg.fetch_timeout_s, max_bytes=self.cfg.max_media_bytes,
+                           param=ref.param)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, prepare_bytes, data, ref, self.cfg, self.spec)
+
+    async def prepare_all(self, refs: list[MediaRef]) -> list[PreparedItem]:
+        return list(await asyncio.gather(*(self.prepare(r) for r in refs)))
+
+
+def to_encoder_payload(items: list[PreparedItem]) -> list[tuple[np.ndarray, tuple[int, int, int]]]:
+    return [(it.patches.pixel_values, it.patches.grid) for it in items]

@@ -1,0 +1,147 @@
+"""OpenAI chat-completions request parsing and response shapes.
+
+Parsing is explicit rather than a pydantic union so that every client mistake yields a 400 whose
+`param` points at the offending field (e.g. `messages[0].content[2].type`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from .errors import ClientError
+from .llm.sampling import SamplingParams
+
+ROLES = ("system", "user", "assistant", "developer")
+
+
+@dataclass
+class MediaRef:
+    kind: str  # what the client said: "image" | "video"
+    url: str
+    param: str
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]  # content parts normalised to {"type": "text"|"image"|"video", ...}
+    media: list[MediaRef]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    model: str | None = None
+    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _num(body: dict, key: str, lo: float, hi: float, default, integer: bool = False):
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or (integer and not isinstance(v, int)):
+        raise ClientError(f"'{key}' must be {'an integer' if integer else 'a number'}", param=key)
+    if not lo <= v <= hi:
+        raise ClientError(f"'{key}' must be between {lo} and {hi}", param=key)
+    return v
+
+
+def _url_of(part: dict, key: str, param: str) -> str:
+    v = part.get(key)
+    url = v.get("url") if isinstance(v, dict) else v
+    if not isinstance(url, str) or not url:
+        raise ClientError(f"'{key}.url' must be a non-empty string", param=f"{param}.{key}.url")
+    return url
+
+
+def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise ClientError("request body must be a JSON object")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ClientError("'messages' must be a non-empty list", param="messages")
+    if body.get("n", 1) != 1:
+        raise ClientError("only n=1 is supported", param="n")
+    messages, media = [], []
+    for i, m in enumerate(msgs):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ClientError(f"{p} must be an object with a role in {ROLES}", param=f"{p}.role")
+        role = "system" if m["role"] == "developer" else m["role"]
+        content = m.get("content")
+        if content is None or isinstance(content, str):
+            messages.append({"role": role, "content": content or ""})
+            continue
+        if not isinstance(content, list):
+            raise ClientError(f"{p}.content must be a string or a list of parts", param=f"{p}.content")
+        parts = []
+        for j, part in enumerate(content):
+            pp = f"{p}.content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise ClientError(f"{pp}.text must be a string", param=f"{pp}.text")
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind in ("image_url", "video_url"):
+                if role != "user":
+                    raise ClientError(f"media parts are only allowed in user messages ({pp})", param=f"{pp}.type")
+                media.append(MediaRef(kind.removesuffix("_url"), _url_of(part, kind, pp), f"{pp}.{kind}"))
+                parts.append({"type": kind.removesuffix("_url")})
+            else:
+                raise ClientError(f"unknown content part type {kind!r} at {pp}; expected text, image_url or video_url",
+                                  param=f"{pp}.type", code="unsupported_content_type")
+        messages.append({"role": role, "content": parts})
+    if len(media) > max_items:
+        raise ClientError(f"{len(media)} media items exceed the limit of {max_items} per request", param="messages",
+                          code="too_many_media_items")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _num({"max_tokens": max_tokens}, "max_tokens", 1, 1 << 20, default_max_tokens, integer=True)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop)):
+        raise ClientError("'stop' must be a string or a list of at most 4 strings", param="stop")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_num(body, "temperature", 0, 2, 1.0),
+        top_p=_num(body, "top_p", 0, 1, 1.0),
+        seed=_num(body, "seed", -(1 << 63), (1 << 63) - 1, None, integer=True),
+        stop=stop or [],
+    )
+    if params.top_p == 0:
+        raise ClientError("'top_p' must be greater than 0", param="top_p")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ClientError("'stream' must be a boolean", param="stream")
+    opts = body.get("stream_options") or {}
+    return ChatRequest(messages, media, params, stream, bool(isinstance(opts, dict) and opts.get("include_usage")),
+                       body.get("model"))
+
+
+def usage(prompt: int, completion: int, image_tokens: int, video_tokens: int, vision_embeddings: int) -> dict:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        # placeholders counted in the prompt, and the embeddings the encoder produced for them
+        "prompt_tokens_details": {"image_tokens": image_tokens, "video_tokens": video_tokens,
+                                  "vision_embeddings": vision_embeddings},
+    }
+
+
+def completion_response(req: ChatRequest, model: str, text: str, finish: str, usage_: dict) -> dict:
+    return {
+        "id": req.id, "object": "chat.completion", "created": req.created, "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                     "logprobs": None}],
+        "usage": usage_,
+    }
+
+
+def stream_chunk(req: ChatRequest, model: str, delta: dict, finish: str | None = None, usage_: dict | None = None,
+                 choices: bool = True) -> dict:
+    out = {"id": req.id, "object": "chat.completion.chunk", "created": req.created, "model": model,
+           "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}] if choices else []}
+    if usage_ is not None:
+        out["usage"] = usage_
+    return out

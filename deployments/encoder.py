@@ -1,0 +1,25 @@
+"""VisionEncoder deployment: one replica per GPU (or CPU replicas), each with its own graph manager."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ray import serve
+
+from app.config import AppConfig
+from app.model_builder import resolve_model
+from app.vision.service import EncoderService
+
+
+@serve.deployment(name="VisionEncoder", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=2)
+class VisionEncoder:
+    def __init__(self, config: dict):
+        cfg = AppConfig(**config)
+        self.service = EncoderService(cfg, str(resolve_model(cfg.model, cfg.cache_dir)))
+
+    async def encode(self, items: list) -> list:
+        # The manager serialises replays itself; a thread keeps this replica's loop responsive.
+        return await asyncio.to_thread(self.service.encode, items)
+
+    def stats(self) -> dict:
+        return self.service.stats()

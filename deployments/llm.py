@@ -1,0 +1,30 @@
+"""LLM deployment: generation from the prompt plus the encoder's embeddings, streamed."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict
+
+from ray import serve
+
+from app.config import AppConfig
+from app.llm.engine import Engine, GenerationRequest, VisionInput
+from app.llm.sampling import SamplingParams
+from app.model_builder import resolve_model
+from app.vision.service import pick_device
+
+
+@serve.deployment(name="LLM", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=2)
+class LLM:
+    def __init__(self, config: dict):
+        cfg = AppConfig(**config)
+        self.engine = Engine(str(resolve_model(cfg.model, cfg.cache_dir)), pick_device(cfg.device), cfg.llm.dtype,
+                             cfg.llm.max_model_len)
+
+    async def generate(self, gen: dict, encoded: list):
+        """Async generator of engine chunks; `encoded` arrives resolved from the encoder's response."""
+        vision = [VisionInput(tuple(g), main, ds) for g, (main, ds) in zip(gen["grids"], encoded)]
+        req = GenerationRequest(gen["input_ids"], gen["mm_token_type_ids"], vision, SamplingParams(**gen["params"]))
+        it = self.engine.generate(req)
+        while (chunk := await asyncio.to_thread(next, it, None)) is not None:
+            yield asdict(chunk)

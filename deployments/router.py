@@ -1,0 +1,81 @@
+"""Router deployment: the FastAPI ingress. Wiring only; the logic is app.chat.ChatService."""
+
+import json
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from app.chat import ChatService, unwrap_client_error
+from app.config import AppConfig
+from app.errors import ClientError
+from app.media_pipeline import MediaPipeline
+from app.model_builder import resolve_model
+from app.preprocess import PatchSpec
+
+log = logging.getLogger("ray.serve")
+api = FastAPI(title="vlm-serve")
+
+
+class RayBackend:
+    """Encoder response handed straight to the LLM call: the embeddings never pass through the router."""
+
+    def __init__(self, encoder: DeploymentHandle, llm: DeploymentHandle):
+        self.encoder, self.llm = encoder, llm
+
+    def stream(self, gen: dict, payload: list):
+        encoded = self.encoder.encode.remote(payload) if payload else []
+        return self.llm.options(stream=True).generate.remote(gen, encoded)
+
+
+def error_response(e: ClientError) -> JSONResponse:
+    return JSONResponse(e.to_json(), status_code=e.status, headers=e.headers)
+
+
+@serve.deployment(name="Router", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=2)
+@serve.ingress(api)
+class Router:
+    def __init__(self, config: dict, encoder: DeploymentHandle, llm: DeploymentHandle):
+        from transformers import AutoTokenizer
+
+        self.cfg = AppConfig(**config)
+        ckpt = resolve_model(self.cfg.model, self.cfg.cache_dir)
+        pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="media")
+        media = MediaPipeline(self.cfg.media, PatchSpec.from_checkpoint(ckpt), pool)
+        self.chat = ChatService(self.cfg, AutoTokenizer.from_pretrained(ckpt), media, RayBackend(encoder, llm))
+        self.encoder = encoder
+
+    @api.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "owned_by": "vlm-serve",
+                                            "created": 0}]}
+
+    @api.get("/v1/encoder/stats")
+    async def encoder_stats(self) -> dict:
+        return await self.encoder.stats.remote()
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            return error_response(ClientError(f"request body is not valid JSON: {e}", code="invalid_json"))
+        try:
+            req, gen, payload = await self.chat.prepare(body)
+            if req.stream:
+                return StreamingResponse(self.chat.stream_sse(req, gen, payload), media_type="text/event-stream")
+            return JSONResponse(await self.chat.complete(req, gen, payload))
+        except Exception as e:
+            err = unwrap_client_error(e)
+            if err is None:
+                log.exception("chat completion failed")
+                err = ClientError("internal server error", status=500, type="server_error")
+            return error_response(err)
