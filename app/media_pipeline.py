@@ -13,7 +13,7 @@ import numpy as np
 
 from .config import MediaConfig
 from .media import IMAGE, VIDEO, decode_image, decode_video, fetch
-from .preprocess import PatchSpec, Patches, frame_timestamps, preprocess_image, preprocess_video
+from .preprocess import Patches, PatchSpec, frame_timestamps, preprocess_image, preprocess_video
 from .prompt import MediaSlot
 from .schemas import MediaRef
 

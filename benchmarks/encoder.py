@@ -108,10 +108,10 @@ def bench_preset(preset: str, runs: int, budgets: list[int], matmul_tflops: floa
             err = max(rel_err(torch.cat([o.main for o in ours]), ref.pooler_output),
                       *[rel_err(torch.cat([o.deepstack[j] for o in ours]), f)
                         for j, f in enumerate(ref.deepstack_features)])
-            t_ref = time_fn(lambda: visual(pixels, grid_thw=grid_t), runs)
-            t_eager = time_fn(lambda: mgr.encode(items, force_eager=True), runs)
+            t_ref = time_fn(lambda px=pixels, g=grid_t: visual(px, grid_thw=g), runs)
+            t_eager = time_fn(lambda it=items: mgr.encode(it, force_eager=True), runs)
             before = mgr.stats.graph_hits
-            t_graph = time_fn(lambda: mgr.encode(items), runs)
+            t_graph = time_fn(lambda it=items: mgr.encode(it), runs)
             used_graph = mgr.stats.graph_hits > before
         flops = tower_flops(cfg, grids)
         row = {

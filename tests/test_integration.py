@@ -1,0 +1,146 @@
+"""The whole application on Ray Serve (CPU), over real HTTP."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+
+import httpx
+import pytest
+from helpers import mp4_bytes, png_bytes
+
+pytestmark = pytest.mark.integration
+PORT = 8765
+
+
+def data_url(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def server(model_cache):
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from deployments.app import build_app
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    serve.run(build_app({"model": "embedded:tiny", "cache_dir": model_cache,
+                         "encoder": {"min_budget": 64, "max_budget": 1024}}), name="vlm", route_prefix="/")
+    client = httpx.Client(base_url=f"http://127.0.0.1:{PORT}", timeout=120)
+    try:
+        yield client
+    finally:
+        client.close()
+        serve.shutdown()
+        ray.shutdown()
+
+
+def chat(client, content, **kw):
+    return client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                     "max_tokens": 6, "temperature": 0, **kw})
+
+
+def expect_ok(resp, images: int = 0, videos: int = 0) -> dict:
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    u = body["usage"]
+    d = u["prompt_tokens_details"]
+    # the prompt's placeholders equal the embeddings the encoder produced for it
+    assert d["image_tokens"] + d["video_tokens"] == d["vision_embeddings"]
+    assert (d["image_tokens"] > 0) == (images > 0) and (d["video_tokens"] > 0) == (videos > 0)
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    assert 0 < u["completion_tokens"] <= 6
+    return body
+
+
+def test_health_and_models(server):
+    assert server.get("/health").json() == {"status": "ok"}
+    assert server.get("/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+def test_text_only(server):
+    body = expect_ok(chat(server, "Hello there"))
+    assert body["usage"]["prompt_tokens_details"]["vision_embeddings"] == 0
+
+
+def test_one_image(server):
+    body = expect_ok(chat(server, [{"type": "image_url", "image_url": {"url": data_url(png_bytes(64, 96), "image/png")}},
+                                   {"type": "text", "text": "What is this?"}]), images=1)
+    from app.preprocess import smart_resize
+
+    h, w = smart_resize(64, 96, 32, 64 * 32 * 32, 1024 * 1024)
+    assert body["usage"]["prompt_tokens_details"]["image_tokens"] == (h // 16) * (w // 16) // 4
+
+
+def test_one_video(server):
+    body = expect_ok(chat(server, [{"type": "video_url", "video_url": {"url": data_url(mp4_bytes(8), "video/mp4")}},
+                                   {"type": "text", "text": "What happens?"}]), videos=1)
+    from app.preprocess import smart_resize
+
+    # 8 frames at 4 fps = 2 s -> 4 frames sampled at 2 fps -> 2 temporal groups
+    h, w = smart_resize(64, 64, 32, 64 * 32 * 32, 256 * 32 * 32)
+    assert body["usage"]["prompt_tokens_details"]["video_tokens"] == 2 * (h // 16) * (w // 16) // 4
+
+
+def test_image_and_video_in_one_request(server):
+    expect_ok(chat(server, [{"type": "text", "text": "Compare"},
+                            {"type": "image_url", "image_url": {"url": data_url(png_bytes(80, 80, 1), "image/png")}},
+                            {"type": "text", "text": "with"},
+                            {"type": "video_url", "video_url": {"url": data_url(mp4_bytes(6, seed=2), "video/mp4")}}]),
+              images=1, videos=1)
+
+
+def test_streaming(server):
+    resp = chat(server, [{"type": "image_url", "image_url": {"url": data_url(png_bytes(), "image/png")}}],
+                stream=True, stream_options={"include_usage": True})
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = [line[len("data: "):] for line in resp.text.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] in ("stop", "length") and all(f is None for f in finishes[:-1])
+    usage = chunks[-1]["usage"]
+    assert usage["prompt_tokens_details"]["image_tokens"] == usage["prompt_tokens_details"]["vision_embeddings"] > 0
+    # streamed text equals the non-streamed greedy answer
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    full = chat(server, [{"type": "image_url", "image_url": {"url": data_url(png_bytes(), "image/png")}}]).json()
+    assert text == full["choices"][0]["message"]["content"]
+
+
+BAD_REQUESTS = [
+    ("malformed JSON", b"{not json", "invalid_json"),
+    ("unknown part type", {"messages": [{"role": "user", "content": [{"type": "audio_url", "audio_url": {}}]}]},
+     "unsupported_content_type"),
+    ("undecodable image", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"nope").decode()}}]}]},
+     "invalid_image"),
+    ("undecodable video", {"messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(b"\0" * 64).decode()}}]}]},
+     "invalid_video"),
+    ("unreachable URL", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/none.png"}}]}]}, "media_fetch_failed"),
+    ("missing messages", {"model": "tiny"}, None),
+    ("n > 1", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, None),
+]
+
+
+@pytest.mark.parametrize("name,body,code", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_client_errors_are_4xx_and_the_server_keeps_serving(server, name, body, code):
+    if isinstance(body, bytes):
+        resp = server.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    else:
+        resp = server.post("/v1/chat/completions", json=body)
+    assert 400 <= resp.status_code < 500, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code:
+        assert err["code"] == code
+    expect_ok(chat(server, "still there?"))  # the replica survived

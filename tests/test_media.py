@@ -1,0 +1,148 @@
+import asyncio
+import base64
+import io
+
+import numpy as np
+import pytest
+from helpers import mp4_bytes, png_bytes
+
+from app.errors import ClientError
+from app.media import decode_image, decode_video, fetch, sample_indices, sniff
+from app.preprocess import PatchSpec, frame_timestamps, patchify, preprocess_image, smart_resize
+
+BIG = 10**9
+
+
+def test_image_decoding_applies_exif_orientation_and_rgb():
+    from PIL import Image
+
+    arr = np.zeros((20, 40, 3), np.uint8)
+    arr[:, :20] = 255  # left half white
+    img = Image.fromarray(arr).convert("RGBA")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise on display
+    buf = io.BytesIO()
+    img.convert("RGB").save(buf, format="JPEG", exif=exif, quality=95)
+    out = decode_image(buf.getvalue(), param="p", max_pixels=BIG)
+    assert out.shape == (40, 20, 3) and out.dtype == np.uint8
+    assert out[:10].mean() > 200 and out[-10:].mean() < 50  # white half is now on top
+    rgba = io.BytesIO()
+    img.save(rgba, format="PNG")
+    assert decode_image(rgba.getvalue(), param="p", max_pixels=BIG).shape == (20, 40, 3)
+
+
+def test_undecodable_and_mismatched_media_are_client_errors():
+    with pytest.raises(ClientError) as e:
+        decode_image(b"not an image at all", param="x", max_pixels=BIG)
+    assert e.value.status == 400 and e.value.code == "invalid_image" and e.value.param == "x"
+    with pytest.raises(ClientError) as e:
+        decode_image(mp4_bytes(4), param="x", max_pixels=BIG)
+    assert e.value.code == "media_type_mismatch"
+    with pytest.raises(ClientError) as e:
+        decode_image(png_bytes(64, 64), param="x", max_pixels=100)
+    assert e.value.code == "image_too_large"
+    with pytest.raises(ClientError) as e:
+        decode_video(b"\0" * 100, param="v", fps=2, min_frames=4, max_frames=8, max_duration_s=60, max_pixels=BIG)
+    assert e.value.code == "invalid_video"
+
+
+def test_animated_gif_is_refused_as_an_image():
+    from PIL import Image
+
+    frames = [Image.fromarray(np.full((8, 8, 3), i * 40, np.uint8)) for i in range(3)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:])
+    with pytest.raises(ClientError) as e:
+        decode_image(buf.getvalue(), param="x", max_pixels=BIG)
+    assert e.value.code == "media_type_mismatch"
+
+
+def test_sniff_uses_bytes_not_names():
+    assert sniff(png_bytes()) == "image"
+    assert sniff(png_bytes(fmt="JPEG")) == "image"
+    assert sniff(mp4_bytes(2)) == "video"
+    assert sniff(b"hello") is None
+
+
+def test_video_sampling_at_fps_with_bounds():
+    v = decode_video(mp4_bytes(frames=40, fps=10), param="v", fps=2, min_frames=4, max_frames=64,
+                     max_duration_s=60, max_pixels=BIG)
+    assert v.total_frames == 40 and abs(v.fps - 10) < 1e-6
+    assert len(v.indices) == 8 and v.frames.shape == (8, 64, 64, 3)  # 4 s at 2 fps
+    assert v.indices == np.linspace(0, 39, 8).round().astype(int).tolist()
+    short = decode_video(mp4_bytes(frames=5, fps=10), param="v", fps=2, min_frames=4, max_frames=64,
+                         max_duration_s=60, max_pixels=BIG)
+    assert len(short.indices) == 4  # min_frames, kept even
+    with pytest.raises(ClientError) as e:
+        decode_video(mp4_bytes(frames=40, fps=10), param="v", fps=2, min_frames=4, max_frames=64,
+                     max_duration_s=1, max_pixels=BIG)
+    assert e.value.code == "video_too_long"
+
+
+def test_a_still_image_sent_as_video_becomes_a_two_frame_video():
+    v = decode_video(png_bytes(32, 48), param="v", fps=2, min_frames=4, max_frames=8, max_duration_s=60, max_pixels=BIG)
+    assert v.frames.shape == (2, 32, 48, 3) and np.array_equal(v.frames[0], v.frames[1])
+
+
+def test_sample_indices_are_even_and_bounded():
+    for total in range(1, 200, 7):
+        idx = sample_indices(total, 30.0, 2.0, 4, 16)
+        assert len(idx) % 2 == 0 and 2 <= len(idx) <= 16 and idx == sorted(idx)
+        assert all(0 <= i < max(total, 2) for i in idx)
+
+
+def test_timestamps_average_each_temporal_pair():
+    assert frame_timestamps([0, 10, 20, 30], 10.0, 2) == [0.5, 2.5]
+    assert frame_timestamps([0, 10, 20], 10.0, 2) == [0.5, 2.0]
+
+
+def test_fetch_data_urls_and_errors():
+    payload = png_bytes()
+    url = "data:image/png;base64," + base64.b64encode(payload).decode()
+    assert asyncio.run(fetch(url, timeout_s=1, max_bytes=BIG, param="p")) == payload
+    for bad, code in [("ftp://x/y.png", "invalid_media_url"), ("data:image/png;base64", "invalid_media_url"),
+                      ("http://127.0.0.1:9/x.png", "media_fetch_failed")]:
+        with pytest.raises(ClientError) as e:
+            asyncio.run(fetch(bad, timeout_s=2, max_bytes=BIG, param="p"))
+        assert e.value.code == code
+    with pytest.raises(ClientError) as e:
+        asyncio.run(fetch(url, timeout_s=1, max_bytes=10, param="p"))
+    assert e.value.status == 413
+
+
+@pytest.mark.parametrize("hw", [(100, 150), (448, 448), (37, 900), (1200, 800), (33, 33)])
+def test_image_preprocessing_equals_transformers(hw):
+    pytest.importorskip("transformers")
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    lo, hi = 64 * 32 * 32, 1024 * 1024
+    proc = Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
+                                    image_std=[0.5] * 3, size={"shortest_edge": lo, "longest_edge": hi})
+    img = (np.random.default_rng(hw[0]).random((*hw, 3)) * 255).astype(np.uint8)
+    ours = preprocess_image(img, PatchSpec(), lo, hi)
+    ref = proc(images=[img], return_tensors="np")
+    assert list(ours.grid) == ref["image_grid_thw"][0].tolist()
+    assert np.abs(ours.pixel_values - ref["pixel_values"]).max() < 1e-5
+
+
+def test_smart_resize_bounds():
+    for h, w in [(10, 10), (4000, 3000), (500, 20)]:
+        hh, ww = smart_resize(h, w, 32, 1024, 1 << 20)
+        assert hh % 32 == 0 and ww % 32 == 0 and 1024 <= hh * ww <= 1 << 20
+    with pytest.raises(ClientError):
+        smart_resize(1, 500, 32, 1024, 1 << 20)
+
+
+def test_patchify_layout_matches_a_conv3d_view():
+    """Row r of pixel_values is exactly the (C, T, P, P) block the Conv3d patch embed reads."""
+    rng = np.random.default_rng(0)
+    frames = (rng.random((4, 64, 96, 3)) * 255).astype(np.uint8)
+    p = patchify(frames, PatchSpec())
+    assert p.grid == (2, 4, 6) and p.pixel_values.shape == (48, 3 * 2 * 16 * 16)
+    x = (frames.astype(np.float32) / 255 - 0.5) / 0.5
+    # token order: temporal group, merge-block row, merge-block col, row in block, col in block
+    t, br, bc, ir, ic = 1, 1, 2, 0, 1
+    row = ((t * 2 + br) * 3 + bc) * 4 + ir * 2 + ic
+    r, c = (br * 2 + ir) * 16, (bc * 2 + ic) * 16
+    block = x[t * 2:t * 2 + 2, r:r + 16, c:c + 16].transpose(3, 0, 1, 2)  # C, T, P, P
+    assert np.allclose(p.pixel_values[row], block.reshape(-1), atol=1e-6)

@@ -1,0 +1,71 @@
+import json
+
+import pytest
+import torch
+
+from app.model_builder import SPECIAL_TOKENS, build_checkpoint, load_preset, preset_names, resolve_model
+
+
+def test_tiny_checkpoint_loads_through_from_pretrained(tiny_checkpoint):
+    from transformers import AutoConfig, AutoTokenizer, Qwen3VLForConditionalGeneration
+
+    cfg = AutoConfig.from_pretrained(tiny_checkpoint)
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    v = cfg.vision_config
+    assert (v.patch_size, v.temporal_patch_size, v.spatial_merge_size) == (16, 2, 2)
+    assert len(v.deepstack_visual_indexes) >= 1 and v.out_hidden_size == cfg.text_config.hidden_size
+    assert cfg.text_config.rope_parameters["mrope_section"] == [4, 2, 2]
+    # special token ids in the tokenizer match the config
+    assert tok.convert_tokens_to_ids("<|image_pad|>") == cfg.image_token_id
+    assert tok.convert_tokens_to_ids("<|video_pad|>") == cfg.video_token_id
+    assert tok.convert_tokens_to_ids("<|vision_start|>") == cfg.vision_start_token_id
+    assert tok.convert_tokens_to_ids("<|vision_end|>") == cfg.vision_end_token_id
+    for t in SPECIAL_TOKENS:
+        assert tok.encode(t, add_special_tokens=False) == [tok.convert_tokens_to_ids(t)]
+    assert cfg.text_config.vocab_size == len(tok)
+    text = "Hello, world! ünïcödé 0.5 seconds"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text  # byte-level: lossless
+    model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_checkpoint)
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000
+    rendered = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}],
+                                       tokenize=False, add_generation_prompt=True)
+    assert rendered == "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>x<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_weights_are_reproducible_from_the_seed(tmp_path, tiny_checkpoint):
+    from safetensors.torch import load_file
+
+    again = build_checkpoint(tmp_path / "again", "tiny", seed=0)
+    a, b = load_file(str(tiny_checkpoint / "model.safetensors")), load_file(str(again / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_real_shape_presets(tmp_path):
+    from transformers import AutoConfig
+
+    assert {"tiny", "qwen3-vl-2b", "qwen3-vl-8b"} <= set(preset_names())
+    out = build_checkpoint(tmp_path / "8b", "qwen3-vl-8b", with_weights=False)
+    cfg = AutoConfig.from_pretrained(out)
+    assert (cfg.vision_config.depth, cfg.vision_config.hidden_size, cfg.vision_config.out_hidden_size) == (27, 1152, 4096)
+    assert cfg.vision_config.deepstack_visual_indexes == [8, 16, 24]
+    assert cfg.text_config.num_hidden_layers == 36
+    assert load_preset("qwen3-vl-2b")["vision_config"]["depth"] == 24
+
+
+def test_unknown_preset_and_bad_paths_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown embedded model preset"):
+        resolve_model("embedded:nope", tmp_path)
+    with pytest.raises(ValueError, match=str(tmp_path / "missing")):
+        resolve_model(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        resolve_model(str(tmp_path / "empty"))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{")
+    with pytest.raises(ValueError, match="unreadable"):
+        resolve_model(str(tmp_path / "broken"))
+
+
+def test_a_path_model_resolves_to_itself(tiny_checkpoint):
+    assert resolve_model(str(tiny_checkpoint)) == tiny_checkpoint
+    assert json.loads((tiny_checkpoint / "vlm_serve_builder.json").read_text())["preset"] == "tiny"

@@ -1,0 +1,53 @@
+import pytest
+
+from app.errors import ClientError
+from app.schemas import parse_chat_request
+
+
+def parse(body):
+    return parse_chat_request(body, default_max_tokens=16, max_items=3)
+
+
+def test_string_and_part_contents_interleaved():
+    req = parse({"messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "data:x"}},
+                                     {"type": "text", "text": "b"}, {"type": "video_url", "video_url": {"url": "http://v"}},
+                                     {"type": "image_url", "image_url": "data:y"}]}],
+        "max_completion_tokens": 5, "temperature": 0, "top_p": 0.5, "seed": 7, "stop": "END", "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert [m["type"] for m in req.messages[1]["content"]] == ["text", "image", "text", "video", "image"]
+    assert [(r.kind, r.url) for r in req.media] == [("image", "data:x"), ("video", "http://v"), ("image", "data:y")]
+    assert req.media[1].param == "messages[1].content[3].video_url"
+    p = req.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop) == (5, 0, 0.5, 7, ["END"])
+    assert req.stream and req.include_usage
+
+
+def test_defaults():
+    req = parse({"messages": [{"role": "user", "content": "hi"}]})
+    assert req.params.max_tokens == 16 and req.params.temperature == 1.0 and not req.stream
+
+
+@pytest.mark.parametrize("body,param", [
+    ([], None),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].image_url.url"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": [1]}, "stop"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "d"}] * 4}]}, "messages"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "image_url", "image_url": "d"}]}]},
+     "messages[0].content[0].type"),
+])
+def test_client_mistakes_name_their_param(body, param):
+    with pytest.raises(ClientError) as e:
+        parse(body)
+    assert e.value.status == 400 and e.value.param == param
