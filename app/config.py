@@ -49,6 +49,7 @@ class EncoderConfig(_Strict):
     token_budgets: list[int] | None = Field(None, description="explicit budgets (patch tokens); else powers of two")
     min_budget: int = Field(256, ge=4)
     max_budget: int = Field(8192, ge=4)
+    budget_steps_per_octave: int = Field(4, ge=1, le=16, description="generated budgets between powers of two")
     max_items_per_batch: int = Field(16, ge=1)
     max_frames_per_batch: int = Field(32, ge=1, description="attention sequences (images + temporal groups)")
     autotune: bool = Field(True, description="drop graphs that are not faster than eager")

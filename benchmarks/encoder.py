@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.model_builder import load_preset  # noqa: E402
 from app.vision.graphs import GraphManager, GraphSettings, VisionItem  # noqa: E402
 from app.vision.loading import vision_model_from_config  # noqa: E402
+from app.vision.metadata import layout  # noqa: E402
 from app.vision.tower import VisionTower  # noqa: E402
 
 # name -> grids (t, h, w) in 16-px patches; a 224^2 8-frame video is 4 temporal groups of 14x14.
@@ -85,12 +86,24 @@ def rel_err(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+def norm_err(a, b) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def all_outputs(main, deepstack) -> list:
+    return [main, *deepstack]
+
+
 def bench_preset(preset: str, runs: int, budgets: list[int], matmul_tflops: float, profile: bool) -> dict:
     from transformers import AutoConfig
 
     cfg = AutoConfig.for_model(**load_preset(preset)).vision_config
     torch.manual_seed(0)
     visual = vision_model_from_config(cfg, torch.bfloat16, "cuda")
+    import copy
+
+    visual32 = copy.deepcopy(visual).float()  # the truth both bf16 paths are judged against
     tower = VisionTower(visual)
     mgr = GraphManager(tower, GraphSettings(budgets=budgets, max_items_per_batch=16, max_frames_per_batch=32))
     mgr.capture()
@@ -105,27 +118,41 @@ def bench_preset(preset: str, runs: int, budgets: list[int], matmul_tflops: floa
         with torch.inference_mode():
             ref = visual(pixels, grid_thw=grid_t)
             ours = mgr.encode(items)
-            err = max(rel_err(torch.cat([o.main for o in ours]), ref.pooler_output),
-                      *[rel_err(torch.cat([o.deepstack[j] for o in ours]), f)
-                        for j, f in enumerate(ref.deepstack_features)])
+            ours_all = all_outputs(torch.cat([o.main for o in ours]),
+                                   [torch.cat([o.deepstack[j] for o in ours]) for j in range(len(ours[0].deepstack))])
+            ref_all = all_outputs(ref.pooler_output, ref.deepstack_features)
+            r32 = visual32(pixels.float(), grid_thw=grid_t)
+            r32_all = all_outputs(r32.pooler_output, r32.deepstack_features)
+            err = max(rel_err(a, b) for a, b in zip(ours_all, ref_all))
+            errs = {"ours_vs_ref_max": err,
+                    "ours_vs_ref_norm": max(norm_err(a, b) for a, b in zip(ours_all, ref_all)),
+                    "ours_vs_fp32_max": max(rel_err(a, b) for a, b in zip(ours_all, r32_all)),
+                    "ref_vs_fp32_max": max(rel_err(a, b) for a, b in zip(ref_all, r32_all)),
+                    "ours_vs_fp32_norm": max(norm_err(a, b) for a, b in zip(ours_all, r32_all)),
+                    "ref_vs_fp32_norm": max(norm_err(a, b) for a, b in zip(ref_all, r32_all))}
             t_ref = time_fn(lambda px=pixels, g=grid_t: visual(px, grid_thw=g), runs)
             t_eager = time_fn(lambda it=items: mgr.encode(it, force_eager=True), runs)
             before = mgr.stats.graph_hits
             t_graph = time_fn(lambda it=items: mgr.encode(it), runs)
             used_graph = mgr.stats.graph_hits > before
+            budget, _ = mgr.choose_budget(layout(grids, mgr.geo.merge))
+            t_replay = time_fn(mgr.graphs[budget].replay, runs) if used_graph else [float("nan")]
         flops = tower_flops(cfg, grids)
         row = {
-            "workload": name, "tokens": sum(t * h * w for t, h, w in grids), "rel_err": err, "graph": used_graph,
+            "workload": name, "tokens": sum(t * h * w for t, h, w in grids), "graph": used_graph,
             "ref_ms": statistics.median(t_ref), "ref_p99": p99(t_ref),
             "eager_ms": statistics.median(t_eager), "eager_p99": p99(t_eager),
             "graph_ms": statistics.median(t_graph), "graph_p99": p99(t_graph),
             "floor_ms": flops / (matmul_tflops * 1e12) * 1e3, "gflop": flops / 1e9,
+            "replay_ms": statistics.median(t_replay), "budget": budget, **errs,
         }
         row["speedup"] = row["ref_ms"] / row["graph_ms"]
         result["workloads"].append(row)
         print(f"{preset:12s} {name:30s} ref {row['ref_ms']:7.2f}  eager {row['eager_ms']:7.2f}  graph "
               f"{row['graph_ms']:7.2f} (p99 {row['graph_p99']:6.2f})  floor {row['floor_ms']:6.2f}  "
-              f"x{row['speedup']:5.1f}  err {err:.1e}", flush=True)
+              f"x{row['speedup']:5.1f}  replay {row['replay_ms']:.2f}  err {err:.1e} "
+              f"(vs fp32: ours {errs['ours_vs_fp32_max']:.1e} ref {errs['ref_vs_fp32_max']:.1e}; norm ours "
+              f"{errs['ours_vs_fp32_norm']:.1e} ref {errs['ref_vs_fp32_norm']:.1e})", flush=True)
         if profile and name in ("1x448^2", "1x1024^2"):
             result.setdefault("profiles", {})[name] = profile_graph(mgr, items)
     return result
@@ -147,14 +174,15 @@ def markdown(results: list[dict], device: str, matmul_tflops: float) -> str:
     for r in results:
         lines += [f"### {r['preset']} — capture {r['capture_s']:.2f} s, graph memory {r['graph_mem_mib']:.0f} MiB, "
                   f"budgets kept {r['budgets_kept']}", "",
-                  "| workload | tokens | reference ms (p99) | our eager ms (p99) | our graph ms (p99) | FLOP floor ms "
-                  "| ref / graph | max rel err |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| workload | tokens | budget | reference ms (p99) | our eager ms (p99) | our graph ms (p99) "
+                  "| replay only ms | FLOP floor ms | ref / graph | err vs ref (max, norm) | err vs fp32: ours / ref (max) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for w in r["workloads"]:
-            lines.append(f"| {w['workload']} | {w['tokens']} | {w['ref_ms']:.2f} ({w['ref_p99']:.2f}) | "
+            lines.append(f"| {w['workload']} | {w['tokens']} | {w['budget']} | {w['ref_ms']:.2f} ({w['ref_p99']:.2f}) | "
                          f"{w['eager_ms']:.2f} ({w['eager_p99']:.2f}) | {w['graph_ms']:.2f} ({w['graph_p99']:.2f})"
-                         f"{'' if w['graph'] else ' eager'} | {w['floor_ms']:.2f} | {w['speedup']:.1f}x | "
-                         f"{w['rel_err']:.1e} |")
+                         f"{'' if w['graph'] else ' eager'} | {w['replay_ms']:.2f} | {w['floor_ms']:.2f} | "
+                         f"{w['speedup']:.1f}x | {w['ours_vs_ref_max']:.1e}, {w['ours_vs_ref_norm']:.1e} | "
+                         f"{w['ours_vs_fp32_max']:.1e} / {w['ref_vs_fp32_max']:.1e} |")
         lines += ["", "Auto-tune (budget: eager ms / graph ms, kept):", ""]
         lines += [f"- {a['budget']}: {a['eager_ms']} / {a['graph_ms']} {'kept' if a['kept'] else 'dropped'}"
                   for a in r["autotune"]]
@@ -166,7 +194,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--presets", nargs="+", default=["qwen3-vl-8b", "qwen3-vl-2b"])
     p.add_argument("--runs", type=int, default=100)
-    p.add_argument("--budgets", type=int, nargs="+", default=GraphSettings.power_of_two_budgets(256, 8192))
+    p.add_argument("--budgets", type=int, nargs="+", default=GraphSettings.power_of_two_budgets(256, 8192, 4))
     p.add_argument("--out", default="benchmarks/encoder_results.json")
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()

@@ -155,6 +155,7 @@ def test_padding_rows_are_finite_and_do_not_touch_real_rows(h):
 def test_power_of_two_budgets_include_the_maximum():
     assert GraphSettings.power_of_two_budgets(256, 8192) == [256, 512, 1024, 2048, 4096, 8192]
     assert GraphSettings.power_of_two_budgets(200, 3000) == [256, 512, 1024, 2048, 3000]
+    assert GraphSettings.power_of_two_budgets(256, 1024, 4) == [256, 320, 384, 448, 512, 640, 768, 896, 1024]
 
 
 def test_cu_seqlens_padding_is_monotonic():
@@ -165,3 +166,45 @@ def test_cu_seqlens_padding_is_monotonic():
     assert all(a <= b for a, b in zip(cu, cu[1:]))
     with pytest.raises(ValueError):
         cu_seqlens([4] * 7, pad_to_seqs=6)
+
+
+def test_fused_layer_structure_equals_reference_on_cpu(tiny_checkpoint):
+    """The fused path (bias folded into the residual add, next layer's norm chained) with torch kernels."""
+    from app.vision.loading import load_vision_model
+
+    visual = load_vision_model(tiny_checkpoint, torch.float32)
+    tower = VisionTower(visual)
+    tower.fused = True
+    mgr = GraphManager(tower, GraphSettings(budgets=[256], autotune=False))
+    items = Harness.items(type("H", (), {"tower": tower, "device": tower.device, "dtype": torch.float32})(),
+                          [(1, 4, 6), (2, 4, 4)])
+    out = mgr.encode(items)
+    ref = visual(torch.cat([it.pixels for it in items]), grid_thw=torch.tensor([it.grid for it in items]))
+    assert _rel(torch.cat([o.main for o in out]), ref.pooler_output) <= 1e-4
+    for j, feat in enumerate(ref.deepstack_features):
+        assert _rel(torch.cat([o.deepstack[j] for o in out]), feat) <= 1e-4
+
+
+@pytest.mark.gpu
+def test_triton_kernels_equal_torch_fallbacks():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from app.vision import kernels as K
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, heads, d = 777, 16, 72
+    qkv = torch.randn(n, 3 * heads * d, device="cuda", dtype=torch.bfloat16, generator=g)
+    ang = torch.randn(n, d // 2, device="cuda", generator=g)
+    q, k = K.rotary_qk(qkv, ang.cos(), ang.sin(), heads)
+    q0, k0 = K.rotary_qk_torch(qkv, ang.cos(), ang.sin(), heads)
+    assert (q.float() - q0.float()).abs().max() <= 1e-2 * q0.float().abs().max()
+    assert (k.float() - k0.float()).abs().max() <= 1e-2 * k0.float().abs().max()
+    c = 1152
+    x, y = (torch.randn(n, c, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    b, w, lb = (torch.randn(c, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    xs, hs = K.add_bias_layernorm(x, y, b, w, lb, 1e-6)
+    x0, h0 = K.add_bias_layernorm_torch(x, y, b, w, lb, 1e-6)
+    assert (xs.float() - x0.float()).abs().max() <= 2e-2 * x0.float().abs().max()
+    assert (hs.float() - h0.float()).abs().max() <= 2e-2 * h0.float().abs().max()
+    only, none = K.add_bias_layernorm(x, y, None, None, None, 1e-6)
+    assert none is None and torch.equal(only, x + y)

@@ -30,7 +30,8 @@ class EncoderService:
         device = pick_device(cfg.device)
         dtype = resolve_dtype(enc.dtype, torch.device(device))
         tower = VisionTower(load_vision_model(checkpoint, dtype, device))
-        budgets = enc.token_budgets or GraphSettings.power_of_two_budgets(enc.min_budget, enc.max_budget)
+        budgets = enc.token_budgets or GraphSettings.power_of_two_budgets(enc.min_budget, enc.max_budget,
+                                                                                enc.budget_steps_per_octave)
         self.manager = GraphManager(tower, GraphSettings(budgets, enc.max_items_per_batch, enc.max_frames_per_batch,
                                                          enc.cuda_graphs, enc.autotune))
         self.manager.capture()

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import add_bias_layernorm, linear_gelu_tanh, rotary_qk, triton_available
+
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 except ImportError:  # pragma: no cover - older torch
@@ -50,6 +52,9 @@ class VisionTower(nn.Module):
         self.merge_unit = cfg.spatial_merge_size**2
         self.deepstack_index = {layer: i for i, layer in enumerate(cfg.deepstack_visual_indexes)}
         self.inv_freq = visual.rotary_pos_emb.inv_freq
+        self.eps = visual.blocks[0].norm1.eps
+        # Fused kernels on CUDA (see kernels.py); the CPU keeps the reference's op-for-op math.
+        self.fused = triton_available(self.device) and cfg.hidden_act == "gelu_pytorch_tanh"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -103,13 +108,45 @@ class VisionTower(nn.Module):
         x = x + blk.attn.proj(attn)
         return x + blk.mlp(blk.norm2(x))
 
-    def forward(self, inp: TowerInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _embed(self, inp: TowerInputs) -> torch.Tensor:
         vis = self.visual
         proj = vis.patch_embed.proj
         # The Conv3d's kernel equals its stride: it is a matmul over flattened patches.
         x = F.linear(inp.pixels.to(self.dtype), proj.weight.view(proj.weight.shape[0], -1), proj.bias)
         pos = (vis.pos_embed.weight[inp.pos_taps] * inp.pos_weights[:, :, None]).sum(1)
-        x = x + pos.to(x.dtype)
+        return x + pos.to(x.dtype)
+
+    def _forward_fused(self, inp: TowerInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Per layer: qkv GEMM, rotary, attention, proj GEMM, add+LN, fc1 GEMM+GELU, fc2 GEMM, add+LN."""
+        vis, n = self.visual, inp.pixels.shape[0]
+        x = self._embed(inp)
+        freqs = (inp.rot_ids[..., None].float() * self.inv_freq.float()).flatten(1)  # [N, head_dim / 2]
+        cos, sin = freqs.cos(), freqs.sin()
+        blocks = vis.blocks
+        h = blocks[0].norm1(x)
+        deepstack: list[torch.Tensor] = [None] * self.num_deepstack  # type: ignore[list-item]
+        for i, blk in enumerate(blocks):
+            qkv = blk.attn.qkv(h)
+            q, k = rotary_qk(qkv, cos, sin, self.heads)
+            v = qkv.view(n, 3, self.heads, self.head_dim)[:, 2]
+            attn = self._attention(q, k, v, inp.cu_seqlens, inp.max_seqlen).reshape(n, self.hidden)
+            x, h = add_bias_layernorm(x, F.linear(attn, blk.attn.proj.weight), blk.attn.proj.bias,
+                                      blk.norm2.weight, blk.norm2.bias, self.eps)
+            mlp = blk.mlp
+            u = linear_gelu_tanh(h, mlp.linear_fc1.weight, mlp.linear_fc1.bias)
+            nxt = blocks[i + 1].norm1 if i + 1 < len(blocks) else None
+            x, h = add_bias_layernorm(x, F.linear(u, mlp.linear_fc2.weight), mlp.linear_fc2.bias,
+                                      nxt.weight if nxt else None, nxt.bias if nxt else None, self.eps)
+            j = self.deepstack_index.get(i)
+            if j is not None:
+                deepstack[j] = vis.deepstack_merger_list[j](x)
+        return vis.merger(x), deepstack
+
+    def forward(self, inp: TowerInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self.fused:
+            return self._forward_fused(inp)
+        vis = self.visual
+        x = self._embed(inp)
         cos, sin = self._rotary(inp.rot_ids)
         deepstack: list[torch.Tensor] = [None] * self.num_deepstack  # type: ignore[list-item]
         for i, blk in enumerate(vis.blocks):
