@@ -41,10 +41,12 @@ def rotary_qk_torch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hea
 
 
 def add_bias_layernorm_torch(x, y, bias, ln_weight, ln_bias, eps):
-    x = x + (y + bias if bias is not None else y)
+    """Residual `x` may be float32 (kept in full precision); the normed output takes y's dtype."""
+    s = x.float() + y.float() + (bias.float() if bias is not None else 0.0)
     if ln_weight is None:
-        return x, None
-    return x, F.layer_norm(x, (x.shape[-1],), ln_weight, ln_bias, eps)
+        return s.to(x.dtype), None
+    h = F.layer_norm(s, (s.shape[-1],), ln_weight.float(), ln_bias.float(), eps)
+    return s.to(x.dtype), h.to(y.dtype)
 
 
 if triton is not None:
@@ -82,10 +84,10 @@ if triton is not None:
         y = tl.load(y_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        s = (x + y).to(out_x_ptr.dtype.element_ty)
-        tl.store(out_x_ptr + row * C + cols, s, mask=mask)
+        s = x + y
+        tl.store(out_x_ptr + row * C + cols, s.to(out_x_ptr.dtype.element_ty), mask=mask)
         if HAS_LN:
-            v = s.to(tl.float32)
+            v = s
             mean = tl.sum(v, axis=0) / C
             diff = tl.where(mask, v - mean, 0.0)
             var = tl.sum(diff * diff, axis=0) / C
@@ -108,12 +110,16 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: in
 
 
 def add_bias_layernorm(x, y, bias, ln_weight, ln_bias, eps: float):
-    """(x + y + bias, layer_norm(that)); the norm is skipped (None) when ln_weight is None."""
+    """(x + y + bias, layer_norm(that)); the norm is skipped (None) when ln_weight is None.
+
+    The residual x keeps its dtype (float32 in the fused tower: one rounding less per layer than
+    the reference); the normed output, which feeds the next GEMM, takes y's dtype.
+    """
     if not triton_available(x.device):
         return add_bias_layernorm_torch(x, y, bias, ln_weight, ln_bias, eps)
     n, c = x.shape
     out_x = torch.empty_like(x)
-    out_h = torch.empty_like(x) if ln_weight is not None else None
+    out_h = torch.empty_like(y) if ln_weight is not None else None
     block = triton.next_power_of_2(c)
     _add_ln_kernel[(n,)](x, y, bias if bias is not None else x, ln_weight if ln_weight is not None else x,
                          ln_bias if ln_bias is not None else x, out_x, out_h if out_h is not None else out_x, eps,

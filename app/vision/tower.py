@@ -108,22 +108,23 @@ class VisionTower(nn.Module):
         x = x + blk.attn.proj(attn)
         return x + blk.mlp(blk.norm2(x))
 
-    def _embed(self, inp: TowerInputs) -> torch.Tensor:
+    def _embed(self, inp: TowerInputs, keep_float: bool = False) -> torch.Tensor:
         vis = self.visual
         proj = vis.patch_embed.proj
         # The Conv3d's kernel equals its stride: it is a matmul over flattened patches.
         x = F.linear(inp.pixels.to(self.dtype), proj.weight.view(proj.weight.shape[0], -1), proj.bias)
         pos = (vis.pos_embed.weight[inp.pos_taps] * inp.pos_weights[:, :, None]).sum(1)
-        return x + pos.to(x.dtype)
+        return x.float() + pos if keep_float else x + pos.to(x.dtype)
 
     def _forward_fused(self, inp: TowerInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Per layer: qkv GEMM, rotary, attention, proj GEMM, add+LN, fc1 GEMM+GELU, fc2 GEMM, add+LN."""
         vis, n = self.visual, inp.pixels.shape[0]
-        x = self._embed(inp)
+        x = self._embed(inp, keep_float=True)  # residual stream in float32
         freqs = (inp.rot_ids[..., None].float() * self.inv_freq.float()).flatten(1)  # [N, head_dim / 2]
         cos, sin = freqs.cos(), freqs.sin()
         blocks = vis.blocks
-        h = blocks[0].norm1(x)
+        n1 = blocks[0].norm1
+        h = F.layer_norm(x, (self.hidden,), n1.weight.float(), n1.bias.float(), self.eps).to(self.dtype)
         deepstack: list[torch.Tensor] = [None] * self.num_deepstack  # type: ignore[list-item]
         for i, blk in enumerate(blocks):
             qkv = blk.attn.qkv(h)
@@ -139,8 +140,8 @@ class VisionTower(nn.Module):
                                       nxt.weight if nxt else None, nxt.bias if nxt else None, self.eps)
             j = self.deepstack_index.get(i)
             if j is not None:
-                deepstack[j] = vis.deepstack_merger_list[j](x)
-        return vis.merger(x), deepstack
+                deepstack[j] = vis.deepstack_merger_list[j](x.to(self.dtype))
+        return vis.merger(x.to(self.dtype)), deepstack
 
     def forward(self, inp: TowerInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self.fused:
