@@ -258,9 +258,10 @@ class GraphManager:
         pixels = torch.cat([it.pixels.to(dev, non_blocking=True) for it in items]) if len(items) > 1 \
             else items[0].pixels.to(dev, non_blocking=True)
         taps, weights, rot = position_metadata(lay.grids, self.geo)
+        uniform = (lay.num_seqs, lay.seq_lens[0]) if len(set(lay.seq_lens)) == 1 else None
         inp = TowerInputs(pixels, taps.to(dev, non_blocking=True), weights.to(dev, non_blocking=True),
                           rot.to(dev, non_blocking=True), cu_seqlens(lay.seq_lens).to(dev, non_blocking=True),
-                          max(lay.seq_lens))
+                          max(lay.seq_lens), uniform)
         main, deepstack = self.tower(inp)
         return self._split(main, deepstack, lay)
 

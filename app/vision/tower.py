@@ -13,8 +13,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .kernels import add_bias_layernorm, linear_gelu_tanh, rotary_qk, triton_available
+
+_DENSE_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                   SDPBackend.MATH]
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -32,6 +36,7 @@ class TowerInputs:
     rot_ids: torch.Tensor  # [N, 2] int64 (row, col) for the 2-D rotary embedding
     cu_seqlens: torch.Tensor  # [S + 1] int32, monotonic
     max_seqlen: int  # host int: an upper bound of every sequence length
+    uniform: tuple[int, int] | None = None  # (sequences, length) when all sequences are equally long
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -86,7 +91,15 @@ class VisionTower(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [N, head_dim]
         return emb.cos()[:, None, :], emb.sin()[:, None, :]
 
-    def _attention(self, q, k, v, cu_seqlens, max_seqlen):
+    def _attention(self, q, k, v, cu_seqlens, max_seqlen, uniform=None):
+        if uniform is not None:
+            # Equal-length sequences (one image, a video's frames, same-size images): one dense batched
+            # attention. cuDNN's kernel is 1.6-2.2x faster than varlen FlashAttention-2 at head_dim 72.
+            s, length = uniform
+            q, k, v = (t.reshape(s, length, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            with sdpa_kernel(_DENSE_BACKENDS, set_priority=True):
+                out = F.scaled_dot_product_attention(q, k, v)
+            return out.transpose(1, 2).reshape(s * length, self.heads, self.head_dim)
         if self.uses_varlen():
             return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
         # Block-diagonal mask from cu_seqlens, without host synchronisation (graph-safe).
@@ -96,7 +109,7 @@ class VisionTower(nn.Module):
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
         return out.transpose(0, 1)
 
-    def _block(self, blk, x, cos, sin, cu_seqlens, max_seqlen):
+    def _block(self, blk, x, cos, sin, cu_seqlens, max_seqlen, uniform=None):
         n = x.shape[0]
         h = blk.norm1(x)
         q, k, v = blk.attn.qkv(h).view(n, 3, self.heads, self.head_dim).unbind(1)
@@ -104,7 +117,7 @@ class VisionTower(nn.Module):
         qf, kf = q.float(), k.float()
         q = (qf * cos + _rotate_half(qf) * sin).to(x.dtype)
         k = (kf * cos + _rotate_half(kf) * sin).to(x.dtype)
-        attn = self._attention(q, k, v, cu_seqlens, max_seqlen).reshape(n, self.hidden)
+        attn = self._attention(q, k, v, cu_seqlens, max_seqlen, uniform).reshape(n, self.hidden)
         x = x + blk.attn.proj(attn)
         return x + blk.mlp(blk.norm2(x))
 
@@ -130,7 +143,7 @@ class VisionTower(nn.Module):
             qkv = blk.attn.qkv(h)
             q, k = rotary_qk(qkv, cos, sin, self.heads)
             v = qkv.view(n, 3, self.heads, self.head_dim)[:, 2]
-            attn = self._attention(q, k, v, inp.cu_seqlens, inp.max_seqlen).reshape(n, self.hidden)
+            attn = self._attention(q, k, v, inp.cu_seqlens, inp.max_seqlen, inp.uniform).reshape(n, self.hidden)
             x, h = add_bias_layernorm(x, F.linear(attn, blk.attn.proj.weight), blk.attn.proj.bias,
                                       blk.norm2.weight, blk.norm2.bias, self.eps)
             mlp = blk.mlp
@@ -151,7 +164,7 @@ class VisionTower(nn.Module):
         cos, sin = self._rotary(inp.rot_ids)
         deepstack: list[torch.Tensor] = [None] * self.num_deepstack  # type: ignore[list-item]
         for i, blk in enumerate(vis.blocks):
-            x = self._block(blk, x, cos, sin, inp.cu_seqlens, inp.max_seqlen)
+            x = self._block(blk, x, cos, sin, inp.cu_seqlens, inp.max_seqlen, inp.uniform)
             j = self.deepstack_index.get(i)
             if j is not None:
                 deepstack[j] = vis.deepstack_merger_list[j](x)
