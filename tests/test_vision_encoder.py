@@ -227,3 +227,19 @@ def test_triton_kernels_equal_torch_fallbacks():
     assert (hs.float() - h0.float()).abs().max() <= 2e-2 * h0.float().abs().max()
     only, none = K.add_bias_layernorm(x, y, None, None, None, 1e-6)
     assert none is None and torch.equal(only, x + y)
+
+
+def test_dispatch_prefers_eager_where_autotune_says_it_is_faster(cpu_harness):
+    """Equal-length batches go eager when the tuned eager time at their size beats the graph's."""
+    from app.vision.metadata import layout
+
+    mgr = cpu_harness.mgr
+    saved = dict(mgr._tuned)
+    try:
+        mgr._tuned = {64: (1.0, 2.0), 128: (2.0, 1.5), 256: (4.0, 3.0)}
+        assert mgr.choose_budget(layout([(1, 2, 20)], 2)) == (None, "faster_eager")  # 40 tok: 1.0 < 2.0
+        assert mgr.choose_budget(layout([(1, 2, 50)], 2)) == (128, None)  # 100 tok: eager 1.6 > 1.5
+        assert mgr.choose_budget(layout([(1, 2, 20), (1, 2, 30)], 2)) == (128, None)  # unequal: graph
+        assert mgr._eager_estimate(192) == 3.0 and mgr._eager_estimate(512) == 8.0
+    finally:
+        mgr._tuned = saved

@@ -116,6 +116,7 @@ class GraphManager:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_out: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.autotune_table: list[dict] = []
+        self._tuned: dict[int, tuple[float, float]] = {}  # budget -> (eager ms, graph ms), uniform batches
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.stats = EncoderStats()
@@ -167,8 +168,24 @@ class GraphManager:
             if b >= lay.num_tokens:
                 if self.capture_enabled and b not in self.graphs:
                     continue  # dropped by auto-tune: a larger captured budget may still pay
+                if len(set(lay.seq_lens)) == 1 and self._eager_estimate(lay.num_tokens) < self._tuned.get(b, (0, 0))[1]:
+                    # Equal-length sequences take dense attention eagerly and pay no padding: where
+                    # the auto-tune table says that beats this graph, eager it is.
+                    return None, "faster_eager"
                 return b, None
         return None, "no_graph"
+
+    def _eager_estimate(self, tokens: int) -> float:
+        """Eager time for `tokens`, interpolated from the auto-tune table (inf when not tuned)."""
+        pts = sorted((b, e) for b, (e, _) in self._tuned.items())
+        if not pts:
+            return float("inf")
+        if tokens <= pts[0][0]:
+            return pts[0][1]
+        for (b0, e0), (b1, e1) in zip(pts, pts[1:]):
+            if tokens <= b1:
+                return e0 + (e1 - e0) * (tokens - b0) / (b1 - b0)
+        return pts[-1][1] * tokens / pts[-1][0]
 
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()
@@ -238,6 +255,7 @@ class GraphManager:
             eager_ms = self._time_ms(lambda items=items, lay=lay: self._run_eager(items, lay))
             graph_ms = self._time_ms(lambda items=items, lay=lay, b=b: self._run_graph(items, lay, b))
             keep = graph_ms < eager_ms
+            self._tuned[b] = (eager_ms, graph_ms)
             rows.append({"budget": b, "eager_ms": round(eager_ms, 3), "graph_ms": round(graph_ms, 3), "kept": keep})
             if not keep:
                 del self.graphs[b]
