@@ -195,7 +195,6 @@ class GraphManager:
             return
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
-        free0 = torch.cuda.mem_get_info(self.device)[0]
         warm = self._synthetic_batch(self.max_budget)
         self._fill(warm, layout([it.grid for it in warm], self.geo.merge), self.max_budget)
         side = torch.cuda.Stream(self.device)
@@ -205,6 +204,9 @@ class GraphManager:
                 self.tower(self._static_inputs(self.max_budget))
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
+        # Growth of reserved memory over the capture: the private graph pool only grows by new
+        # segments, so this is what the graphs hold (a free-memory delta misses cached blocks).
+        reserved0 = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         for i, b in enumerate(sorted(self.budgets, reverse=True)):
             g = torch.cuda.CUDAGraph()
@@ -215,7 +217,7 @@ class GraphManager:
             log.info("captured vision graph %d/%d: budget %d tokens", i + 1, len(self.budgets), b)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
-        self.capture_bytes = max(0, free0 - torch.cuda.mem_get_info(self.device)[0])
+        self.capture_bytes = torch.cuda.memory_reserved(self.device) - reserved0
         log.info("captured %d vision graphs in %.2f s using %.1f MiB", len(self.graphs), self.capture_seconds,
                  self.capture_bytes / 2**20)
         if self.settings.autotune:
