@@ -204,8 +204,9 @@ class GraphManager:
                 self.tower(self._static_inputs(self.max_budget))
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
-        # Growth of reserved memory over the capture: the private graph pool only grows by new
-        # segments, so this is what the graphs hold (a free-memory delta misses cached blocks).
+        # Growth of reserved memory over the capture, from an emptied cache (torch.cuda.graph empties
+        # it on entry too): the private graph pool's segments, i.e. what the graphs hold.
+        torch.cuda.empty_cache()
         reserved0 = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         for i, b in enumerate(sorted(self.budgets, reverse=True)):
