@@ -146,3 +146,32 @@ def test_patchify_layout_matches_a_conv3d_view():
     r, c = (br * 2 + ir) * 16, (bc * 2 + ic) * 16
     block = x[t * 2:t * 2 + 2, r:r + 16, c:c + 16].transpose(3, 0, 1, 2)  # C, T, P, P
     assert np.allclose(p.pixel_values[row], block.reshape(-1), atol=1e-6)
+
+
+def test_fetch_over_http_from_a_local_server():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    payload = png_bytes(20, 30)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body, code = (payload, 200) if self.path == "/img.png" else (b"missing", 404)
+            self.send_response(code)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{srv.server_address[1]}"
+        assert asyncio.run(fetch(f"{base}/img.png", timeout_s=5, max_bytes=BIG, param="p")) == payload
+        with pytest.raises(ClientError) as e:
+            asyncio.run(fetch(f"{base}/nope.png", timeout_s=5, max_bytes=BIG, param="p"))
+        assert e.value.code == "media_fetch_failed" and "404" in e.value.message
+    finally:
+        srv.shutdown()
