@@ -6,26 +6,21 @@
 from __future__ import annotations
 
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.varlen import varlen_attn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from app.vision.timing import cuda_times_ms  # noqa: E402
+
 
 def bench(fn, runs=50):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(runs):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1000)
-    return statistics.median(ts)
+    """Median microseconds."""
+    return statistics.median(cuda_times_ms(fn, runs, warmup=5)) * 1000
 
 
 def main():

@@ -26,6 +26,7 @@ from app.model_builder import load_preset  # noqa: E402
 from app.vision.graphs import GraphManager, GraphSettings, VisionItem  # noqa: E402
 from app.vision.loading import vision_model_from_config  # noqa: E402
 from app.vision.metadata import layout  # noqa: E402
+from app.vision.timing import cuda_times_ms  # noqa: E402
 from app.vision.tower import VisionTower  # noqa: E402
 
 # name -> grids (t, h, w) in 16-px patches; a 224^2 8-frame video is 4 temporal groups of 14x14.
@@ -60,18 +61,7 @@ def measure_matmul_tflops() -> float:
 
 
 def time_fn(fn, runs: int, warmup: int = 10) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(runs):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e))
-    return out
+    return cuda_times_ms(fn, runs, warmup)
 
 
 def p99(xs: list[float]) -> float:

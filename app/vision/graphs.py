@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .metadata import BatchLayout, Grid, TowerGeometry, cu_seqlens, layout, position_metadata
+from .timing import cuda_times_ms
 from .tower import TowerInputs, VisionTower
 
 log = logging.getLogger(__name__)
@@ -236,17 +237,7 @@ class GraphManager:
         return items[: self.settings.max_items_per_batch]
 
     def _time_ms(self, fn, reps: int = 10) -> float:
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return statistics.median(cuda_times_ms(fn, reps))
 
     @torch.inference_mode()
     def autotune(self) -> None:
