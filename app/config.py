@@ -53,6 +53,8 @@ class EncoderConfig(_Strict):
     max_items_per_batch: int = Field(16, ge=1)
     max_frames_per_batch: int = Field(32, ge=1, description="attention sequences (images + temporal groups)")
     autotune: bool = Field(True, description="drop graphs that are not faster than eager")
+    batch_wait_ms: float = Field(2.0, ge=0, description="longest wait for other requests' items before a batch runs")
+    cache_bytes: int = Field(512 * 1024 * 1024, ge=0, description="embedding cache size per replica; 0 = off")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
 
     @model_validator(mode="after")

@@ -6,6 +6,7 @@ Decoding and resizing are CPU-bound; they never run on the asyncio loop.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -23,20 +24,32 @@ class PreparedItem:
     kind: str
     patches: Patches
     timestamps: list[float] = field(default_factory=list)
+    key: str | None = None  # embedding-cache key
 
     def slot(self, merge: int) -> MediaSlot:
         return MediaSlot(self.kind, self.patches.grid, self.timestamps, merge)
 
 
+def cache_key(kind: str, pixels: np.ndarray, *params) -> str:
+    """Hash of the decoded pixels plus every parameter that shapes the tower's input."""
+    h = hashlib.blake2b(digest_size=20)
+    h.update(repr((kind, pixels.shape, str(pixels.dtype), params)).encode())
+    h.update(np.ascontiguousarray(pixels).data)
+    return h.hexdigest()
+
+
 def prepare_bytes(data: bytes, ref: MediaRef, cfg: MediaConfig, spec: PatchSpec) -> PreparedItem:
     if ref.kind == IMAGE:
         img = decode_image(data, param=ref.param, max_pixels=cfg.max_input_pixels)
-        return PreparedItem(IMAGE, preprocess_image(img, spec, cfg.image_min_pixels, cfg.image_max_pixels))
+        bounds = (cfg.image_min_pixels, cfg.image_max_pixels)
+        return PreparedItem(IMAGE, preprocess_image(img, spec, *bounds), key=cache_key(IMAGE, img, spec, bounds))
     video = decode_video(data, param=ref.param, fps=cfg.video_fps, min_frames=cfg.video_min_frames,
                          max_frames=cfg.video_max_frames, max_duration_s=cfg.max_video_duration_s,
                          max_pixels=cfg.max_input_pixels)
-    patches = preprocess_video(video.frames, spec, cfg.video_min_pixels, cfg.video_max_pixels)
-    return PreparedItem(VIDEO, patches, frame_timestamps(video.indices, video.fps, spec.temporal))
+    bounds = (cfg.video_min_pixels, cfg.video_max_pixels)
+    patches = preprocess_video(video.frames, spec, *bounds)
+    return PreparedItem(VIDEO, patches, frame_timestamps(video.indices, video.fps, spec.temporal),
+                        key=cache_key(VIDEO, video.frames, spec, bounds, video.indices, video.fps))
 
 
 class MediaPipeline:
@@ -53,5 +66,5 @@ class MediaPipeline:
         return list(await asyncio.gather(*(self.prepare(r) for r in refs)))
 
 
-def to_encoder_payload(items: list[PreparedItem]) -> list[tuple[np.ndarray, tuple[int, int, int]]]:
-    return [(it.patches.pixel_values, it.patches.grid) for it in items]
+def to_encoder_payload(items: list[PreparedItem]) -> list[tuple[np.ndarray, tuple[int, int, int], str | None]]:
+    return [(it.patches.pixel_values, it.patches.grid, it.key) for it in items]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from ray import serve
 
 from app.config import AppConfig
@@ -18,8 +16,8 @@ class VisionEncoder:
         self.service = EncoderService(cfg, str(resolve_model(cfg.model, cfg.cache_dir)))
 
     async def encode(self, items: list) -> list:
-        # The manager serialises replays itself; a thread keeps this replica's loop responsive.
-        return await asyncio.to_thread(self.service.encode, items)
+        """Items (pixels, grid, cache key) of one request; batched with other requests' items."""
+        return await self.service.encode_async(items)
 
     def stats(self) -> dict:
         return self.service.stats()

@@ -286,11 +286,15 @@ class GraphManager:
             main, deepstack = self.tower(self._static_inputs(budget))
         return self._split(main, deepstack, lay)
 
-    @torch.inference_mode()
     def encode(self, items: list[VisionItem], force_eager: bool = False) -> list[VisionEmbedding]:
         """Encode one batch (images and videos may be mixed); results in item order."""
+        return self.encode_batch(items, force_eager)[0]
+
+    @torch.inference_mode()
+    def encode_batch(self, items: list[VisionItem], force_eager: bool = False) -> tuple[list[VisionEmbedding], int]:
+        """Like encode, also returning the tokens processed: the budget replayed, or the real tokens."""
         if not items:
-            return []
+            return [], 0
         for it in items:
             t, h, w = it.grid
             if it.pixels.shape[0] != t * h * w:
@@ -309,4 +313,4 @@ class GraphManager:
                 self.stats.padded_tokens += budget - lay.num_tokens
             self.stats.real_tokens += lay.num_tokens
             self.stats.items += len(items)
-        return out
+        return out, budget or lay.num_tokens

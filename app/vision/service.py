@@ -9,13 +9,21 @@ import torch
 
 from ..config import AppConfig
 from ..llm.engine import resolve_dtype
+from .batcher import EncodeBatcher
+from .cache import EmbeddingCache
 from .graphs import GraphManager, GraphSettings, VisionItem
 from .loading import load_vision_model
+from .packing import Limits
 from .tower import VisionTower
 
 log = logging.getLogger(__name__)
 
 EncodedItem = tuple[torch.Tensor, list[torch.Tensor]]  # (main, deepstack) on the CPU
+
+
+def _to_cpu(o) -> EncodedItem:
+    # Each item gets its own storage: a view would ship the whole batch to every request.
+    return o.main.to("cpu", copy=True), [d.to("cpu", copy=True) for d in o.deepstack]
 
 
 def pick_device(name: str) -> str:
@@ -35,15 +43,32 @@ class EncoderService:
         self.manager = GraphManager(tower, GraphSettings(budgets, enc.max_items_per_batch, enc.max_frames_per_batch,
                                                          enc.cuda_graphs, enc.autotune))
         self.manager.capture()
+        self.cache = EmbeddingCache(enc.cache_bytes)
+        self.batcher = EncodeBatcher(self.manager.encode_batch,
+                                     Limits(self.manager.max_budget, enc.max_items_per_batch, enc.max_frames_per_batch),
+                                     enc.batch_wait_ms)
         log.info("vision encoder ready on %s (%s), budgets %s, graphs %s", device, dtype, self.manager.budgets,
                  sorted(self.manager.graphs) or "none captured")
 
     def encode(self, items: list[tuple[np.ndarray, tuple[int, int, int]]]) -> list[EncodedItem]:
+        """One request's items as one batch, synchronously (no cache, no cross-request batching)."""
         outs = self.manager.encode([VisionItem(torch.from_numpy(px), tuple(grid)) for px, grid in items])
-        # Each item gets its own storage: a view would ship the whole batch to every request.
-        return [(o.main.to("cpu", copy=True), [d.to("cpu", copy=True) for d in o.deepstack]) for o in outs]
+        return [_to_cpu(o) for o in outs]
+
+    async def encode_async(self, items: list[tuple[np.ndarray, tuple[int, int, int], str | None]]
+                           ) -> list[EncodedItem]:
+        """Cache first; the misses join the cross-request batcher; results in item order."""
+        results: list[EncodedItem | None] = [self.cache.get(key) for _, _, key in items]
+        todo = [i for i, r in enumerate(results) if r is None]
+        if todo:
+            outs = await self.batcher.submit([(torch.from_numpy(items[i][0]), tuple(items[i][1])) for i in todo])
+            for i, o in zip(todo, outs):
+                results[i] = _to_cpu(o)
+                self.cache.put(items[i][2], results[i])
+        return results
 
     def stats(self) -> dict:
-        return {**self.manager.stats.as_dict(), "budgets": self.manager.budgets,
+        return {**self.manager.stats.as_dict(), **self.batcher.stats.as_dict(), **self.cache.stats(),
+                "budgets": self.manager.budgets,
                 "captured": sorted(self.manager.graphs), "capture_seconds": self.manager.capture_seconds,
                 "autotune": self.manager.autotune_table}

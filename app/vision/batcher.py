@@ -1,0 +1,154 @@
+"""Cross-request batching in front of one encoder replica.
+
+Concurrent `submit` calls (one per request) put their items, long videos already cut into
+chunks that fit a graph, on one queue. A loop waits at most `wait_ms` after the oldest queued
+piece (less if the queue already fills the largest budget), packs the whole queue with
+`packing.pack`, runs the batches and scatters the results back. Each round drains the queue, so no
+piece waits more than one round. A cancelled request's pieces are dropped before they run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .graphs import VisionEmbedding, VisionItem
+from .packing import Limits, Piece, chunk_video, pack
+
+RunBatch = Callable[[list[VisionItem]], tuple[list[VisionEmbedding], int]]  # -> outputs, padded tokens
+
+
+@dataclass
+class _Request:
+    future: asyncio.Future
+    parts: list[list[VisionEmbedding | None]]  # per item, per chunk
+    cancelled: bool = False
+
+    def fill(self, item: int, chunk: int, out: VisionEmbedding) -> None:
+        self.parts[item][chunk] = out
+        if self.future.done() or any(p is None for chunks in self.parts for p in chunks):
+            return
+        merged = []
+        for chunks in self.parts:
+            if len(chunks) == 1:
+                merged.append(chunks[0])
+            else:  # temporal chunks of one video: concatenate in time order
+                merged.append(VisionEmbedding(torch.cat([c.main for c in chunks]),
+                                              [torch.cat(ds) for ds in zip(*[c.deepstack for c in chunks])]))
+        self.future.set_result(merged)
+
+    def fail(self, err: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(err)
+
+
+@dataclass
+class _Queued:
+    req: _Request
+    item: int
+    chunk: int
+    vision: VisionItem
+    enqueued: float
+
+
+@dataclass
+class BatcherStats:
+    batches: int = 0
+    pieces: int = 0
+    tokens: int = 0
+    budget_tokens: int = 0
+    queue_wait_s_total: float = 0.0
+    queue_wait_s_max: float = 0.0
+    cancelled_pieces: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "batches": self.batches,
+            "pieces": self.pieces,
+            "items_per_batch": self.pieces / self.batches if self.batches else 0.0,
+            "batch_fill": self.tokens / self.budget_tokens if self.budget_tokens else 0.0,
+            "queue_wait_ms_mean": 1e3 * self.queue_wait_s_total / self.pieces if self.pieces else 0.0,
+            "queue_wait_ms_max": 1e3 * self.queue_wait_s_max,
+            "cancelled_pieces": self.cancelled_pieces,
+        }
+
+
+class EncodeBatcher:
+    def __init__(self, run_batch: RunBatch, limits: Limits, wait_ms: float = 2.0):
+        self.run_batch, self.limits, self.wait_s = run_batch, limits, wait_ms / 1000
+        self.stats = BatcherStats()
+        self._queue: list[_Queued] = []
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    async def submit(self, items: list[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[VisionEmbedding]:
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done():
+            self._wakeup = asyncio.Event()
+            self._task = loop.create_task(self._run())
+        now = time.monotonic()
+        req = _Request(loop.create_future(), [])
+        for i, (pixels, (t, h, w)) in enumerate(items):
+            ranges = chunk_video((t, h, w), self.limits)
+            req.parts.append([None] * len(ranges))
+            for c, (s, e) in enumerate(ranges):
+                rows = pixels[s * h * w:e * h * w] if len(ranges) > 1 else pixels
+                self._queue.append(_Queued(req, i, c, VisionItem(rows, (e - s, h, w)), now))
+        self._wakeup.set()
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            req.cancelled = True
+            raise
+
+    async def _run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queue:
+                await self._wait_for_batch()
+                queued, self._queue = self._queue, []
+                live = [q for q in queued if not q.req.cancelled]
+                self.stats.cancelled_pieces += len(queued) - len(live)
+                pieces = [Piece(q, q.vision.pixels.shape[0], q.vision.grid[0], q.enqueued) for q in live]
+                for batch in pack(pieces, self.limits):
+                    await self._run_one([p.key for p in batch])
+
+    async def _wait_for_batch(self) -> None:
+        """Until the oldest piece has waited wait_ms, or the queue already fills the largest budget."""
+        while self._queue:
+            oldest = min(q.enqueued for q in self._queue)
+            left = oldest + self.wait_s - time.monotonic()
+            if left <= 0 or sum(q.vision.pixels.shape[0] for q in self._queue) >= self.limits.max_tokens:
+                return
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout=left)
+            except TimeoutError:
+                return
+
+    async def _run_one(self, batch: list[_Queued]) -> None:
+        batch = [q for q in batch if not q.req.cancelled]
+        if not batch:
+            return
+        start = time.monotonic()
+        for q in batch:
+            waited = start - q.enqueued
+            self.stats.queue_wait_s_total += waited
+            self.stats.queue_wait_s_max = max(self.stats.queue_wait_s_max, waited)
+        try:
+            outs, padded = await asyncio.to_thread(self.run_batch, [q.vision for q in batch])
+        except Exception as e:  # one bad batch fails only its own requests
+            for q in batch:
+                q.req.fail(e)
+            return
+        self.stats.batches += 1
+        self.stats.pieces += len(batch)
+        self.stats.tokens += sum(q.vision.pixels.shape[0] for q in batch)
+        self.stats.budget_tokens += padded
+        for q, out in zip(batch, outs):
+            q.req.fill(q.item, q.chunk, out)
