@@ -8,8 +8,7 @@ from dataclasses import asdict
 from ray import serve
 
 from app.config import AppConfig
-from app.llm.engine import Engine, GenerationRequest, VisionInput
-from app.llm.sampling import SamplingParams
+from app.llm.engine import Engine, request_from_dict
 from app.model_builder import resolve_model
 from app.vision.service import pick_device
 
@@ -23,8 +22,6 @@ class LLM:
 
     async def generate(self, gen: dict, encoded: list):
         """Async generator of engine chunks; `encoded` arrives resolved from the encoder's response."""
-        vision = [VisionInput(tuple(g), main, ds) for g, (main, ds) in zip(gen["grids"], encoded)]
-        req = GenerationRequest(gen["input_ids"], gen["mm_token_type_ids"], vision, SamplingParams(**gen["params"]))
-        it = self.engine.generate(req)
+        it = self.engine.generate(request_from_dict(gen, encoded))
         while (chunk := await asyncio.to_thread(next, it, None)) is not None:
             yield asdict(chunk)

@@ -12,6 +12,8 @@ from helpers import mp4_bytes, png_bytes
 
 pytestmark = pytest.mark.integration
 PORT = 8765
+SERVER_ARGS = {"model": "embedded:tiny", "encoder": {"min_budget": 64, "max_budget": 1024, "batch_wait_ms": 20},
+               "media": {"max_input_pixels": 1_000_000, "max_items_per_request": 4}}
 
 
 def data_url(data: bytes, mime: str) -> str:
@@ -28,8 +30,7 @@ def server(model_cache):
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    serve.run(build_app({"model": "embedded:tiny", "cache_dir": model_cache,
-                         "encoder": {"min_budget": 64, "max_budget": 1024}}), name="vlm", route_prefix="/")
+    serve.run(build_app(SERVER_ARGS | {"cache_dir": model_cache}), name="vlm", route_prefix="/")
     client = httpx.Client(base_url=f"http://127.0.0.1:{PORT}", timeout=120)
     try:
         yield client
@@ -144,3 +145,95 @@ def test_client_errors_are_4xx_and_the_server_keeps_serving(server, name, body, 
     if code:
         assert err["code"] == code
     expect_ok(chat(server, "still there?"))  # the replica survived
+
+
+def test_sixteen_concurrent_requests_share_encoder_batches_and_get_their_own_answers(server, tiny_checkpoint):
+    import asyncio
+
+    from app.chat import ChatService
+    from app.config import AppConfig
+    from app.llm.engine import Engine
+    from app.local_backend import LocalBackend
+    from app.media_pipeline import MediaPipeline
+    from app.preprocess import PatchSpec
+    from app.vision.service import EncoderService
+
+    bodies = [{"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(png_bytes(48 + 8 * (i % 4), 64, seed=1000 + i), "image/png")}},
+        {"type": "text", "text": f"request {i}"}]}], "max_tokens": 5, "temperature": 0} for i in range(16)]
+    before = server.get("/v1/encoder/stats").json()
+
+    async def fire():
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{PORT}", timeout=120) as client:
+            return await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
+
+    responses = asyncio.run(fire())
+    after = server.get("/v1/encoder/stats").json()
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    pieces, batches = after["pieces"] - before["pieces"], after["batches"] - before["batches"]
+    assert pieces == 16 and batches < pieces, (pieces, batches)
+    assert 0 < after["batch_fill"] <= 1 and after["queue_wait_ms_max"] >= 0
+
+    # The same requests through the whole pipeline in-process, each alone, no batching, no cache.
+    cfg = AppConfig(**SERVER_ARGS | {"model": str(tiny_checkpoint)})
+    from transformers import AutoTokenizer
+
+    chat = ChatService(cfg, AutoTokenizer.from_pretrained(tiny_checkpoint),
+                       MediaPipeline(cfg.media, PatchSpec.from_checkpoint(tiny_checkpoint)),
+                       LocalBackend(EncoderService(cfg, str(tiny_checkpoint)), Engine(str(tiny_checkpoint))))
+
+    async def reference(body):
+        return await chat.complete(*(await chat.prepare(body)))
+
+    for body, resp in zip(bodies, responses):
+        want = asyncio.run(reference(body))
+        got = resp.json()
+        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+        assert got["usage"] == want["usage"]
+
+
+def test_a_repeated_image_is_served_from_the_cache(server):
+    content = [{"type": "image_url", "image_url": {"url": data_url(png_bytes(40, 40, seed=77), "image/png")}}]
+    first = expect_ok(chat(server, content), images=1)
+    before = server.get("/v1/encoder/stats").json()
+    second = expect_ok(chat(server, content), images=1)
+    after = server.get("/v1/encoder/stats").json()
+    assert after["cache_hits"] == before["cache_hits"] + 1 and after["pieces"] == before["pieces"]
+    assert first["choices"][0]["message"] == second["choices"][0]["message"]
+
+
+def _solid_png(h: int, w: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (10, 200, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+LIMIT_CASES = [
+    ("video sent as image_url", [{"type": "image_url", "image_url": {"url": data_url(mp4_bytes(4), "image/png")}}],
+     400, "media_type_mismatch"),
+    ("image over max_input_pixels", [{"type": "image_url", "image_url": {"url": data_url(_solid_png(1100, 1000),
+                                                                                         "image/png")}}],
+     400, "image_too_large"),
+    ("more items than allowed", [{"type": "image_url", "image_url": {"url": data_url(png_bytes(), "image/png")}}] * 5,
+     400, "too_many_media_items"),
+    ("a MIME type that lies", [{"type": "image_url", "image_url": {"url": data_url(png_bytes(), "video/mp4")}}],
+     200, None),
+    ("still image sent as video_url", [{"type": "video_url", "video_url": {"url": data_url(png_bytes(), "image/png")}}],
+     200, None),
+]
+
+
+@pytest.mark.parametrize("name,content,status,code", LIMIT_CASES, ids=[c[0] for c in LIMIT_CASES])
+def test_detection_and_limits_follow_the_documented_rules(server, name, content, status, code):
+    resp = chat(server, content)
+    assert resp.status_code == status, resp.text
+    if code:
+        assert resp.json()["error"]["code"] == code
+    elif name.startswith("still image"):
+        expect_ok(resp, videos=1)
+    else:
+        expect_ok(resp, images=1)

@@ -35,6 +35,12 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
 
 
+def request_from_dict(gen: dict, encoded: list) -> GenerationRequest:
+    """The router's generation dict plus the encoder's (main, deepstack) per item, in prompt order."""
+    vision = [VisionInput(tuple(g), main, ds) for g, (main, ds) in zip(gen["grids"], encoded, strict=True)]
+    return GenerationRequest(gen["input_ids"], gen["mm_token_type_ids"], vision, SamplingParams(**gen["params"]))
+
+
 @dataclass
 class Chunk:
     """One streamed step: new text, and on the last chunk the finish reason and counts."""

@@ -1,0 +1,131 @@
+"""Packing and chunking invariants (hypothesis), the batcher's routing, chunking exactness, cache."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.vision.graphs import VisionItem
+from app.vision.packing import Limits, Piece, chunk_video, pack
+
+limits_st = st.builds(Limits, max_tokens=st.integers(16, 4096), max_items=st.integers(1, 16),
+                      max_seqs=st.integers(1, 32))
+pieces_st = st.lists(st.tuples(st.integers(1, 5000), st.integers(1, 40), st.floats(0, 100)), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(limits_st, pieces_st)
+def test_pack_places_every_piece_once_within_limits(limits, raw):
+    pieces = [Piece(key=i, tokens=t, seqs=s, age=a) for i, (t, s, a) in enumerate(raw)]
+    batches = pack(pieces, limits)
+    placed = [p.key for b in batches for p in b]
+    assert sorted(placed) == list(range(len(pieces)))  # exactly once
+    for b in batches:
+        assert b
+        oversize = len(b) == 1 and (b[0].tokens > limits.max_tokens or b[0].seqs > limits.max_seqs)
+        if not oversize:
+            assert sum(p.tokens for p in b) <= limits.max_tokens
+            assert sum(p.seqs for p in b) <= limits.max_seqs
+            assert len(b) <= limits.max_items
+    if pieces:  # the oldest piece is never left behind larger ones
+        assert batches[0][0].age == min(p.age for p in pieces)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 200), st.integers(1, 40), st.integers(1, 40), limits_st)
+def test_chunks_cover_the_video_and_fit(t, h, w, limits):
+    ranges = chunk_video((t, h, w), limits)
+    assert ranges[0][0] == 0 and ranges[-1][1] == t
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    if h * w <= limits.max_tokens:
+        for s, e in ranges:
+            assert (e - s) * h * w <= limits.max_tokens and e - s <= limits.max_seqs
+    else:
+        assert ranges == [(0, t)]
+
+
+@pytest.fixture(scope="module")
+def service(tiny_checkpoint):
+    from app.config import AppConfig
+    from app.vision.service import EncoderService
+
+    cfg = AppConfig(model=str(tiny_checkpoint), encoder={"token_budgets": [64, 128, 256], "max_items_per_batch": 4,
+                                                         "max_frames_per_batch": 6, "batch_wait_ms": 20})
+    return EncoderService(cfg, str(tiny_checkpoint))
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def _items(grids, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(t * h * w, 1536, generator=g).numpy(), (t, h, w), f"k{seed}-{i}")
+            for i, (t, h, w) in enumerate(grids)]
+
+
+def test_chunked_long_video_equals_the_unchunked_encoding(service):
+    (px, grid, _), = _items([(20, 4, 4)], seed=1)  # 20 temporal groups > 6 per batch: 4 chunks
+    before, eager = service.batcher.stats.batches, service.manager.stats.eager_batches
+    out = asyncio.run(service.encode_async([(px, grid, None)]))[0]
+    assert service.batcher.stats.batches - before == 4  # 6 + 6 + 6 + 2 groups
+    assert service.manager.stats.eager_batches == eager  # every chunk took the static-shape path
+    whole = service.manager.encode([VisionItem(torch.from_numpy(px), grid)], force_eager=True)[0]
+    assert out[0].shape == whole.main.shape == (20 * 4 * 4 // 4, 64)
+    assert _rel(out[0], whole.main) <= 1e-6
+    for a, b in zip(out[1], whole.deepstack, strict=True):
+        assert _rel(a, b) <= 1e-6
+
+
+def test_concurrent_requests_share_batches_and_get_their_own_results(service):
+    reqs = [_items([(1, 4, 4), (2, 2, 4)], seed=100 + r) for r in range(8)]
+
+    async def run_all():
+        return await asyncio.gather(*(service.encode_async(r) for r in reqs))
+
+    b0, p0 = service.batcher.stats.batches, service.batcher.stats.pieces
+    results = asyncio.run(run_all())
+    batches, pieces = service.batcher.stats.batches - b0, service.batcher.stats.pieces - p0
+    assert pieces == 16 and batches < pieces
+    for r, res in zip(reqs, results):
+        alone = service.encode([(px, g) for px, g, _ in r])
+        for (m, ds), (m0, ds0) in zip(res, alone, strict=True):
+            assert _rel(m, m0) <= 1e-5 and all(_rel(a, b) <= 1e-5 for a, b in zip(ds, ds0))
+
+
+def test_repeated_items_hit_the_cache_and_skip_the_encoder(service):
+    items = _items([(1, 4, 6)], seed=7)
+    first = asyncio.run(service.encode_async(items))
+    batches, hits = service.batcher.stats.batches, service.cache.hits
+    again = asyncio.run(service.encode_async(items))
+    assert service.batcher.stats.batches == batches and service.cache.hits == hits + 1
+    assert torch.equal(first[0][0], again[0][0])
+
+
+def test_a_cancelled_request_leaves_the_queue(service):
+    async def scenario():
+        task = asyncio.ensure_future(service.encode_async(_items([(1, 4, 4)], seed=9)))
+        await asyncio.sleep(0)  # queued, the batcher is still waiting (batch_wait_ms = 20)
+        task.cancel()
+        kept = await service.encode_async(_items([(1, 2, 2)], seed=10))
+        return task, kept
+
+    before = service.batcher.stats.cancelled_pieces
+    task, kept = asyncio.run(scenario())
+    assert task.cancelled() and len(kept) == 1
+    assert service.batcher.stats.cancelled_pieces == before + 1
+
+
+def test_cache_is_bounded_in_bytes():
+    from app.vision.cache import EmbeddingCache, entry_bytes
+
+    e = (torch.zeros(10, 4), [torch.zeros(10, 4)])
+    cache = EmbeddingCache(max_bytes=3 * entry_bytes(e))
+    for i in range(5):
+        cache.put(f"k{i}", e)
+    assert len(cache) == 3 and cache.bytes <= cache.max_bytes
+    assert cache.get("k0") is None and cache.get("k4") is not None  # least recently used went first
