@@ -8,6 +8,7 @@ import os
 
 import httpx
 import pytest
+
 from helpers import mp4_bytes, png_bytes
 
 pytestmark = pytest.mark.integration

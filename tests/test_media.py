@@ -4,11 +4,11 @@ import io
 
 import numpy as np
 import pytest
-from helpers import mp4_bytes, png_bytes
 
 from app.errors import ClientError
 from app.media import decode_image, decode_video, fetch, sample_indices, sniff
 from app.preprocess import PatchSpec, frame_timestamps, patchify, preprocess_image, smart_resize
+from helpers import mp4_bytes, png_bytes
 
 BIG = 10**9
 
