@@ -48,6 +48,10 @@ class ChatService:
     async def prepare(self, body) -> tuple[ChatRequest, dict, list]:
         req = parse_chat_request(body, self.cfg.llm.default_max_tokens, self.cfg.media.max_items_per_request)
         items = await self.media.prepare_all(req.media)
+        frames = sum(it.patches.grid[0] * self.media.spec.temporal for it in items if it.kind == "video")
+        if frames > self.cfg.media.max_frames_per_request:
+            raise ClientError(f"{frames} sampled video frames exceed the limit of {self.cfg.media.max_frames_per_request} "
+                              "per request", param="messages", code="too_many_frames")
         prompt = self.prompts.build(req.messages, [it.slot(self.merge) for it in items])
         if len(prompt.input_ids) >= self.cfg.llm.max_model_len:
             raise ClientError(f"prompt of {len(prompt.input_ids)} tokens exceeds max_model_len "

@@ -26,6 +26,7 @@ class MediaConfig(_Strict):
     video_min_pixels: int = Field(64 * 32 * 32, gt=0, description="per-frame lower bound")
     video_max_pixels: int = Field(256 * 32 * 32, gt=0, description="per-frame upper bound")
     max_items_per_request: int = Field(16, ge=1)
+    max_frames_per_request: int = Field(256, ge=2, description="sampled video frames over all of a request's videos")
     max_input_pixels: int = Field(64_000_000, gt=0, description="decoded image size above which a request is refused")
     max_video_duration_s: float = Field(3600.0, gt=0)
     max_media_bytes: int = Field(256 * 1024 * 1024, gt=0)

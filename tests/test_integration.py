@@ -14,7 +14,8 @@ from helpers import mp4_bytes, png_bytes
 pytestmark = pytest.mark.integration
 PORT = 8765
 SERVER_ARGS = {"model": "embedded:tiny", "encoder": {"min_budget": 64, "max_budget": 1024, "batch_wait_ms": 20},
-               "media": {"max_input_pixels": 1_000_000, "max_items_per_request": 4}}
+               "media": {"max_input_pixels": 1_000_000, "max_items_per_request": 4,
+                         "max_frames_per_request": 10}}
 
 
 def data_url(data: bytes, mime: str) -> str:
@@ -221,6 +222,9 @@ LIMIT_CASES = [
      400, "image_too_large"),
     ("more items than allowed", [{"type": "image_url", "image_url": {"url": data_url(png_bytes(), "image/png")}}] * 5,
      400, "too_many_media_items"),
+    ("more video frames than allowed", [{"type": "video_url", "video_url": {"url": data_url(mp4_bytes(12, fps=2),
+                                                                                           "video/mp4")}}] * 2,
+     400, "too_many_frames"),
     ("a MIME type that lies", [{"type": "image_url", "image_url": {"url": data_url(png_bytes(), "video/mp4")}}],
      200, None),
     ("still image sent as video_url", [{"type": "video_url", "video_url": {"url": data_url(png_bytes(), "image/png")}}],
