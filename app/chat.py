@@ -76,16 +76,28 @@ class ChatService:
         return completion_response(req, self.cfg.model_name, "".join(text), last["finish_reason"],
                                    self._usage(gen, last))
 
-    async def stream_sse(self, req: ChatRequest, gen: dict, payload: list) -> AsyncIterator[str]:
+    async def open_stream(self, req: ChatRequest, gen: dict, payload: list) -> AsyncIterator[str]:
+        """Waits for the first generated chunk, so that errors before it (overload, bad input) still
+        get their HTTP status; then returns the server-sent-event stream."""
+        stream = aiter(self.backend.stream(gen, payload))
+        first = await anext(stream)
+        return self._sse(req, gen, first, stream)
+
+    async def _sse(self, req: ChatRequest, gen: dict, first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[str]:
         """Server-sent events; errors after the first byte become an error event, then [DONE]."""
         model = self.cfg.model_name
 
         def event(obj: dict) -> str:
             return f"data: {json.dumps(obj)}\n\n"
 
+        async def chunks():
+            yield first
+            async for c in rest:
+                yield c
+
         yield event(stream_chunk(req, model, {"role": "assistant", "content": ""}))
         try:
-            async for chunk in self.backend.stream(gen, payload):
+            async for chunk in chunks():
                 if chunk["text"]:
                     yield event(stream_chunk(req, model, {"content": chunk["text"]}))
                 if chunk["finish_reason"]:

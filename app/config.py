@@ -71,8 +71,10 @@ class EncoderConfig(_Strict):
 class LLMConfig(_Strict):
     """Text generation."""
 
-    max_model_len: int = Field(32768, ge=16)
+    max_model_len: int = Field(8192, ge=16)
     default_max_tokens: int = Field(256, ge=1)
+    max_num_seqs: int = Field(8, ge=1, description="requests decoded together (KV slots of max_model_len each)")
+    max_waiting: int = Field(256, ge=0, description="queued requests beyond the slots; more get 503")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
 
 

@@ -105,6 +105,9 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
         max_tokens=max_tokens,
         temperature=_num(body, "temperature", 0, 2, 1.0),
         top_p=_num(body, "top_p", 0, 1, 1.0),
+        top_k=_num(body, "top_k", 0, 1 << 20, 0, integer=True),
+        frequency_penalty=_num(body, "frequency_penalty", -2, 2, 0.0),
+        presence_penalty=_num(body, "presence_penalty", -2, 2, 0.0),
         seed=_num(body, "seed", -(1 << 63), (1 << 63) - 1, None, integer=True),
         stop=stop or [],
     )

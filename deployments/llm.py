@@ -17,11 +17,22 @@ from app.vision.service import pick_device
 class LLM:
     def __init__(self, config: dict):
         cfg = AppConfig(**config)
-        self.engine = Engine(str(resolve_model(cfg.model, cfg.cache_dir)), pick_device(cfg.device), cfg.llm.dtype,
-                             cfg.llm.max_model_len)
+        llm = cfg.llm
+        self.engine = Engine(str(resolve_model(cfg.model, cfg.cache_dir)), pick_device(cfg.device), llm.dtype,
+                             llm.max_model_len, llm.max_num_seqs, llm.max_waiting)
 
     async def generate(self, gen: dict, encoded: list):
-        """Async generator of engine chunks; `encoded` arrives resolved from the encoder's response."""
-        it = self.engine.generate(request_from_dict(gen, encoded))
-        while (chunk := await asyncio.to_thread(next, it, None)) is not None:
-            yield asdict(chunk)
+        """Async generator of engine chunks; `encoded` arrives resolved from the encoder's response.
+        A client that goes away cancels the sequence, which frees its slot at the next step."""
+        seq = self.engine.submit(request_from_dict(gen, encoded))
+        try:
+            while True:
+                chunk = await asyncio.to_thread(seq.next_chunk)
+                yield asdict(chunk)
+                if chunk.finish_reason:
+                    return
+        finally:
+            seq.cancel()
+
+    def load(self) -> dict:
+        return self.engine.load()

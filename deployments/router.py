@@ -71,7 +71,7 @@ class Router:
         try:
             req, gen, payload = await self.chat.prepare(body)
             if req.stream:
-                return StreamingResponse(self.chat.stream_sse(req, gen, payload), media_type="text/event-stream")
+                return StreamingResponse(await self.chat.open_stream(req, gen, payload), media_type="text/event-stream")
             return JSONResponse(await self.chat.complete(req, gen, payload))
         except Exception as e:
             err = unwrap_client_error(e)

@@ -17,3 +17,21 @@ def tiny_checkpoint(model_cache):
     from app.model_builder import ensure_embedded
 
     return ensure_embedded("tiny", model_cache)
+
+
+@pytest.fixture(scope="session")
+def world(tiny_checkpoint):
+    """Reference model, our engine, tokenizer and an encoder for LLM tests on the tiny model."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+
+    from app.llm.engine import Engine
+    from app.preprocess import PatchSpec
+    from app.vision.graphs import GraphManager, GraphSettings
+    from app.vision.loading import load_vision_model
+    from app.vision.tower import VisionTower
+
+    ref = Qwen3VLForConditionalGeneration.from_pretrained(tiny_checkpoint).eval()
+    mgr = GraphManager(VisionTower(load_vision_model(tiny_checkpoint, torch.float32)), GraphSettings([256, 512]))
+    return {"ref": ref, "engine": Engine(str(tiny_checkpoint)), "tok": AutoTokenizer.from_pretrained(tiny_checkpoint),
+            "spec": PatchSpec.from_checkpoint(tiny_checkpoint), "mgr": mgr}

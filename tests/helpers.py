@@ -5,6 +5,13 @@ from __future__ import annotations
 import io
 
 import numpy as np
+import torch
+
+from app.llm.engine import GenerationRequest, VisionInput
+from app.llm.sampling import SamplingParams
+from app.preprocess import frame_timestamps, preprocess_image, preprocess_video
+from app.prompt import MediaSlot, PromptBuilder
+from app.vision.graphs import VisionItem
 
 
 def png_bytes(h: int = 64, w: int = 96, seed: int = 0, fmt: str = "PNG") -> bytes:
@@ -31,3 +38,51 @@ def mp4_bytes(frames: int = 8, h: int = 64, w: int = 64, fps: int = 4, seed: int
         for packet in stream.encode():
             out.mux(packet)
     return buf.getvalue()
+
+
+# ---------------------------------------------------------------- LLM requests (tiny model)
+def make_request(world, kinds, data_seed=0, words=0, **params):
+    rng = np.random.default_rng(data_seed)
+    spec, items, slots, content = world["spec"], [], [], []
+    for k in kinds:
+        if k == "image":
+            p = preprocess_image((rng.random((64, 96, 3)) * 255).astype(np.uint8), spec, 1024, 1 << 20)
+            slots.append(MediaSlot("image", p.grid))
+        else:
+            p = preprocess_video((rng.random((4, 64, 64, 3)) * 255).astype(np.uint8), spec, 1024, 1 << 20)
+            slots.append(MediaSlot("video", p.grid, frame_timestamps([0, 1, 2, 3], 2.0, 2)))
+        items.append(p)
+        content += [{"type": k}, {"type": "text", "text": f"item {len(items)}"}]
+    if words:
+        content.append({"type": "text", "text": " more" * words})
+    prompt = PromptBuilder(world["tok"]).build([{"role": "user", "content": content or "Tell me a story"}], slots)
+    outs = world["mgr"].encode([VisionItem(torch.from_numpy(p.pixel_values), p.grid) for p in items])
+    vision = [VisionInput(p.grid, o.main, o.deepstack) for p, o in zip(items, outs)]
+    return GenerationRequest(prompt.input_ids, prompt.mm_token_type_ids, vision,
+                             SamplingParams(**{"max_tokens": 10, "temperature": 0, **params})), items, prompt
+
+
+def reference_generate(world, prompt, items, max_new=10):
+    ids = torch.tensor([prompt.input_ids])
+    kw = {}
+    imgs = [p for p, s in zip(items, prompt_kinds(prompt, items)) if s == "image"]
+    vids = [p for p, s in zip(items, prompt_kinds(prompt, items)) if s == "video"]
+    if imgs:
+        kw.update(pixel_values=torch.from_numpy(np.concatenate([p.pixel_values for p in imgs])),
+                  image_grid_thw=torch.tensor([p.grid for p in imgs]))
+    if vids:
+        kw.update(pixel_values_videos=torch.from_numpy(np.concatenate([p.pixel_values for p in vids])),
+                  video_grid_thw=torch.tensor([p.grid for p in vids]))
+    out = world["ref"].generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                mm_token_type_ids=torch.tensor([prompt.mm_token_type_ids]), max_new_tokens=max_new,
+                                do_sample=False, **kw)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def prompt_kinds(prompt, items):
+    return [("image" if p.grid[0] == 1 else "video") for p in items]
+
+
+def ours(world, req):
+    chunks = list(world["engine"].generate(req))
+    return [t for c in chunks for t in c.token_ids], chunks

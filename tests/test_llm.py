@@ -1,72 +1,12 @@
 """Generation on the tiny model against transformers' own `generate`, plus prompt, sampling and stops."""
 
-import numpy as np
 import pytest
 import torch
 
-from app.llm.engine import Engine, GenerationRequest, VisionInput
+from app.llm.engine import VisionInput
 from app.llm.mrope import mrope_positions
-from app.llm.sampling import SamplingParams, StopChecker
-from app.preprocess import PatchSpec, frame_timestamps, preprocess_image, preprocess_video
-from app.prompt import MediaSlot, PromptBuilder
-from app.vision.graphs import GraphManager, GraphSettings, VisionItem
-from app.vision.loading import load_vision_model
-from app.vision.tower import VisionTower
-
-
-@pytest.fixture(scope="module")
-def world(tiny_checkpoint):
-    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
-
-    ref = Qwen3VLForConditionalGeneration.from_pretrained(tiny_checkpoint).eval()
-    mgr = GraphManager(VisionTower(load_vision_model(tiny_checkpoint, torch.float32)), GraphSettings([256, 512]))
-    return {"ref": ref, "engine": Engine(str(tiny_checkpoint)), "tok": AutoTokenizer.from_pretrained(tiny_checkpoint),
-            "spec": PatchSpec.from_checkpoint(tiny_checkpoint), "mgr": mgr}
-
-
-def make_request(world, kinds, data_seed=0, **params):
-    rng = np.random.default_rng(data_seed)
-    spec, items, slots, content = world["spec"], [], [], []
-    for k in kinds:
-        if k == "image":
-            p = preprocess_image((rng.random((64, 96, 3)) * 255).astype(np.uint8), spec, 1024, 1 << 20)
-            slots.append(MediaSlot("image", p.grid))
-        else:
-            p = preprocess_video((rng.random((4, 64, 64, 3)) * 255).astype(np.uint8), spec, 1024, 1 << 20)
-            slots.append(MediaSlot("video", p.grid, frame_timestamps([0, 1, 2, 3], 2.0, 2)))
-        items.append(p)
-        content += [{"type": k}, {"type": "text", "text": f"item {len(items)}"}]
-    prompt = PromptBuilder(world["tok"]).build([{"role": "user", "content": content or "Tell me a story"}], slots)
-    outs = world["mgr"].encode([VisionItem(torch.from_numpy(p.pixel_values), p.grid) for p in items])
-    vision = [VisionInput(p.grid, o.main, o.deepstack) for p, o in zip(items, outs)]
-    return GenerationRequest(prompt.input_ids, prompt.mm_token_type_ids, vision,
-                             SamplingParams(**{"max_tokens": 10, "temperature": 0, **params})), items, prompt
-
-
-def reference_generate(world, prompt, items, max_new=10):
-    ids = torch.tensor([prompt.input_ids])
-    kw = {}
-    imgs = [p for p, s in zip(items, prompt_kinds(prompt, items)) if s == "image"]
-    vids = [p for p, s in zip(items, prompt_kinds(prompt, items)) if s == "video"]
-    if imgs:
-        kw.update(pixel_values=torch.from_numpy(np.concatenate([p.pixel_values for p in imgs])),
-                  image_grid_thw=torch.tensor([p.grid for p in imgs]))
-    if vids:
-        kw.update(pixel_values_videos=torch.from_numpy(np.concatenate([p.pixel_values for p in vids])),
-                  video_grid_thw=torch.tensor([p.grid for p in vids]))
-    out = world["ref"].generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                mm_token_type_ids=torch.tensor([prompt.mm_token_type_ids]), max_new_tokens=max_new,
-                                do_sample=False, **kw)
-    return out[0, ids.shape[1]:].tolist()
-
-
-def prompt_kinds(prompt, items):
-    return [("image" if p.grid[0] == 1 else "video") for p in items]
-
-
-def ours(world, req):
-    chunks = list(world["engine"].generate(req))
-    return [t for c in chunks for t in c.token_ids], chunks
+from app.llm.sampling import StopChecker
+from helpers import make_request, ours, reference_generate
 
 
 @pytest.mark.parametrize("kinds", [[], ["image"], ["video"], ["image", "video", "image"]])

@@ -1,21 +1,36 @@
-"""Text generation with Qwen3-VL's language model, fed precomputed vision embeddings.
+"""Continuous-batching text generation for Qwen3-VL, fed precomputed vision embeddings.
 
-The vision encoder runs elsewhere; this engine splices its main embeddings into the prompt's
-placeholder positions, injects the deepstack features into the first decoder layers and uses
-M-RoPE positions from the items' grids — the same computation as transformers' own forward.
+- Prefill runs one request through transformers' own text model: vision embeddings spliced into the
+  placeholders, deepstack features injected into the first layers, M-RoPE positions from the grids.
+  Its keys and values are then copied into a slot of a preallocated KV cache.
+- Decode runs every running request in one batched step over the same modules. A decode token's
+  three M-RoPE axes share one position (prompt length + delta), and attention reads each slot's
+  prefix through a length mask. Finished slots are refilled by the last one, so the running batch
+  always occupies slots [0, n) and attention reads a view of the cache, not a gather.
+- A scheduler thread admits at most one prefill between decode steps, so a new request stalls the
+  running ones by one prefill at most. A cancelled request leaves at the next step. When every slot
+  is busy, requests wait; past `max_waiting` they are refused with 503 and Retry-After.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import ClientError
 from .mrope import mrope_positions
-from .sampling import Sampler, SamplingParams, StopChecker
+from .sampling import SamplingParams
+from .sequence import Chunk, Sequence
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Chunk", "Engine", "GenerationRequest", "VisionInput", "request_from_dict", "resolve_dtype"]
 
 
 @dataclass
@@ -41,18 +56,6 @@ def request_from_dict(gen: dict, encoded: list) -> GenerationRequest:
     return GenerationRequest(gen["input_ids"], gen["mm_token_type_ids"], vision, SamplingParams(**gen["params"]))
 
 
-@dataclass
-class Chunk:
-    """One streamed step: new text, and on the last chunk the finish reason and counts."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    vision_embeddings: int = 0
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -60,8 +63,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Engine:
-    def __init__(self, path: str, device: str = "cpu", dtype: str = "auto", max_model_len: int = 32768):
+    def __init__(self, path: str, device: str = "cpu", dtype: str = "auto", max_model_len: int = 32768,
+                 max_num_seqs: int = 8, max_waiting: int = 256):
         from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb
 
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -70,16 +75,131 @@ class Engine:
         self.model = model.to(self.device).eval()
         self.text = model.model.language_model
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self._rope = apply_rotary_pos_emb
         cfg = model.config
+        tc = cfg.text_config
         self.merge = cfg.vision_config.spatial_merge_size
         self.image_id, self.video_id = cfg.image_token_id, cfg.video_token_id
         eos = model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id}
-        self.max_model_len = max_model_len
-        self._lock = threading.Lock()  # one forward at a time on this replica
+        self.max_model_len, self.max_num_seqs, self.max_waiting = max_model_len, max_num_seqs, max_waiting
+        self.kv_heads = tc.num_key_value_heads
+        self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+        self.running: list[Sequence] = []
+        self.waiting: collections.deque[tuple[Sequence, GenerationRequest]] = collections.deque()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+        self.peak_running = 0
 
-    # ------------------------------------------------------------------ prefill inputs
-    def _prefill_inputs(self, req: GenerationRequest):
+    # ------------------------------------------------------------------ public
+    def submit(self, req: GenerationRequest) -> Sequence:
+        length = len(req.input_ids)
+        if length >= self.max_model_len:
+            raise ClientError(f"prompt of {length} tokens exceeds max_model_len {self.max_model_len}",
+                              param="messages", code="context_length_exceeded")
+        n_rows = sum(v.main.shape[0] for v in req.vision)
+        seq = Sequence(length, req.params, min(req.params.max_tokens, self.max_model_len - length), self.tokenizer,
+                       self.eos_ids, n_rows, self.device)
+        with self._cv:
+            if len(self.waiting) >= self.max_waiting:
+                raise ClientError("the server is at capacity; retry shortly", status=503, type="server_busy",
+                                  code="overloaded", headers={"Retry-After": "1"})
+            self.waiting.append((seq, req))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="llm-scheduler", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return seq
+
+    def generate(self, req: GenerationRequest) -> Iterator[Chunk]:
+        """Synchronous convenience: submit and yield chunks until the last; closing it cancels."""
+        seq = self.submit(req)
+        try:
+            while True:
+                chunk = seq.next_chunk()
+                yield chunk
+                if chunk.finish_reason:
+                    return
+        finally:
+            seq.cancel()
+
+    def load(self) -> dict:
+        with self._cv:
+            return {"running": len(self.running), "waiting": len(self.waiting),
+                    "kv_slots_used": len(self.running), "kv_slots": self.max_num_seqs}
+
+    # ------------------------------------------------------------------ scheduler
+    def _loop(self) -> None:
+        with torch.inference_mode():  # the KV cache is made of inference tensors
+            while True:
+                try:
+                    self._iterate()
+                except Exception as e:  # never let the scheduler die: fail what was running
+                    log.exception("scheduler iteration failed")
+                    for s in list(self.running):
+                        self.running.remove(s)
+                        s.fail(e)
+
+    def _iterate(self) -> None:
+        """Admit at most one waiting request (one prefill), then one decode step for all running."""
+        with self._cv:
+            while not self.running and not self.waiting:
+                self._cv.wait()
+            admit = None
+            while self.waiting and len(self.running) < self.max_num_seqs:
+                seq, req = self.waiting.popleft()
+                if not seq.cancelled:
+                    admit = (seq, req)
+                    break
+        if admit is not None:
+            self._admit(*admit)
+        if self.running:
+            self._step()
+
+    def _admit(self, seq: Sequence, req: GenerationRequest) -> None:
+        try:
+            logits = self._prefill(seq, req)
+            seq.advance(seq.sample(logits))
+        except Exception as e:  # a bad request fails alone
+            self._release_kv_for(seq)
+            seq.fail(e)
+            return
+        if seq.finished:
+            self._release_kv_for(seq)
+
+    # ------------------------------------------------------------------ KV cache
+    def _ensure_kv(self) -> None:
+        if self._k:
+            return
+        shape = (self.max_num_seqs, self.kv_heads, self.max_model_len, self.head_dim)
+        for _ in self.text.layers:
+            self._k.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            self._v.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    def _release_kv_for(self, seq: Sequence) -> None:
+        """Drop `seq` from the running set, moving the last running sequence into its slot."""
+        if seq not in self.running:
+            return
+        i = self.running.index(seq)
+        last = self.running[-1]
+        if last is not seq:
+            n = last.kv_len
+            for k, v in zip(self._k, self._v):
+                k[i, :, :n] = k[last.slot, :, :n]
+                v[i, :, :n] = v[last.slot, :, :n]
+            self.running[i] = last
+            last.slot = i
+        self.running.pop()
+
+    # ------------------------------------------------------------------ model
+    @torch.inference_mode()
+    def _prefill(self, seq: Sequence, req: GenerationRequest) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        self._ensure_kv()
         ids = torch.tensor([req.input_ids], device=self.device)
         embeds = self.text.embed_tokens(ids)
         mask = (ids == self.image_id) | (ids == self.video_id)
@@ -91,59 +211,68 @@ class Engine:
         if req.vision:
             main = torch.cat([v.main for v in req.vision]).to(self.device, embeds.dtype)
             embeds = embeds.masked_scatter(mask[..., None], main)
-            layers = len(req.vision[0].deepstack)
             deepstack = [torch.cat([v.deepstack[j] for v in req.vision]).to(self.device, embeds.dtype)
-                         for j in range(layers)]
+                         for j in range(len(req.vision[0].deepstack))]
         pos, delta = mrope_positions(req.mm_token_type_ids, [v.grid for v in req.vision], self.merge)
         length = len(req.input_ids)
         position_ids = torch.cat([torch.arange(length)[None], pos]).to(self.device)[:, None, :]  # [4, 1, L]
-        return embeds, position_ids, mask, deepstack, delta, n_rows
+        cache = DynamicCache(config=self.model.config.text_config)
+        out = self.text(inputs_embeds=embeds, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                        visual_pos_masks=mask if req.vision else None, deepstack_visual_embeds=deepstack)
+        seq.slot = len(self.running)
+        for li, layer in enumerate(cache.layers):
+            self._k[li][seq.slot, :, :length] = layer.keys[0]
+            self._v[li][seq.slot, :, :length] = layer.values[0]
+        seq.kv_len, seq.rope_delta = length, delta
+        self.running.append(seq)
+        self.peak_running = max(self.peak_running, len(self.running))
+        return self.model.lm_head(out.last_hidden_state[:, -1])[0]
 
     @torch.inference_mode()
-    def _forward(self, embeds, position_ids, cache, mask=None, deepstack=None) -> torch.Tensor:
-        with self._lock:
-            out = self.text(inputs_embeds=embeds, position_ids=position_ids, past_key_values=cache, use_cache=True,
-                            visual_pos_masks=mask, deepstack_visual_embeds=deepstack)
-            return self.model.lm_head(out.last_hidden_state[:, -1])[0]
+    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """One token for each of the first B slots: tokens/positions/lengths [B] -> logits [B, vocab]."""
+        b = tokens.shape[0]
+        x = self.text.embed_tokens(tokens)[:, None, :]
+        cos, sin = self.text.rotary_emb(x, positions.view(1, b, 1).expand(3, b, 1))
+        span = int(lengths.max()) + 1
+        rows = torch.arange(b, device=self.device)
+        visible = (torch.arange(span, device=self.device)[None, :] <= lengths[:, None])[:, None, None, :]
+        for li, layer in enumerate(self.text.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_norm(attn.q_proj(h).view(b, 1, -1, self.head_dim)).transpose(1, 2)
+            k = attn.k_norm(attn.k_proj(h).view(b, 1, -1, self.head_dim)).transpose(1, 2)
+            v = attn.v_proj(h).view(b, 1, -1, self.head_dim).transpose(1, 2)
+            q, k = self._rope(q, k, cos, sin)
+            self._k[li][rows, :, lengths] = k[:, :, 0]
+            self._v[li][rows, :, lengths] = v[:, :, 0]
+            o = F.scaled_dot_product_attention(q, self._k[li][:b, :, :span], self._v[li][:b, :, :span],
+                                               attn_mask=visible, scale=attn.scaling, enable_gqa=True)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, 1, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.lm_head(self.text.norm(x)[:, 0])
 
-    # ------------------------------------------------------------------ generation
-    def generate(self, req: GenerationRequest) -> Iterator[Chunk]:
-        """Yields text as it becomes safe to emit; the last chunk carries finish_reason and usage."""
-        from transformers import DynamicCache
-
-        length = len(req.input_ids)
-        if length >= self.max_model_len:
-            raise ClientError(f"prompt of {length} tokens exceeds max_model_len {self.max_model_len}",
-                              param="messages", code="context_length_exceeded")
-        max_new = min(req.params.max_tokens, self.max_model_len - length)
-        embeds, position_ids, mask, deepstack, delta, n_vision = self._prefill_inputs(req)
-        cache = DynamicCache(config=self.model.config.text_config)
-        sampler, stops = Sampler(req.params, self.device), StopChecker(req.params.stop)
-        logits = self._forward(embeds, position_ids, cache, mask, deepstack)
-        out_ids: list[int] = []
-        emitted, sent_ids, finish = 0, 0, None
-        while True:
-            token = sampler(logits)
-            if token in self.eos_ids:
-                finish = "stop"
-            else:
-                out_ids.append(token)
-            text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
-            cut = stops.find(text) if finish is None else None
-            if cut is not None:
-                text, finish = text[:cut], "stop"
-            if finish is None and len(out_ids) >= max_new:
-                finish = "length"
-            upto = len(text) if finish else stops.safe_length(text)
-            delta_text = text[emitted:upto]
-            emitted = max(emitted, upto)
-            if finish:
-                yield Chunk(delta_text, out_ids[sent_ids:], finish, length, len(out_ids), n_vision)
-                return
-            if delta_text:
-                yield Chunk(delta_text, out_ids[sent_ids:])
-                sent_ids = len(out_ids)
-            pos = length + len(out_ids) - 1
-            step_pos = torch.tensor([pos, pos + delta, pos + delta, pos + delta], device=self.device).view(4, 1, 1)
-            step_embeds = self.text.embed_tokens(torch.tensor([[token]], device=self.device))
-            logits = self._forward(step_embeds, step_pos, cache)
+    def _step(self) -> None:
+        for seq in [s for s in self.running if s.cancelled]:
+            self._release_kv_for(seq)
+        if not self.running:
+            return
+        seqs = list(self.running)
+        dev = self.device
+        tokens = torch.tensor([s.next_token for s in seqs], device=dev)
+        lengths = torch.tensor([s.kv_len for s in seqs], device=dev)
+        positions = lengths + torch.tensor([s.rope_delta for s in seqs], device=dev)
+        try:
+            logits = self._decode(tokens, positions, lengths)
+        except Exception as e:  # e.g. out of memory: fail the batch, keep serving
+            for s in seqs:
+                self._release_kv_for(s)
+                s.fail(e)
+            return
+        self.steps += 1
+        for i, s in enumerate(seqs):
+            s.kv_len += 1
+            s.advance(s.sample(logits[i]))
+        for s in seqs:
+            if s.finished:
+                self._release_kv_for(s)

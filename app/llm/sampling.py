@@ -12,12 +12,16 @@ class SamplingParams:
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 = off
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
 
 class Sampler:
-    """Greedy at temperature 0, else temperature + nucleus sampling from a per-request generator."""
+    """Penalties, then greedy at temperature 0, else temperature, top-k and nucleus sampling from a
+    per-request generator (so a seed reproduces the output whatever else shares the batch)."""
 
     def __init__(self, params: SamplingParams, device: torch.device):
         self.p = params
@@ -29,11 +33,19 @@ class Sampler:
             else:
                 self.gen.seed()
 
-    def __call__(self, logits: torch.Tensor) -> int:
+    def __call__(self, logits: torch.Tensor, generated: list[int] | None = None) -> int:
         logits = logits.float()
+        if generated and (self.p.frequency_penalty or self.p.presence_penalty):
+            ids, counts = torch.tensor(generated, device=logits.device).unique(return_counts=True)
+            logits = logits.clone()
+            logits[ids] -= self.p.frequency_penalty * counts.float() + self.p.presence_penalty
         if self.gen is None:
             return int(logits.argmax(-1))
-        probs = torch.softmax(logits / self.p.temperature, dim=-1)
+        logits = logits / self.p.temperature
+        if 0 < self.p.top_k < logits.shape[-1]:
+            kth = logits.topk(self.p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
         if self.p.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
             keep = sorted_p.cumsum(-1) - sorted_p < self.p.top_p  # always keeps the most likely token
