@@ -63,18 +63,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Engine:
-    def __init__(self, path: str, device: str = "cpu", dtype: str = "auto", max_model_len: int = 32768,
-                 max_num_seqs: int = 8, max_waiting: int = 256):
+    """`Engine(path, ...)` loads a checkpoint; `Engine.from_model(model, tokenizer, ...)` wraps one in memory."""
+
+    def __init__(self, path: str | None = None, device: str = "cpu", dtype: str = "auto", max_model_len: int = 8192,
+                 max_num_seqs: int = 8, max_waiting: int = 256, *, model=None, tokenizer=None):
         from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
         from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb
 
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=self.dtype)
+        if model is None:
+            model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=self.dtype)
+            tokenizer = AutoTokenizer.from_pretrained(path)
         model.model.visual = None  # the encoder deployment owns the vision tower
-        self.model = model.to(self.device).eval()
+        self.model = model.to(self.device, self.dtype).eval()
         self.text = model.model.language_model
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = tokenizer
         self._rope = apply_rotary_pos_emb
         cfg = model.config
         tc = cfg.text_config
@@ -113,6 +117,10 @@ class Engine:
                 self._thread.start()
             self._cv.notify()
         return seq
+
+    @classmethod
+    def from_model(cls, model, tokenizer, device: str, dtype: str = "auto", **kw) -> Engine:
+        return cls(None, device, dtype, model=model, tokenizer=tokenizer, **kw)
 
     def generate(self, req: GenerationRequest) -> Iterator[Chunk]:
         """Synchronous convenience: submit and yield chunks until the last; closing it cancels."""

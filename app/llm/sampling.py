@@ -17,6 +17,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    ignore_eos: bool = False  # benchmarks: always generate max_tokens
 
 
 class Sampler:

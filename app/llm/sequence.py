@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ class Sequence:
         self.kv_len = 0
         self.rope_delta = 0
         self.next_token = -1
+        self.first_token_time: float | None = None  # perf_counter at the first sampled token
 
     # ------------------------------------------------------------------ client side
     def cancel(self) -> None:
@@ -75,8 +77,10 @@ class Sequence:
 
     def advance(self, token: int) -> None:
         """Account one sampled token; queue the text that is safe to emit; mark the end."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
         finish = None
-        if token in self.eos_ids:
+        if token in self.eos_ids and not self.params.ignore_eos:
             finish = "stop"
         else:
             self.out_ids.append(token)
