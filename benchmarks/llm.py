@@ -97,22 +97,33 @@ def main() -> None:
         model = Qwen3VLForConditionalGeneration._from_config(cfg, dtype=torch.bfloat16).eval()
     tok = build_tokenizer()
     vocab = len(tok)
+    t0 = time.perf_counter()
     engine = Engine.from_model(model, tok, "cuda", max_model_len=a.max_model_len, max_num_seqs=max(a.concurrency))
-    run_ours(engine, 2, 32, 8, vocab)  # warm-up
+    capture_s = time.perf_counter() - t0
+    eager = Engine.from_model(model, tok, "cuda", max_model_len=a.max_model_len, max_num_seqs=max(a.concurrency),
+                              cuda_graphs=False)
+    for e in (engine, eager):
+        run_ours(e, 2, 32, 8, vocab)  # warm-up
     rows = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": a.preset,
-            "prompt": a.prompt, "new": a.new}
+            "prompt": a.prompt, "new": a.new, "graphs": len(engine.decode_graphs), "engine_start_s": capture_s}
     rows["transformers_single"] = run_transformers(model, a.prompt, a.new, vocab)
+    rows["ours_eager"] = [run_ours(eager, n, a.prompt, a.new, vocab) for n in a.concurrency]
+    del eager
     rows["ours"] = [run_ours(engine, n, a.prompt, a.new, vocab) for n in a.concurrency]
     ttft_ours = [run_ours(engine, 1, a.ttft_prompt, 1, vocab)["ttft_ms_median"] for _ in range(5)]
     rows["ttft_1000"] = {"ours_ms": statistics.median(ttft_ours), "transformers_ms": transformers_ttft(model, a.ttft_prompt, vocab)}
     single = rows["ours"][0]["tok_per_s"]
     hf = rows["transformers_single"]["tok_per_s"]
-    print(f"device {rows['device']}, {a.preset} bf16, prompt {a.prompt}, {a.new} new tokens per request")
+    print(f"device {rows['device']}, {a.preset} bf16, prompt {a.prompt}, {a.new} new tokens per request; "
+          f"{rows['graphs']} decode graphs, engine start incl. capture {capture_s:.1f} s")
     print("| engine | concurrency | aggregate tok/s | vs our single | vs transformers single | TTFT median ms |")
     print("|---|---|---|---|---|---|")
     print(f"| transformers generate | 1 | {hf:.1f} | | 1.0x | |")
+    for r in rows["ours_eager"]:
+        print(f"| ours, eager decode | {r['concurrency']} | {r['tok_per_s']:.1f} | | {r['tok_per_s'] / hf:.1f}x | "
+              f"{r['ttft_ms_median']:.1f} |")
     for r in rows["ours"]:
-        print(f"| ours | {r['concurrency']} | {r['tok_per_s']:.1f} | {r['tok_per_s'] / single:.1f}x | "
+        print(f"| ours, graph decode | {r['concurrency']} | {r['tok_per_s']:.1f} | {r['tok_per_s'] / single:.1f}x | "
               f"{r['tok_per_s'] / hf:.1f}x | {r['ttft_ms_median']:.1f} |")
     t = rows["ttft_1000"]
     print(f"TTFT, {a.ttft_prompt}-token prompt: ours {t['ours_ms']:.1f} ms, transformers {t['transformers_ms']:.1f} ms")

@@ -19,7 +19,7 @@ class LLM:
         cfg = AppConfig(**config)
         llm = cfg.llm
         self.engine = Engine(str(resolve_model(cfg.model, cfg.cache_dir)), pick_device(cfg.device), llm.dtype,
-                             llm.max_model_len, llm.max_num_seqs, llm.max_waiting)
+                             llm.max_model_len, llm.max_num_seqs, llm.max_waiting, cuda_graphs=llm.cuda_graphs)
 
     async def generate(self, gen: dict, encoded: list):
         """Async generator of engine chunks; `encoded` arrives resolved from the encoder's response.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -66,7 +67,8 @@ class Engine:
     """`Engine(path, ...)` loads a checkpoint; `Engine.from_model(model, tokenizer, ...)` wraps one in memory."""
 
     def __init__(self, path: str | None = None, device: str = "cpu", dtype: str = "auto", max_model_len: int = 8192,
-                 max_num_seqs: int = 8, max_waiting: int = 256, *, model=None, tokenizer=None):
+                 max_num_seqs: int = 8, max_waiting: int = 256, *, model=None, tokenizer=None,
+                 cuda_graphs: bool = True):
         from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
         from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb
 
@@ -96,7 +98,11 @@ class Engine:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self.graph_steps = 0
         self.peak_running = 0
+        self.decode_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if cuda_graphs:
+            self.capture_decode_graphs()
 
     # ------------------------------------------------------------------ public
     def submit(self, req: GenerationRequest) -> Sequence:
@@ -202,6 +208,65 @@ class Engine:
             last.slot = i
         self.running.pop()
 
+    # ------------------------------------------------------------------ decode graphs
+    def _buckets(self) -> tuple[list[int], list[int]]:
+        """Batch sizes 1, 2, 4, ... up to max_num_seqs; attention spans 256, 512, ... up to max_model_len."""
+        def doubling(lo: int, hi: int) -> list[int]:
+            out, v = [], lo
+            while v < hi:
+                out.append(v)
+                v *= 2
+            return [*out, hi]
+
+        return doubling(1, self.max_num_seqs), doubling(min(256, self.max_model_len), self.max_model_len)
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self) -> None:
+        """Capture one decode step per (batch bucket, span bucket) into one pool (CUDA only)."""
+        if self.device.type != "cuda":
+            return
+        self._ensure_kv()
+        t0 = time.perf_counter()
+        n = self.max_num_seqs
+        self._g_tok = torch.zeros(n, dtype=torch.long, device=self.device)
+        self._g_pos = torch.zeros(n, dtype=torch.long, device=self.device)
+        self._g_len = torch.zeros(n, dtype=torch.long, device=self.device)
+        batches, spans = self._buckets()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up outside capture
+            self._decode(self._g_tok, self._g_pos, self._g_len, spans[-1])
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(batches):
+            for span in reversed(spans):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = self._decode(self._g_tok[:b], self._g_pos[:b], self._g_len[:b], span)
+                self.decode_graphs[b, span] = (g, out)
+        for k in self._k + self._v:  # the captures wrote dummy rows
+            k.zero_()
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d decode graphs in %.2f s", len(self.decode_graphs), time.perf_counter() - t0)
+
+    def _run_decode(self, tokens: list[int], positions: list[int], lengths: list[int]) -> torch.Tensor:
+        n, need = len(tokens), max(lengths) + 1
+        if self.decode_graphs:
+            batches, spans = self._buckets()
+            b = next(x for x in batches if x >= n)
+            span = next(x for x in spans if x >= need)
+            pad = b - n  # padded rows write position 0 of free slots [n, b): never read
+            self._g_tok[:b].copy_(torch.tensor(tokens + [0] * pad), non_blocking=True)
+            self._g_pos[:b].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
+            self._g_len[:b].copy_(torch.tensor(lengths + [0] * pad), non_blocking=True)
+            g, out = self.decode_graphs[b, span]
+            g.replay()
+            self.graph_steps += 1
+            return out[:n]
+        dev = self.device
+        return self._decode(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
+                            torch.tensor(lengths, device=dev), need)
+
     # ------------------------------------------------------------------ model
     @torch.inference_mode()
     def _prefill(self, seq: Sequence, req: GenerationRequest) -> torch.Tensor:
@@ -237,12 +302,12 @@ class Engine:
         return self.model.lm_head(out.last_hidden_state[:, -1])[0]
 
     @torch.inference_mode()
-    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """One token for each of the first B slots: tokens/positions/lengths [B] -> logits [B, vocab]."""
+    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, span: int) -> torch.Tensor:
+        """One token for each of the first B slots: tokens/positions/lengths [B] -> logits [B, vocab].
+        Attention reads the first `span` cache positions of each slot (span > every length)."""
         b = tokens.shape[0]
         x = self.text.embed_tokens(tokens)[:, None, :]
         cos, sin = self.text.rotary_emb(x, positions.view(1, b, 1).expand(3, b, 1))
-        span = int(lengths.max()) + 1
         rows = torch.arange(b, device=self.device)
         visible = (torch.arange(span, device=self.device)[None, :] <= lengths[:, None])[:, None, None, :]
         for li, layer in enumerate(self.text.layers):
@@ -266,12 +331,11 @@ class Engine:
         if not self.running:
             return
         seqs = list(self.running)
-        dev = self.device
-        tokens = torch.tensor([s.next_token for s in seqs], device=dev)
-        lengths = torch.tensor([s.kv_len for s in seqs], device=dev)
-        positions = lengths + torch.tensor([s.rope_delta for s in seqs], device=dev)
+        tokens = [s.next_token for s in seqs]
+        lengths = [s.kv_len for s in seqs]
+        positions = [n + s.rope_delta for n, s in zip(lengths, seqs)]
         try:
-            logits = self._decode(tokens, positions, lengths)
+            logits = self._run_decode(tokens, positions, lengths)
         except Exception as e:  # e.g. out of memory: fail the batch, keep serving
             for s in seqs:
                 self._release_kv_for(s)
