@@ -111,6 +111,8 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
         seed=_num(body, "seed", -(1 << 63), (1 << 63) - 1, None, integer=True),
         stop=stop or [],
     )
+    if isinstance(body.get("ignore_eos"), bool):  # extension (as vLLM): benchmarks generate max_tokens
+        params.ignore_eos = body["ignore_eos"]
     if params.top_p == 0:
         raise ClientError("'top_p' must be greater than 0", param="top_p")
     stream = body.get("stream", False)

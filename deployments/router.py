@@ -47,7 +47,7 @@ class Router:
         pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="media")
         media = MediaPipeline(self.cfg.media, PatchSpec.from_checkpoint(ckpt), pool)
         self.chat = ChatService(self.cfg, AutoTokenizer.from_pretrained(ckpt), media, RayBackend(encoder, llm))
-        self.encoder = encoder
+        self.encoder, self.llm = encoder, llm
 
     @api.get("/health")
     async def health(self) -> dict:
@@ -61,6 +61,10 @@ class Router:
     @api.get("/v1/encoder/stats")
     async def encoder_stats(self) -> dict:
         return await self.encoder.stats.remote()
+
+    @api.get("/v1/llm/load")
+    async def llm_load(self) -> dict:
+        return await self.llm.load.remote()
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):

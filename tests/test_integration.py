@@ -242,3 +242,19 @@ def test_detection_and_limits_follow_the_documented_rules(server, name, content,
         expect_ok(resp, videos=1)
     else:
         expect_ok(resp, images=1)
+
+
+def test_a_client_that_disconnects_frees_its_llm_slot(server):
+    import time
+
+    body = {"messages": [{"role": "user", "content": "tell me everything"}], "max_tokens": 4000,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    with server.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        next(lines)  # the stream is running
+        assert server.get("/v1/llm/load").json()["running"] == 1
+    deadline = time.time() + 20  # the connection is closed: the slot must come free
+    while server.get("/v1/llm/load").json()["running"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.get("/v1/llm/load").json()["running"] == 0
