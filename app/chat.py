@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Protocol
 
@@ -40,10 +40,23 @@ def unwrap_client_error(e: BaseException) -> ClientError | None:
 
 
 class ChatService:
-    def __init__(self, cfg: AppConfig, tokenizer, media: MediaPipeline, backend: Backend):
-        self.cfg, self.media, self.backend = cfg, media, backend
+    def __init__(self, cfg: AppConfig, tokenizer, media: MediaPipeline, backend: Backend,
+                 observer: Callable[[dict], None] | None = None):
+        """`observer(record)` receives one record per finished request (metrics)."""
+        self.cfg, self.media, self.backend, self.observer = cfg, media, backend, observer
         self.prompts = PromptBuilder(tokenizer)
         self.merge = media.spec.merge
+
+    def record(self, *, id: str | None, status: int, e2e_s: float, items: int = 0, prompt_tokens: int = 0,
+               completion_tokens: int = 0, ttft_s: float | None = None) -> None:
+        """One INFO line per request, and the same record to the observer."""
+        rec = {"id": id, "status": status, "items": items, "prompt_tokens": prompt_tokens,
+               "completion_tokens": completion_tokens, "ttft_s": ttft_s, "e2e_s": e2e_s}
+        log.info("request %s status=%d items=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s e2e_ms=%.1f",
+                 id or "-", status, items, prompt_tokens, completion_tokens,
+                 "-" if ttft_s is None else f"{1e3 * ttft_s:.1f}", 1e3 * e2e_s)
+        if self.observer is not None:
+            self.observer(rec)
 
     async def prepare(self, body) -> tuple[ChatRequest, dict, list]:
         req = parse_chat_request(body, self.cfg.llm.default_max_tokens, self.cfg.media.max_items_per_request)
@@ -65,25 +78,29 @@ class ChatService:
         return usage(last["prompt_tokens"], last["completion_tokens"], gen["image_tokens"], gen["video_tokens"],
                      last["vision_embeddings"])
 
-    async def complete(self, req: ChatRequest, gen: dict, payload: list) -> dict:
-        t0 = time.perf_counter()
-        text, last = [], None
+    async def complete(self, req: ChatRequest, gen: dict, payload: list, t0: float | None = None) -> dict:
+        t0 = time.perf_counter() if t0 is None else t0
+        text, last, ttft = [], None, None
         async for chunk in self.backend.stream(gen, payload):
+            ttft = time.perf_counter() - t0 if ttft is None else ttft
             text.append(chunk["text"])
             last = chunk
-        log.info("request %s done: %d media, %d prompt + %d completion tokens, %.3f s", req.id, len(payload),
-                 last["prompt_tokens"], last["completion_tokens"], time.perf_counter() - t0)
+        self.record(id=req.id, status=200, e2e_s=time.perf_counter() - t0, items=len(payload),
+                    prompt_tokens=last["prompt_tokens"], completion_tokens=last["completion_tokens"], ttft_s=ttft)
         return completion_response(req, self.cfg.model_name, "".join(text), last["finish_reason"],
                                    self._usage(gen, last))
 
-    async def open_stream(self, req: ChatRequest, gen: dict, payload: list) -> AsyncIterator[str]:
+    async def open_stream(self, req: ChatRequest, gen: dict, payload: list,
+                          t0: float | None = None) -> AsyncIterator[str]:
         """Waits for the first generated chunk, so that errors before it (overload, bad input) still
         get their HTTP status; then returns the server-sent-event stream."""
+        t0 = time.perf_counter() if t0 is None else t0
         stream = aiter(self.backend.stream(gen, payload))
         first = await anext(stream)
-        return self._sse(req, gen, first, stream)
+        return self._sse(req, gen, first, stream, t0, time.perf_counter() - t0, len(payload))
 
-    async def _sse(self, req: ChatRequest, gen: dict, first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[str]:
+    async def _sse(self, req: ChatRequest, gen: dict, first: dict, rest: AsyncIterator[dict], t0: float,
+                   ttft: float, items: int) -> AsyncIterator[str]:
         """Server-sent events; errors after the first byte become an error event, then [DONE]."""
         model = self.cfg.model_name
 
@@ -95,18 +112,26 @@ class ChatService:
             async for c in rest:
                 yield c
 
+        status, last = 200, {"prompt_tokens": 0, "completion_tokens": 0}
         yield event(stream_chunk(req, model, {"role": "assistant", "content": ""}))
         try:
             async for chunk in chunks():
                 if chunk["text"]:
                     yield event(stream_chunk(req, model, {"content": chunk["text"]}))
                 if chunk["finish_reason"]:
+                    last = chunk
                     yield event(stream_chunk(req, model, {}, chunk["finish_reason"]))
                     if req.include_usage:
                         yield event(stream_chunk(req, model, {}, usage_=self._usage(gen, chunk), choices=False))
         except Exception as e:  # the status line is already sent: report in-band
             err = unwrap_client_error(e)
             log.exception("request %s failed while streaming", req.id) if err is None else None
-            yield event((err or ClientError("internal error while generating", status=500,
-                                            type="server_error")).to_json())
+            err = err or ClientError("internal error while generating", status=500, type="server_error")
+            status = err.status
+            yield event(err.to_json())
+        finally:  # also when the client goes away (499, as nginx counts it)
+            if status == 200 and not last.get("finish_reason"):
+                status = 499
+            self.record(id=req.id, status=status, e2e_s=time.perf_counter() - t0, items=items, ttft_s=ttft,
+                        prompt_tokens=last["prompt_tokens"], completion_tokens=last["completion_tokens"])
         yield "data: [DONE]\n\n"

@@ -12,14 +12,19 @@ from app.llm.engine import Engine, request_from_dict
 from app.model_builder import resolve_model
 from app.vision.service import pick_device
 
+from .logs import route_app_logs
+from .metrics import LLMMetrics
+
 
 @serve.deployment(name="LLM", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=2)
 class LLM:
     def __init__(self, config: dict):
+        route_app_logs()
         cfg = AppConfig(**config)
         llm = cfg.llm
         self.engine = Engine(str(resolve_model(cfg.model, cfg.cache_dir)), pick_device(cfg.device), llm.dtype,
                              llm.max_model_len, llm.max_num_seqs, llm.max_waiting, cuda_graphs=llm.cuda_graphs)
+        self.metrics = LLMMetrics(self.engine.load)
 
     async def generate(self, gen: dict, encoded: list):
         """Async generator of engine chunks; `encoded` arrives resolved from the encoder's response.

@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
@@ -16,6 +17,9 @@ from app.errors import ClientError
 from app.media_pipeline import MediaPipeline
 from app.model_builder import resolve_model
 from app.preprocess import PatchSpec
+
+from .logs import route_app_logs
+from .metrics import RouterMetrics
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="vlm-serve")
@@ -42,11 +46,14 @@ class Router:
     def __init__(self, config: dict, encoder: DeploymentHandle, llm: DeploymentHandle):
         from transformers import AutoTokenizer
 
+        route_app_logs()
         self.cfg = AppConfig(**config)
         ckpt = resolve_model(self.cfg.model, self.cfg.cache_dir)
         pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="media")
         media = MediaPipeline(self.cfg.media, PatchSpec.from_checkpoint(ckpt), pool)
-        self.chat = ChatService(self.cfg, AutoTokenizer.from_pretrained(ckpt), media, RayBackend(encoder, llm))
+        self.metrics = RouterMetrics()
+        self.chat = ChatService(self.cfg, AutoTokenizer.from_pretrained(ckpt), media, RayBackend(encoder, llm),
+                                observer=self.metrics.observe)
         self.encoder, self.llm = encoder, llm
 
     @api.get("/health")
@@ -68,18 +75,21 @@ class Router:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
+        t0 = time.perf_counter()
         try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
-            return error_response(ClientError(f"request body is not valid JSON: {e}", code="invalid_json"))
-        try:
+            try:
+                body = json.loads(await request.body())
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ClientError(f"request body is not valid JSON: {e}", code="invalid_json") from e
             req, gen, payload = await self.chat.prepare(body)
             if req.stream:
-                return StreamingResponse(await self.chat.open_stream(req, gen, payload), media_type="text/event-stream")
-            return JSONResponse(await self.chat.complete(req, gen, payload))
+                return StreamingResponse(await self.chat.open_stream(req, gen, payload, t0),
+                                         media_type="text/event-stream")
+            return JSONResponse(await self.chat.complete(req, gen, payload, t0))
         except Exception as e:
             err = unwrap_client_error(e)
             if err is None:
                 log.exception("chat completion failed")
                 err = ClientError("internal server error", status=500, type="server_error")
+            self.chat.record(id=None, status=err.status, e2e_s=time.perf_counter() - t0)
             return error_response(err)

@@ -13,6 +13,7 @@ from helpers import mp4_bytes, png_bytes
 
 pytestmark = pytest.mark.integration
 PORT = 8765
+METRICS_PORT = 8766
 SERVER_ARGS = {"model": "embedded:tiny", "encoder": {"min_budget": 64, "max_budget": 1024, "batch_wait_ms": 20},
                "media": {"max_input_pixels": 1_000_000, "max_items_per_request": 4,
                          "max_frames_per_request": 10}}
@@ -30,7 +31,7 @@ def server(model_cache):
     from deployments.app import build_app
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(SERVER_ARGS | {"cache_dir": model_cache}), name="vlm", route_prefix="/")
     client = httpx.Client(base_url=f"http://127.0.0.1:{PORT}", timeout=120)
@@ -258,3 +259,41 @@ def test_a_client_that_disconnects_frees_its_llm_slot(server):
     while server.get("/v1/llm/load").json()["running"] and time.time() < deadline:
         time.sleep(0.1)
     assert server.get("/v1/llm/load").json()["running"] == 0
+
+
+METRIC_NAMES = [
+    "vlm_requests_total", "vlm_ttft_ms", "vlm_e2e_latency_ms", "vlm_encoder_batch_latency_ms",
+    "vlm_encoder_batch_fill", "vlm_encoder_queue_wait_ms", "vlm_encoder_graph_hits_total",
+    "vlm_encoder_eager_fallbacks_total", "vlm_encoder_padding_ratio", "vlm_encoder_cache_hits_total",
+    "vlm_encoder_cache_misses_total", "vlm_llm_running_requests", "vlm_llm_waiting_requests",
+    "vlm_llm_kv_cache_usage",
+]
+
+
+def test_serving_benchmark_report_and_metrics_endpoint(server):
+    import asyncio
+    import time
+
+    from benchmarks.serve import Workload, run_load
+
+    for kind in ("image", "video"):
+        rep = asyncio.run(run_load(f"http://127.0.0.1:{PORT}", Workload(kind, image_size=64, video_size=64,
+                                                                        video_frames=4, output_tokens=4),
+                                   num_requests=4, concurrency=2, warmup=1, progress=False))
+        assert rep.successful == 4 and rep.failed == 0, rep.errors
+        assert rep.request_throughput > 0 and rep.output_token_throughput > 0
+        assert set(rep.ttft_ms) == set(rep.e2e_ms) == {"mean", "median", "p99"}
+        assert 0 < rep.ttft_ms["median"] <= rep.e2e_ms["p99"]
+        assert rep.encoder["pieces"] == 4 and rep.encoder["graph_hits"] + rep.encoder["eager_batches"] >= 1
+        assert 0 < rep.encoder["mean_batch_fill"] <= 1
+    # an eager fallback (896 x 896 is 3136 patches > the 1024-token budget) and a cache hit
+    big = [{"type": "image_url", "image_url": {"url": data_url(png_bytes(900, 900, seed=5), "image/png")}}]
+    expect_ok(chat(server, big), images=1)
+    expect_ok(chat(server, big), images=1)
+    deadline, missing = time.time() + 60, METRIC_NAMES
+    while missing and time.time() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+        missing = [n for n in METRIC_NAMES if f"ray_{n}" not in text]
+        time.sleep(1)
+    assert not missing, missing
+    assert 'reason="tokens"' in text

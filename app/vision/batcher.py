@@ -74,12 +74,17 @@ class BatcherStats:
             "queue_wait_ms_mean": 1e3 * self.queue_wait_s_total / self.pieces if self.pieces else 0.0,
             "queue_wait_ms_max": 1e3 * self.queue_wait_s_max,
             "cancelled_pieces": self.cancelled_pieces,
+            "batch_tokens": self.tokens,
+            "batch_budget_tokens": self.budget_tokens,
         }
 
 
 class EncodeBatcher:
-    def __init__(self, run_batch: RunBatch, limits: Limits, wait_ms: float = 2.0):
+    def __init__(self, run_batch: RunBatch, limits: Limits, wait_ms: float = 2.0,
+                 on_batch: Callable[[float, float, list[float]], None] | None = None):
+        """`on_batch(latency_s, fill, queue_waits_s)` is called after every batch (metrics)."""
         self.run_batch, self.limits, self.wait_s = run_batch, limits, wait_ms / 1000
+        self.on_batch = on_batch
         self.stats = BatcherStats()
         self._queue: list[_Queued] = []
         self._wakeup: asyncio.Event | None = None
@@ -136,19 +141,21 @@ class EncodeBatcher:
         if not batch:
             return
         start = time.monotonic()
-        for q in batch:
-            waited = start - q.enqueued
-            self.stats.queue_wait_s_total += waited
-            self.stats.queue_wait_s_max = max(self.stats.queue_wait_s_max, waited)
+        waits = [start - q.enqueued for q in batch]
+        self.stats.queue_wait_s_total += sum(waits)
+        self.stats.queue_wait_s_max = max(self.stats.queue_wait_s_max, *waits)
         try:
             outs, padded = await asyncio.to_thread(self.run_batch, [q.vision for q in batch])
         except Exception as e:  # one bad batch fails only its own requests
             for q in batch:
                 q.req.fail(e)
             return
+        tokens = sum(q.vision.pixels.shape[0] for q in batch)
         self.stats.batches += 1
         self.stats.pieces += len(batch)
-        self.stats.tokens += sum(q.vision.pixels.shape[0] for q in batch)
+        self.stats.tokens += tokens
         self.stats.budget_tokens += padded
+        if self.on_batch is not None:
+            self.on_batch(time.monotonic() - start, tokens / padded if padded else 1.0, waits)
         for q, out in zip(batch, outs):
             q.req.fill(q.item, q.chunk, out)

@@ -1,0 +1,102 @@
+"""Prometheus metrics through Ray Serve's metrics API (exported by Ray's metrics agent).
+
+Histograms are observed per event through hooks in app/ (chat requests, encoder batches); counters
+and gauges are synced once a second from the stats app/ already keeps. Names are listed in the
+README; Ray prefixes them with `ray_` in the Prometheus output.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+MS_BOUNDS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000]
+FRACTION_BOUNDS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
+
+
+def _histogram(name: str, desc: str, bounds: list[float], tags: tuple[str, ...] = ()) -> Histogram:
+    return Histogram(name, description=desc, boundaries=bounds, tag_keys=tags)
+
+
+class RouterMetrics:
+    def __init__(self):
+        self.requests = Counter("vlm_requests_total", description="chat completion requests by HTTP status",
+                                tag_keys=("status",))
+        self.ttft = _histogram("vlm_ttft_ms", "time to first token (ms)", MS_BOUNDS)
+        self.e2e = _histogram("vlm_e2e_latency_ms", "request end-to-end latency (ms)", MS_BOUNDS)
+
+    def observe(self, record: dict) -> None:
+        self.requests.inc(tags={"status": str(record["status"])})
+        if record.get("ttft_s") is not None:
+            self.ttft.observe(1e3 * record["ttft_s"])
+        self.e2e.observe(1e3 * record["e2e_s"])
+
+
+class _Syncer:
+    """Turns cumulative counters from a stats() dict into Counter increments, once a second."""
+
+    def __init__(self, stats: Callable[[], dict], apply: Callable[[dict, dict], None], period_s: float = 1.0):
+        self._stats, self._apply, self._period = stats, apply, period_s
+        self._last: dict = {}
+        threading.Thread(target=self._run, daemon=True, name="metrics-sync").start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self._period)
+            try:
+                now = self._stats()
+                self._apply(now, self._last)
+                self._last = now
+            except Exception:  # metrics must never take a replica down
+                pass
+
+
+class EncoderMetrics:
+    def __init__(self, stats: Callable[[], dict]):
+        self.batch_latency = _histogram("vlm_encoder_batch_latency_ms", "vision encoder batch latency (ms)", MS_BOUNDS)
+        self.batch_fill = _histogram("vlm_encoder_batch_fill", "batch tokens / tokens of the chosen budget",
+                                     FRACTION_BOUNDS)
+        self.queue_wait = _histogram("vlm_encoder_queue_wait_ms", "time an item waits for its batch (ms)", MS_BOUNDS)
+        self.graph_hits = Counter("vlm_encoder_graph_hits_total", description="batches replayed from a CUDA graph "
+                                  "(or the static-shape path without CUDA)")
+        self.fallbacks = Counter("vlm_encoder_eager_fallbacks_total", description="batches run eagerly, by reason",
+                                 tag_keys=("reason",))
+        self.padding = Gauge("vlm_encoder_padding_ratio", description="padded tokens / all tokens run, cumulative")
+        self.cache_hits = Counter("vlm_encoder_cache_hits_total", description="items served from the embedding cache")
+        self.cache_misses = Counter("vlm_encoder_cache_misses_total", description="items that had to be encoded")
+        self._sync = _Syncer(stats, self._apply)
+
+    def on_batch(self, latency_s: float, fill: float, waits_s: list[float]) -> None:
+        self.batch_latency.observe(1e3 * latency_s)
+        self.batch_fill.observe(fill)
+        for w in waits_s:
+            self.queue_wait.observe(1e3 * w)
+
+    def _apply(self, now: dict, last: dict) -> None:
+        def inc(counter, key, tags=None, src_now=now, src_last=last):
+            delta = src_now.get(key, 0) - src_last.get(key, 0)
+            if delta > 0:
+                counter.inc(delta, tags=tags) if tags else counter.inc(delta)
+
+        inc(self.graph_hits, "graph_hits")
+        inc(self.cache_hits, "cache_hits")
+        inc(self.cache_misses, "cache_misses")
+        for reason in now.get("eager_reasons", {}):
+            inc(self.fallbacks, reason, {"reason": reason}, now["eager_reasons"], last.get("eager_reasons", {}))
+        self.padding.set(now.get("padding_ratio", 0.0))
+
+
+class LLMMetrics:
+    def __init__(self, load: Callable[[], dict]):
+        self.running = Gauge("vlm_llm_running_requests", description="requests being decoded")
+        self.waiting = Gauge("vlm_llm_waiting_requests", description="requests waiting for a KV slot")
+        self.kv_usage = Gauge("vlm_llm_kv_cache_usage", description="KV slots in use / KV slots")
+        self._sync = _Syncer(load, self._apply)
+
+    def _apply(self, now: dict, last: dict) -> None:
+        self.running.set(now["running"])
+        self.waiting.set(now["waiting"])
+        self.kv_usage.set(now["kv_slots_used"] / max(1, now["kv_slots"]))
