@@ -162,9 +162,10 @@ def encoder_delta(before: dict, after: dict) -> dict:
 
 async def run_load(url: str, workload: Workload, num_requests: int, concurrency: int | None = None,
                    request_rate: float | None = None, warmup: int = 2, progress: bool = True,
-                   timeout_s: float = 600) -> Report:
-    """Warm up, then send `num_requests` at a fixed concurrency or a Poisson request rate."""
-    bodies = [workload.body(i) for i in range(num_requests + warmup)]
+                   timeout_s: float = 600, seed_offset: int = 0) -> Report:
+    """Warm up, then send `num_requests` at a fixed concurrency or a Poisson request rate. Media seeds
+    start at `seed_offset`: give every run its own range, or later runs hit the embedding cache."""
+    bodies = [workload.body(seed_offset + i) for i in range(num_requests + warmup)]
     limits = httpx.Limits(max_connections=max(64, (concurrency or 0) * 2))
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
         for b in bodies[:warmup]:
@@ -296,8 +297,9 @@ def main() -> None:
         out = []
         for kind in a.workload:
             for c in a.concurrency:
+                offset = 100_000 * len(out)  # the same ranges on both sides of --compare
                 r = asyncio.run(run_load(url, workload(kind), a.num_requests, None if a.request_rate else c,
-                                         a.request_rate, a.warmup, not a.no_progress))
+                                         a.request_rate, a.warmup, not a.no_progress, seed_offset=offset))
                 print_report(r, label)
                 out.append(asdict(r))
         return out
