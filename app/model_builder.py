@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 DEFAULT_CACHE = Path(os.environ.get("VLM_SERVE_CACHE", Path.home() / ".cache" / "vlm-serve"))
-BUILDER_VERSION = 1  # bump when the built files change, so stale caches are rebuilt
+BUILDER_VERSION = 2  # bump when the built files change, so stale caches are rebuilt
 
 # Qwen's special tokens, in Qwen's order; they follow the byte-level vocabulary.
 SPECIAL_TOKENS = [
@@ -121,10 +121,12 @@ def build_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, w
     spec = load_preset(preset)
     tokenizer = build_tokenizer()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    if preset == "tiny":  # the tiny model uses the tiny tokenizer's ids; real shapes keep Qwen's
+    # The config's special ids must be the tokenizer's (the prompt is built with the tokenizer). Real
+    # shapes keep their vocabulary size, which the small tokenizer's ids fit into.
+    if preset == "tiny":
         spec["text_config"]["vocab_size"] = len(tokenizer)
-        spec.update(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                    vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    spec.update(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     text = spec["text_config"]
     text.setdefault("bos_token_id", ids["<|endoftext|>"])
     text.setdefault("eos_token_id", ids["<|im_end|>"])

@@ -260,7 +260,7 @@ def plot(results: dict, path: Path) -> None:
             axes[row][0].plot(c, [r["ttft_ms"]["p99"] for r in rs], "o--", label=f"{mode} TTFT p99")
             axes[row][0].plot(c, [r["e2e_ms"]["p99"] for r in rs], "x:", label=f"{mode} E2E p99")
             axes[row][1].plot(c, [r["request_throughput"] for r in rs], "o-", label=mode)
-        axes[row][0].set(title=f"{wl}: latency", xlabel="concurrency", ylabel="ms", xscale="log", yscale="log")
+        axes[row][0].set(title=f"{wl}: latency", xlabel="concurrency", ylabel="ms", xscale="log")
         axes[row][1].set(title=f"{wl}: throughput", xlabel="concurrency", ylabel="requests/s", xscale="log")
         axes[row][0].legend(fontsize=7)
         axes[row][1].legend(fontsize=7)

@@ -41,7 +41,7 @@ def test_weights_are_reproducible_from_the_seed(tmp_path, tiny_checkpoint):
 
 
 def test_real_shape_presets(tmp_path):
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     assert {"tiny", "qwen3-vl-2b", "qwen3-vl-8b"} <= set(preset_names())
     out = build_checkpoint(tmp_path / "8b", "qwen3-vl-8b", with_weights=False)
@@ -49,6 +49,10 @@ def test_real_shape_presets(tmp_path):
     assert (cfg.vision_config.depth, cfg.vision_config.hidden_size, cfg.vision_config.out_hidden_size) == (27, 1152, 4096)
     assert cfg.vision_config.deepstack_visual_indexes == [8, 16, 24]
     assert cfg.text_config.num_hidden_layers == 36
+    tok = AutoTokenizer.from_pretrained(out)  # the prompt's placeholder ids are the config's
+    for key, token in [("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+                       ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]:
+        assert getattr(cfg, key) == tok.convert_tokens_to_ids(token) < cfg.text_config.vocab_size
     assert load_preset("qwen3-vl-2b")["vision_config"]["depth"] == 24
 
 
