@@ -111,7 +111,7 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> Result:
                 obj = json.loads(data)
                 if "error" in obj:
                     return Result(False, error=obj["error"]["message"])
-                if ttft is None and obj.get("choices") and obj["choices"][0]["delta"].get("content"):
+                if ttft is None:  # the server streams its first event once the first token exists
                     ttft = time.perf_counter() - t0
                 usage = obj.get("usage") or usage
     except httpx.HTTPError as e:

@@ -97,7 +97,7 @@ class Sequence:
             self.finished = True
             self.chunks.put(Chunk(delta, self.out_ids[self.sent_ids:], finish, self.prompt_len, len(self.out_ids),
                                   self.vision_embeddings))
-        elif delta:
+        elif delta or self.sent_ids == 0:  # the first token always goes out: it marks time to first token
             self.chunks.put(Chunk(delta, self.out_ids[self.sent_ids:]))
             self.sent_ids = len(self.out_ids)
         self.next_token = token

@@ -159,6 +159,8 @@ class GraphManager:
     # ------------------------------------------------------------------ selection
     def choose_budget(self, lay: BatchLayout) -> tuple[int | None, str | None]:
         """Smallest budget holding the batch, or (None, reason) when it must run eagerly."""
+        if self.device.type == "cuda" and not self.settings.use_cuda_graphs:
+            return None, "disabled"  # graphs off on a GPU: exact-shape eager (the CPU keeps the padded path)
         if lay.num_items > self.settings.max_items_per_batch:
             return None, "items"
         if lay.num_seqs > self.settings.max_frames_per_batch:
