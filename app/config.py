@@ -76,6 +76,7 @@ class LLMConfig(_Strict):
     max_num_seqs: int = Field(8, ge=1, description="requests decoded together (KV slots of max_model_len each)")
     max_waiting: int = Field(256, ge=0, description="queued requests beyond the slots; more get 503")
     cuda_graphs: bool = Field(True, description="decode steps in CUDA graphs per (batch, span) bucket")
+    max_prefill_tokens: int = Field(8192, ge=16, description="prompt tokens prefilled together between decode steps")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
 
 

@@ -23,16 +23,23 @@ class LLM:
         cfg = AppConfig(**config)
         llm = cfg.llm
         self.engine = Engine(str(resolve_model(cfg.model, cfg.cache_dir)), pick_device(cfg.device), llm.dtype,
-                             llm.max_model_len, llm.max_num_seqs, llm.max_waiting, cuda_graphs=llm.cuda_graphs)
+                             llm.max_model_len, llm.max_num_seqs, llm.max_waiting, cuda_graphs=llm.cuda_graphs,
+                             max_prefill_tokens=llm.max_prefill_tokens)
         self.metrics = LLMMetrics(self.engine.load)
 
     async def generate(self, gen: dict, encoded: list):
         """Async generator of engine chunks; `encoded` arrives resolved from the encoder's response.
         A client that goes away cancels the sequence, which frees its slot at the next step."""
-        seq = self.engine.submit(request_from_dict(gen, encoded))
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue = asyncio.Queue()
+        # chunks arrive on this replica's event loop: no thread parked per stream
+        seq = self.engine.submit(request_from_dict(gen, encoded),
+                                 on_chunk=lambda c: loop.call_soon_threadsafe(chunks.put_nowait, c))
         try:
             while True:
-                chunk = await asyncio.to_thread(seq.next_chunk)
+                chunk = await chunks.get()
+                if isinstance(chunk, BaseException):
+                    raise chunk
                 yield asdict(chunk)
                 if chunk.finish_reason:
                     return

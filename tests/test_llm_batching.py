@@ -25,11 +25,12 @@ def test_eight_requests_of_different_lengths_batched_equal_generate(world):
     engine: Engine = world["engine"]
     reqs = [make_request(world, kinds, data_seed=i, words=i, max_tokens=6 + 2 * i) for i, kinds in enumerate(KINDS)]
     assert len({len(r[0].input_ids) for r in reqs}) == len(reqs)  # all prompt lengths differ
-    peak0, steps0 = engine.peak_running, engine.steps
+    peak0, steps0, pre0 = engine.peak_running, engine.steps, engine.prefill_batches
     engine.peak_running = 0
     seqs = [engine.submit(r[0]) for r in reqs]
     outs = [collect(s) for s in seqs]
     assert engine.peak_running >= 4  # they really ran together
+    assert engine.prefill_batches - pre0 < len(reqs)  # and prompts were prefilled together
     total = sum(len(o[0]) for o in outs)
     assert engine.steps - steps0 < total  # shared decode steps
     eos = engine.eos_ids
@@ -38,6 +39,21 @@ def test_eight_requests_of_different_lengths_batched_equal_generate(world):
         assert got == [t for t in want if t not in eos]
         assert chunks[-1].finish_reason == ("stop" if want[-1] in eos else "length")
     engine.peak_running = max(engine.peak_running, peak0)
+
+
+def test_a_bad_request_in_a_batched_prefill_fails_alone(world):
+    from app.llm.engine import VisionInput
+
+    engine = world["engine"]
+    good = [make_request(world, k, data_seed=20 + i, words=i, max_tokens=4)[0] for i, k in enumerate(KINDS[:4])]
+    bad = make_request(world, ["image"], data_seed=30, max_tokens=4)[0]
+    v = bad.vision[0]
+    bad.vision[0] = VisionInput(v.grid, v.main[:-1], [d[:-1] for d in v.deepstack])
+    seqs = [engine.submit(r) for r in good[:2] + [bad] + good[2:]]
+    with pytest.raises(ValueError, match="placeholders"):
+        collect(seqs[2])
+    for s in seqs[:2] + seqs[3:]:
+        assert collect(s)[1][-1].finish_reason
 
 
 def test_seeded_sampling_is_the_same_alone_and_batched(world):

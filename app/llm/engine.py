@@ -1,14 +1,15 @@
 """Continuous-batching text generation for Qwen3-VL, fed precomputed vision embeddings.
 
-- Prefill runs one request through transformers' own text model: vision embeddings spliced into the
-  placeholders, deepstack features injected into the first layers, M-RoPE positions from the grids.
-  Its keys and values are then copied into a slot of a preallocated KV cache.
+- Prefill runs new requests together (left-padded, up to `max_prefill_tokens`) through transformers'
+  own text model: vision embeddings spliced into the placeholders, deepstack features injected into
+  the first layers, M-RoPE positions from the grids. Their keys and values are then copied into
+  slots of a preallocated KV cache. If a batched prefill fails, each request is retried alone.
 - Decode runs every running request in one batched step over the same modules. A decode token's
   three M-RoPE axes share one position (prompt length + delta), and attention reads each slot's
   prefix through a length mask. Finished slots are refilled by the last one, so the running batch
   always occupies slots [0, n) and attention reads a view of the cache, not a gather.
-- A scheduler thread admits at most one prefill between decode steps, so a new request stalls the
-  running ones by one prefill at most. A cancelled request leaves at the next step. When every slot
+- A scheduler thread runs at most one (batched) prefill between decode steps, so new requests stall
+  the running ones by one prefill at most. A cancelled request leaves at the next step. When every slot
   is busy, requests wait; past `max_waiting` they are refused with 503 and Retry-After.
 """
 
@@ -68,7 +69,7 @@ class Engine:
 
     def __init__(self, path: str | None = None, device: str = "cpu", dtype: str = "auto", max_model_len: int = 8192,
                  max_num_seqs: int = 8, max_waiting: int = 256, *, model=None, tokenizer=None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, max_prefill_tokens: int = 8192):
         from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
         from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb
 
@@ -89,6 +90,8 @@ class Engine:
         eos = model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id}
         self.max_model_len, self.max_num_seqs, self.max_waiting = max_model_len, max_num_seqs, max_waiting
+        self.max_prefill_tokens = max_prefill_tokens
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.kv_heads = tc.num_key_value_heads
         self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
         self._k: list[torch.Tensor] = []
@@ -99,20 +102,22 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.graph_steps = 0
+        self.prefill_batches = 0
         self.peak_running = 0
         self.decode_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if cuda_graphs:
             self.capture_decode_graphs()
 
     # ------------------------------------------------------------------ public
-    def submit(self, req: GenerationRequest) -> Sequence:
+    def submit(self, req: GenerationRequest, on_chunk=None) -> Sequence:
+        """Queue a request; its chunks go to `on_chunk` if given, else to `seq.next_chunk()`."""
         length = len(req.input_ids)
         if length >= self.max_model_len:
             raise ClientError(f"prompt of {length} tokens exceeds max_model_len {self.max_model_len}",
                               param="messages", code="context_length_exceeded")
         n_rows = sum(v.main.shape[0] for v in req.vision)
         seq = Sequence(length, req.params, min(req.params.max_tokens, self.max_model_len - length), self.tokenizer,
-                       self.eos_ids, n_rows, self.device)
+                       self.eos_ids, n_rows, self.device, on_chunk)
         with self._cv:
             if len(self.waiting) >= self.max_waiting:
                 raise ClientError("the server is at capacity; retry shortly", status=503, type="server_busy",
@@ -158,31 +163,43 @@ class Engine:
                         s.fail(e)
 
     def _iterate(self) -> None:
-        """Admit at most one waiting request (one prefill), then one decode step for all running."""
+        """Admit waiting requests into free slots (one batched prefill of at most max_prefill_tokens),
+        then one decode step for all running."""
         with self._cv:
             while not self.running and not self.waiting:
                 self._cv.wait()
-            admit = None
-            while self.waiting and len(self.running) < self.max_num_seqs:
-                seq, req = self.waiting.popleft()
-                if not seq.cancelled:
-                    admit = (seq, req)
+            admit, tokens = [], 0
+            while self.waiting and len(self.running) + len(admit) < self.max_num_seqs:
+                seq, req = self.waiting[0]
+                if seq.cancelled:
+                    self.waiting.popleft()
+                    continue
+                if admit and tokens + len(req.input_ids) > self.max_prefill_tokens:
                     break
-        if admit is not None:
-            self._admit(*admit)
+                self.waiting.popleft()
+                admit.append((seq, req))
+                tokens += len(req.input_ids)
+        if admit:
+            self._admit(admit)
         if self.running:
             self._step()
 
-    def _admit(self, seq: Sequence, req: GenerationRequest) -> None:
+    def _admit(self, batch: list[tuple[Sequence, GenerationRequest]]) -> None:
         try:
-            logits = self._prefill(seq, req)
-            seq.advance(seq.sample(logits))
-        except Exception as e:  # a bad request fails alone
+            logits = self._prefill(batch)
+        except Exception as e:
+            if len(batch) > 1:  # find the bad request: each alone
+                for item in batch:
+                    self._admit([item])
+                return
+            seq = batch[0][0]
             self._release_kv_for(seq)
             seq.fail(e)
             return
-        if seq.finished:
-            self._release_kv_for(seq)
+        for i, (seq, _) in enumerate(batch):
+            seq.advance(seq.sample(logits[i]))
+            if seq.finished:
+                self._release_kv_for(seq)
 
     # ------------------------------------------------------------------ KV cache
     def _ensure_kv(self) -> None:
@@ -269,37 +286,54 @@ class Engine:
 
     # ------------------------------------------------------------------ model
     @torch.inference_mode()
-    def _prefill(self, seq: Sequence, req: GenerationRequest) -> torch.Tensor:
+    def _prefill(self, batch: list[tuple[Sequence, GenerationRequest]]) -> torch.Tensor:
+        """One forward over several prompts, left-padded; their KV goes to new slots. -> logits [n, vocab]."""
         from transformers import DynamicCache
 
         self._ensure_kv()
-        ids = torch.tensor([req.input_ids], device=self.device)
+        lens = [len(req.input_ids) for _, req in batch]
+        width, n = max(lens), len(batch)
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((n, width), dtype=torch.long)
+        position_ids = torch.zeros((4, n, width), dtype=torch.long)
+        deltas, vision = [], []
+        for i, (_, req) in enumerate(batch):
+            pad = width - lens[i]
+            ids[i, pad:] = torch.tensor(req.input_ids)
+            attn[i, pad:] = 1
+            pos, delta = mrope_positions(req.mm_token_type_ids, [v.grid for v in req.vision], self.merge)
+            position_ids[0, i, pad:] = torch.arange(lens[i])
+            position_ids[1:, i, pad:] = pos
+            deltas.append(delta)
+            rows = sum(v.main.shape[0] for v in req.vision)
+            slots = sum(1 for t in req.input_ids if t in (self.image_id, self.video_id))
+            if slots != rows:
+                raise ValueError(f"prompt has {slots} vision placeholders but the encoder produced {rows} embeddings")
+            vision.extend(req.vision)
+        ids, attn, position_ids = ids.to(self.device), attn.to(self.device), position_ids.to(self.device)
         embeds = self.text.embed_tokens(ids)
-        mask = (ids == self.image_id) | (ids == self.video_id)
-        n_slots = int(mask.sum())
-        n_rows = sum(v.main.shape[0] for v in req.vision)
-        if n_slots != n_rows:
-            raise ValueError(f"prompt has {n_slots} vision placeholders but the encoder produced {n_rows} embeddings")
+        mask = ((ids == self.image_id) | (ids == self.video_id)) & attn.bool()
         deepstack = None
-        if req.vision:
-            main = torch.cat([v.main for v in req.vision]).to(self.device, embeds.dtype)
+        if vision:  # row-major order of the mask = request order, then position: the concatenation order
+            main = torch.cat([v.main for v in vision]).to(self.device, embeds.dtype)
             embeds = embeds.masked_scatter(mask[..., None], main)
-            deepstack = [torch.cat([v.deepstack[j] for v in req.vision]).to(self.device, embeds.dtype)
-                         for j in range(len(req.vision[0].deepstack))]
-        pos, delta = mrope_positions(req.mm_token_type_ids, [v.grid for v in req.vision], self.merge)
-        length = len(req.input_ids)
-        position_ids = torch.cat([torch.arange(length)[None], pos]).to(self.device)[:, None, :]  # [4, 1, L]
+            deepstack = [torch.cat([v.deepstack[j] for v in vision]).to(self.device, embeds.dtype)
+                         for j in range(len(vision[0].deepstack))]
         cache = DynamicCache(config=self.model.config.text_config)
-        out = self.text(inputs_embeds=embeds, position_ids=position_ids, past_key_values=cache, use_cache=True,
-                        visual_pos_masks=mask if req.vision else None, deepstack_visual_embeds=deepstack)
-        seq.slot = len(self.running)
-        for li, layer in enumerate(cache.layers):
-            self._k[li][seq.slot, :, :length] = layer.keys[0]
-            self._v[li][seq.slot, :, :length] = layer.values[0]
-        seq.kv_len, seq.rope_delta = length, delta
-        self.running.append(seq)
+        out = self.text(inputs_embeds=embeds, attention_mask=attn if n > 1 else None, position_ids=position_ids,
+                        past_key_values=cache, use_cache=True, visual_pos_masks=mask if vision else None,
+                        deepstack_visual_embeds=deepstack)
+        for i, (seq, _) in enumerate(batch):
+            seq.slot = len(self.running)
+            pad = width - lens[i]
+            for li, layer in enumerate(cache.layers):
+                self._k[li][seq.slot, :, :lens[i]] = layer.keys[i, :, pad:]
+                self._v[li][seq.slot, :, :lens[i]] = layer.values[i, :, pad:]
+            seq.kv_len, seq.rope_delta = lens[i], deltas[i]
+            self.running.append(seq)
         self.peak_running = max(self.peak_running, len(self.running))
-        return self.model.lm_head(out.last_hidden_state[:, -1])[0]
+        self.prefill_batches += 1
+        return self.model.lm_head(out.last_hidden_state[:, -1])
 
     @torch.inference_mode()
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, span: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,9 @@ class Sequence:
     """Owned by the scheduler thread; clients read `chunks` and may call `cancel()` from any thread."""
 
     def __init__(self, prompt_len: int, params: SamplingParams, max_new: int, tokenizer, eos_ids: set[int],
-                 vision_embeddings: int, device: torch.device):
+                 vision_embeddings: int, device: torch.device,
+                 on_chunk: Callable[[Chunk | BaseException], None] | None = None):
+        """Chunks go to `on_chunk` when given (e.g. into an event loop), else to the `chunks` queue."""
         self.prompt_len, self.params, self.max_new = prompt_len, params, max_new
         self.tok, self.eos_ids, self.vision_embeddings = tokenizer, eos_ids, vision_embeddings
         self.sampler = Sampler(params, device)
@@ -42,6 +45,7 @@ class Sequence:
         self.sent_ids = 0
         self.finished = False
         self.chunks: queue.Queue[Chunk | BaseException] = queue.Queue()
+        self._emit = on_chunk or self.chunks.put
         self._cancel = threading.Event()
         # set by the engine
         self.slot = -1
@@ -55,7 +59,7 @@ class Sequence:
         """Stop this request; the scheduler frees its slot at the next step. Wakes a blocked reader."""
         if not self._cancel.is_set():
             self._cancel.set()
-            self.chunks.put(Cancelled("request cancelled"))
+            self._emit(Cancelled("request cancelled"))
 
     @property
     def cancelled(self) -> bool:
@@ -70,7 +74,7 @@ class Sequence:
     # ------------------------------------------------------------------ scheduler side
     def fail(self, err: BaseException) -> None:
         self.finished = True
-        self.chunks.put(err)
+        self._emit(err)
 
     def sample(self, logits: torch.Tensor) -> int:
         return self.sampler(logits, self.out_ids)
@@ -95,9 +99,9 @@ class Sequence:
         self.emitted = max(self.emitted, upto)
         if finish:
             self.finished = True
-            self.chunks.put(Chunk(delta, self.out_ids[self.sent_ids:], finish, self.prompt_len, len(self.out_ids),
-                                  self.vision_embeddings))
+            self._emit(Chunk(delta, self.out_ids[self.sent_ids:], finish, self.prompt_len, len(self.out_ids),
+                             self.vision_embeddings))
         elif delta or self.sent_ids == 0:  # the first token always goes out: it marks time to first token
-            self.chunks.put(Chunk(delta, self.out_ids[self.sent_ids:]))
+            self._emit(Chunk(delta, self.out_ids[self.sent_ids:]))
             self.sent_ids = len(self.out_ids)
         self.next_token = token
