@@ -56,3 +56,15 @@ def test_serve_config_args_validate():
     AppConfig(**app["args"])
     names = {d["name"] for d in app["deployments"]}
     assert names == {"Router", "VisionEncoder", "LLM"}
+
+
+@pytest.mark.parametrize("name", ["qwen3-vl-2b-gpu.yaml", "qwen3-vl-8b-gpu.yaml"])
+def test_gpu_presets_validate(name):
+    from pathlib import Path
+
+    import yaml
+
+    conf = yaml.safe_load((Path(__file__).parent.parent / "configs" / name).read_text())
+    app = conf["applications"][0]
+    cfg = AppConfig(**app["args"])
+    assert cfg.model.startswith("embedded:qwen3-vl-") and app["import_path"] == "deployments.app:build_app"
