@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import io
 import json
 import random
 import statistics
@@ -28,34 +27,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-# ---------------------------------------------------------------------------- media
-def image_bytes(size: int, seed: int) -> bytes:
-    from PIL import Image
-
-    arr = (np.random.default_rng(seed).random((size, size, 3)) * 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
-
-
-def video_bytes(size: int, frames: int, fps: int, seed: int) -> bytes:
-    import av
-
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as out:
-        stream = out.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = size, size, "yuv420p"
-        for _ in range(frames):
-            img = (rng.random((size, size, 3)) * 255).astype(np.uint8)
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")))
-        out.mux(stream.encode())
-    return buf.getvalue()
+from app.synthetic_media import image_bytes, mp4_bytes  # noqa: E402
 
 
 @dataclass
@@ -72,11 +47,12 @@ class Workload:
         kind = self.kind if self.kind != "mixed" else ("image" if i % 2 == 0 else "video")
         if kind == "image":
             part = {"type": "image_url", "image_url": {
-                "url": "data:image/jpeg;base64," + base64.b64encode(image_bytes(self.image_size, i)).decode()}}
+                "url": "data:image/jpeg;base64," + base64.b64encode(
+                    image_bytes(self.image_size, self.image_size, i, "JPEG")).decode()}}
         else:
             part = {"type": "video_url", "video_url": {
                 "url": "data:video/mp4;base64," + base64.b64encode(
-                    video_bytes(self.video_size, self.video_frames, self.video_fps, i)).decode()}}
+                    mp4_bytes(self.video_frames, self.video_size, self.video_size, self.video_fps, i)).decode()}}
         text = " ".join(random.Random(i).choice(["describe", "the", "scene", "colors", "objects", "now"])
                         for _ in range(self.prompt_words))
         return {"model": "bench", "messages": [{"role": "user", "content": [part, {"type": "text", "text": text}]}],

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import torch
 
@@ -11,33 +9,12 @@ from app.llm.engine import GenerationRequest, VisionInput
 from app.llm.sampling import SamplingParams
 from app.preprocess import frame_timestamps, preprocess_image, preprocess_video
 from app.prompt import MediaSlot, PromptBuilder
+from app.synthetic_media import image_bytes, mp4_bytes  # noqa: F401  (re-exported for tests)
 from app.vision.graphs import VisionItem
 
 
 def png_bytes(h: int = 64, w: int = 96, seed: int = 0, fmt: str = "PNG") -> bytes:
-    from PIL import Image
-
-    arr = (np.random.default_rng(seed).random((h, w, 3)) * 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format=fmt)
-    return buf.getvalue()
-
-
-def mp4_bytes(frames: int = 8, h: int = 64, w: int = 64, fps: int = 4, seed: int = 0) -> bytes:
-    import av
-
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as out:
-        stream = out.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        for _ in range(frames):
-            img = (rng.random((h, w, 3)) * 255).astype(np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    return buf.getvalue()
+    return image_bytes(h, w, seed, fmt)
 
 
 # ---------------------------------------------------------------- LLM requests (tiny model)
