@@ -171,7 +171,7 @@ class GraphManager:
             if b >= lay.num_tokens:
                 if self.capture_enabled and b not in self.graphs:
                     continue  # dropped by auto-tune: a larger captured budget may still pay
-                if len(set(lay.seq_lens)) == 1 and self._eager_estimate(lay.num_tokens) < self._tuned.get(b, (0, 0))[1]:
+                if lay.uniform and self._eager_estimate(lay.num_tokens) < self._tuned.get(b, (0, 0))[1]:
                     # Equal-length sequences take dense attention eagerly and pay no padding: where
                     # the auto-tune table says that beats this graph, eager it is.
                     return None, "faster_eager"
@@ -272,10 +272,9 @@ class GraphManager:
         pixels = torch.cat([it.pixels.to(dev, non_blocking=True) for it in items]) if len(items) > 1 \
             else items[0].pixels.to(dev, non_blocking=True)
         taps, weights, rot = position_metadata(lay.grids, self.geo)
-        uniform = (lay.num_seqs, lay.seq_lens[0]) if len(set(lay.seq_lens)) == 1 else None
         inp = TowerInputs(pixels, taps.to(dev, non_blocking=True), weights.to(dev, non_blocking=True),
                           rot.to(dev, non_blocking=True), cu_seqlens(lay.seq_lens).to(dev, non_blocking=True),
-                          max(lay.seq_lens), uniform)
+                          max(lay.seq_lens), lay.uniform)
         main, deepstack = self.tower(inp)
         return self._split(main, deepstack, lay)
 

@@ -79,6 +79,11 @@ class BatchLayout:
     def num_items(self) -> int:
         return len(self.grids)
 
+    @property
+    def uniform(self) -> tuple[int, int] | None:
+        """(sequences, length) when every attention sequence is equally long: dense attention applies."""
+        return (self.num_seqs, self.seq_lens[0]) if len(set(self.seq_lens)) == 1 else None
+
     def item_slices(self) -> list[slice]:
         """Rows of each item in the merged (output) tensors."""
         u = self.merge_unit
