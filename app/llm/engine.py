@@ -105,6 +105,7 @@ class Engine:
         self.prefill_batches = 0
         self.peak_running = 0
         self.decode_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.batch_buckets, self.span_buckets = self._buckets()
         if cuda_graphs:
             self.capture_decode_graphs()
 
@@ -244,11 +245,10 @@ class Engine:
             return
         self._ensure_kv()
         t0 = time.perf_counter()
-        n = self.max_num_seqs
-        self._g_tok = torch.zeros(n, dtype=torch.long, device=self.device)
-        self._g_pos = torch.zeros(n, dtype=torch.long, device=self.device)
-        self._g_len = torch.zeros(n, dtype=torch.long, device=self.device)
-        batches, spans = self._buckets()
+        # tokens, positions, lengths: one buffer, so each step is a single host-to-device copy
+        self._g_in = torch.zeros(3, self.max_num_seqs, dtype=torch.long, device=self.device)
+        self._g_tok, self._g_pos, self._g_len = self._g_in.unbind(0)
+        batches, spans = self.batch_buckets, self.span_buckets
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up outside capture
@@ -269,13 +269,10 @@ class Engine:
     def _run_decode(self, tokens: list[int], positions: list[int], lengths: list[int]) -> torch.Tensor:
         n, need = len(tokens), max(lengths) + 1
         if self.decode_graphs:
-            batches, spans = self._buckets()
-            b = next(x for x in batches if x >= n)
-            span = next(x for x in spans if x >= need)
-            pad = b - n  # padded rows write position 0 of free slots [n, b): never read
-            self._g_tok[:b].copy_(torch.tensor(tokens + [0] * pad), non_blocking=True)
-            self._g_pos[:b].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
-            self._g_len[:b].copy_(torch.tensor(lengths + [0] * pad), non_blocking=True)
+            b = next(x for x in self.batch_buckets if x >= n)
+            span = next(x for x in self.span_buckets if x >= need)
+            pad = [0] * (b - n)  # padded rows write position 0 of free slots [n, b): never read
+            self._g_in[:, :b].copy_(torch.tensor([tokens + pad, positions + pad, lengths + pad]), non_blocking=True)
             g, out = self.decode_graphs[b, span]
             g.replay()
             self.graph_steps += 1
