@@ -39,11 +39,6 @@ class TowerInputs:
     uniform: tuple[int, int] | None = None  # (sequences, length) when all sequences are equally long
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class VisionTower(nn.Module):
     """Wraps a transformers `Qwen3VLVisionModel`; `forward(TowerInputs)` -> (main, [deepstack...])."""
 
@@ -86,10 +81,10 @@ class VisionTower(nn.Module):
         return _varlen_attn is not None and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
 
     def _rotary(self, rot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = rot_ids[..., None].float() * self.inv_freq.float()  # [N, 2, d/4]
-        freqs = freqs.flatten(1)  # h-frequencies then w-frequencies
-        emb = torch.cat((freqs, freqs), dim=-1)  # [N, head_dim]
-        return emb.cos()[:, None, :], emb.sin()[:, None, :]
+        """cos/sin [N, head_dim / 2] in float32: h-frequencies then w-frequencies. The reference's
+        full-width table repeats this half, so rotary_qk takes the half."""
+        freqs = (rot_ids[..., None].float() * self.inv_freq.float()).flatten(1)
+        return freqs.cos(), freqs.sin()
 
     def _attention(self, q, k, v, cu_seqlens, max_seqlen, uniform=None):
         if uniform is not None:
@@ -112,11 +107,9 @@ class VisionTower(nn.Module):
     def _block(self, blk, x, cos, sin, cu_seqlens, max_seqlen, uniform=None):
         n = x.shape[0]
         h = blk.norm1(x)
-        q, k, v = blk.attn.qkv(h).view(n, 3, self.heads, self.head_dim).unbind(1)
-        # Same precision as the reference: rotate in float32, back to the activation dtype.
-        qf, kf = q.float(), k.float()
-        q = (qf * cos + _rotate_half(qf) * sin).to(x.dtype)
-        k = (kf * cos + _rotate_half(kf) * sin).to(x.dtype)
+        qkv = blk.attn.qkv(h)
+        q, k = rotary_qk(qkv, cos, sin, self.heads)  # float32 rotation, as the reference
+        v = qkv.view(n, 3, self.heads, self.head_dim)[:, 2]
         attn = self._attention(q, k, v, cu_seqlens, max_seqlen, uniform).reshape(n, self.hidden)
         x = x + blk.attn.proj(attn)
         return x + blk.mlp(blk.norm2(x))
@@ -133,8 +126,7 @@ class VisionTower(nn.Module):
         """Per layer: qkv GEMM, rotary, attention, proj GEMM, add+LN, fc1 GEMM+GELU, fc2 GEMM, add+LN."""
         vis, n = self.visual, inp.pixels.shape[0]
         x = self._embed(inp, keep_float=True)  # residual stream in float32
-        freqs = (inp.rot_ids[..., None].float() * self.inv_freq.float()).flatten(1)  # [N, head_dim / 2]
-        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = self._rotary(inp.rot_ids)
         blocks = vis.blocks
         n1 = blocks[0].norm1
         h = F.layer_norm(x, (self.hidden,), n1.weight.float(), n1.bias.float(), self.eps).to(self.dtype)
