@@ -54,6 +54,11 @@ class EncoderConfig(_Strict):
     max_items_per_batch: int = Field(16, ge=1)
     max_frames_per_batch: int = Field(32, ge=1, description="attention sequences (images + temporal groups)")
     autotune: bool = Field(True, description="drop graphs that are not faster than eager")
+    uniform_graph_shapes: list[tuple[int, int]] = Field(
+        default_factory=list, description="(sequences, length) exact-shape graphs captured at start-up")
+    uniform_capture_after: int = Field(2, ge=0, description="sightings of an equal-length shape before its graph "
+                                       "is captured (when the replica is idle); 0 = only the listed shapes")
+    max_uniform_graphs: int = Field(16, ge=0, description="exact-shape graphs per replica")
     batch_wait_ms: float = Field(2.0, ge=0, description="longest wait for other requests' items before a batch runs")
     cache_bytes: int = Field(512 * 1024 * 1024, ge=0, description="embedding cache size per replica; 0 = off")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
@@ -65,6 +70,9 @@ class EncoderConfig(_Strict):
         for b in self.token_budgets or []:
             if b <= 0 or b % 4:
                 raise ValueError(f"token budget {b} must be a positive multiple of 4")
+        for seqs, length in self.uniform_graph_shapes:
+            if seqs < 1 or length <= 0 or length % 4:
+                raise ValueError(f"uniform graph shape {(seqs, length)}: sequences >= 1, length a positive multiple of 4")
         return self
 
 

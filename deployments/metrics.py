@@ -62,6 +62,8 @@ class EncoderMetrics:
         self.queue_wait = _histogram("vlm_encoder_queue_wait_ms", "time an item waits for its batch (ms)", MS_BOUNDS)
         self.graph_hits = Counter("vlm_encoder_graph_hits_total", description="batches replayed from a CUDA graph "
                                   "(or the static-shape path without CUDA)")
+        self.uniform_hits = Counter("vlm_encoder_uniform_graph_hits_total",
+                                    description="graph hits that replayed an exact-shape (equal-length) graph")
         self.fallbacks = Counter("vlm_encoder_eager_fallbacks_total", description="batches run eagerly, by reason",
                                  tag_keys=("reason",))
         self.padding = Gauge("vlm_encoder_padding_ratio", description="padded tokens / all tokens run, cumulative")
@@ -82,6 +84,7 @@ class EncoderMetrics:
                 counter.inc(delta, tags=tags) if tags else counter.inc(delta)
 
         inc(self.graph_hits, "graph_hits")
+        inc(self.uniform_hits, "uniform_hits")
         inc(self.cache_hits, "cache_hits")
         inc(self.cache_misses, "cache_misses")
         for reason in now.get("eager_reasons", {}):

@@ -129,3 +129,29 @@ def test_cache_is_bounded_in_bytes():
         cache.put(f"k{i}", e)
     assert len(cache) == 3 and cache.bytes <= cache.max_bytes
     assert cache.get("k0") is None and cache.get("k4") is not None  # least recently used went first
+
+
+def test_the_batcher_runs_its_idle_task_after_the_queue_drains():
+    """Deferred work (the encoder's uniform-graph captures) runs between rounds, never mid-batch."""
+    from app.vision.batcher import EncodeBatcher
+    from app.vision.graphs import VisionEmbedding
+
+    events = []
+
+    def run_batch(items):
+        events.append(("batch", len(items)))
+        return [VisionEmbedding(it.pixels[:1], []) for it in items], sum(it.pixels.shape[0] for it in items)
+
+    batcher = EncodeBatcher(run_batch, Limits(64, 4, 4), wait_ms=5, on_idle=lambda: events.append(("idle",)))
+
+    async def scenario():
+        out = await batcher.submit([(torch.full((4, 8), 1.0), (1, 2, 2)), (torch.full((4, 8), 2.0), (1, 2, 2))])
+        for _ in range(100):
+            if ("idle",) in events:
+                break
+            await asyncio.sleep(0.01)
+        return out
+
+    out = asyncio.run(scenario())
+    assert [o.main[0, 0].item() for o in out] == [1.0, 2.0]
+    assert events == [("batch", 2), ("idle",)]

@@ -243,3 +243,50 @@ def test_dispatch_prefers_eager_where_autotune_says_it_is_faster(cpu_harness):
         assert mgr._eager_estimate(192) == 3.0 and mgr._eager_estimate(512) == 8.0
     finally:
         mgr._tuned = saved
+
+
+def test_equal_length_shapes_are_queued_for_capture_at_the_threshold(tiny_checkpoint):
+    """Bookkeeping of on-demand uniform graphs (capture itself needs CUDA; see the GPU tests)."""
+    from app.vision.loading import load_vision_model
+    from app.vision.metadata import layout
+
+    tower = VisionTower(load_vision_model(tiny_checkpoint, torch.float32))
+    mgr = GraphManager(tower, GraphSettings(budgets=[256], uniform_capture_after=2, max_uniform_graphs=2))
+    image, video, odd = layout([(1, 4, 6)], 2), layout([(3, 4, 4)], 2), layout([(1, 4, 6), (1, 4, 4)], 2)
+    mgr._note_uniform(image)
+    assert mgr._uniform_pending == []
+    mgr._note_uniform(image)
+    mgr._note_uniform(image)  # queued once only
+    assert mgr._uniform_pending == [(1, 24)]
+    mgr._note_uniform(odd)  # unequal lengths: no uniform shape
+    for _ in range(2):
+        mgr._note_uniform(video)
+    assert mgr._uniform_pending == [(1, 24), (3, 16)]
+    for _ in range(3):
+        mgr._note_uniform(layout([(1, 8, 8)], 2))  # the limit of two graphs is reached
+    assert mgr._uniform_pending == [(1, 24), (3, 16)]
+    assert not mgr.uniform_fits((1, 260)) and not mgr.uniform_fits((33, 4))  # over the budget / frames
+
+
+@pytest.mark.gpu
+def test_uniform_graphs_equal_the_reference_and_hold_no_stale_data(gpu_harness):
+    """Equal-length batches replay an exact-shape graph (dense attention, no padding) once seen twice."""
+    h = gpu_harness
+    mgr = h.mgr
+    mgr.capture_pending()  # shapes other tests queued
+    n0 = len(mgr.uniform_graphs)
+    for grids in ([(1, 32, 24)], [(4, 16, 16)], [(1, 16, 16)] * 3):  # image, video, same-size images
+        for seed in (0, 1):  # the budget graphs serve the first two sightings
+            h.check(h.items(grids, seed=seed), expect_graph=True)
+        assert mgr.capture_pending() == 1
+        hits = mgr.stats.uniform_hits
+        first = h.check(h.items(grids, seed=2), expect_graph=True)
+        kept = first[0].main.clone()
+        h.check(h.items(grids, seed=3), expect_graph=True)  # different pixels, same graph
+        assert mgr.stats.uniform_hits == hits + 2
+        assert torch.equal(first[0].main, kept), "results must outlive later replays"
+        eager = mgr.encode(h.items(grids, seed=3), force_eager=True)
+        again = mgr.encode(h.items(grids, seed=3))
+        for a, b in zip(again, eager, strict=True):  # same kernels as eager: equal up to launch order
+            assert _rel(a.main, b.main) <= 1e-2
+    assert len(mgr.uniform_graphs) == n0 + 3

@@ -10,6 +10,7 @@ piece waits more than one round. A cancelled request's pieces are dropped before
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ import torch
 
 from .graphs import VisionEmbedding, VisionItem
 from .packing import Limits, Piece, chunk_video, pack
+
+log = logging.getLogger(__name__)
 
 RunBatch = Callable[[list[VisionItem]], tuple[list[VisionEmbedding], int]]  # -> outputs, padded tokens
 
@@ -81,10 +84,12 @@ class BatcherStats:
 
 class EncodeBatcher:
     def __init__(self, run_batch: RunBatch, limits: Limits, wait_ms: float = 2.0,
-                 on_batch: Callable[[float, float, list[float]], None] | None = None):
-        """`on_batch(latency_s, fill, queue_waits_s)` is called after every batch (metrics)."""
+                 on_batch: Callable[[float, float, list[float]], None] | None = None,
+                 on_idle: Callable[[], object] | None = None):
+        """`on_batch(latency_s, fill, queue_waits_s)` is called after every batch (metrics);
+        `on_idle()` runs (in a worker thread) whenever the queue drains: deferred graph captures."""
         self.run_batch, self.limits, self.wait_s = run_batch, limits, wait_ms / 1000
-        self.on_batch = on_batch
+        self.on_batch, self.on_idle = on_batch, on_idle
         self.stats = BatcherStats()
         self._queue: list[_Queued] = []
         self._wakeup: asyncio.Event | None = None
@@ -122,6 +127,11 @@ class EncodeBatcher:
                 pieces = [Piece(q, q.vision.pixels.shape[0], q.vision.grid[0], q.enqueued) for q in live]
                 for batch in pack(pieces, self.limits):
                     await self._run_one([p.key for p in batch])
+            if self.on_idle is not None:
+                try:
+                    await asyncio.to_thread(self.on_idle)
+                except Exception:  # a failed capture must not stop the batcher
+                    log.exception("encoder idle task failed")
 
     async def _wait_for_batch(self) -> None:
         """Until the oldest piece has waited wait_ms, or the queue already fills the largest budget."""

@@ -1,10 +1,19 @@
 """CUDA-graph manager for the vision tower: capture per token budget, replay with padding.
 
-One set of max-size static input buffers is shared by every budget (each graph reads a prefix
-slice), and all graphs share one memory pool. A batch replays the smallest budget that holds its
-tokens; what fits no graph (too many tokens, attention sequences or items) runs eagerly through
-the same tower code and is counted. Without CUDA (or with graphs off) the same padded
-static-shape path runs without capture, so the padding logic is exercised on the CPU too.
+One set of max-size static input buffers is shared by every graph (each reads a prefix slice),
+and all graphs share one memory pool. Two kinds of graph:
+
+- Budget graphs, one per token budget: any batch (images and videos mixed) replays the smallest
+  budget that holds it, padded; attention is variable-length (FlashAttention-2).
+- Uniform graphs, one per (sequences, length): batches whose attention sequences are all equally
+  long (one image, one video's frames, same-size images) replay a graph of their exact shape with
+  dense cuDNN attention and no padding. Listed shapes are captured at start-up; a shape seen
+  `uniform_capture_after` times is captured when the replica is idle (`capture_pending`).
+
+What fits no graph (too many tokens, attention sequences or items) runs eagerly through the same
+tower code and is counted. Every graph is timed against eager when captured and dropped if it is
+not faster. Without CUDA (or with graphs off) the same padded static-shape path runs without
+capture, so the padding logic is exercised on the CPU too.
 """
 
 from __future__ import annotations
@@ -48,6 +57,9 @@ class GraphSettings:
     max_frames_per_batch: int = 32
     use_cuda_graphs: bool = True
     autotune: bool = True
+    uniform_shapes: list[tuple[int, int]] = field(default_factory=list)  # (sequences, length) at start-up
+    uniform_capture_after: int = 2  # sightings of a new equal-length shape before it is captured; 0 = never
+    max_uniform_graphs: int = 16
 
     @staticmethod
     def power_of_two_budgets(min_budget: int, max_budget: int, steps_per_octave: int = 1) -> list[int]:
@@ -71,6 +83,7 @@ class EncoderStats:
     """Counters exported as metrics."""
 
     graph_hits: int = 0
+    uniform_hits: int = 0  # graph hits that replayed an exact-shape (uniform) graph
     eager_batches: int = 0
     eager_reasons: Counter = field(default_factory=Counter)
     per_budget: Counter = field(default_factory=Counter)
@@ -86,6 +99,7 @@ class EncoderStats:
     def as_dict(self) -> dict:
         return {
             "graph_hits": self.graph_hits,
+            "uniform_hits": self.uniform_hits,
             "eager_batches": self.eager_batches,
             "eager_reasons": dict(self.eager_reasons),
             "per_budget": {str(k): v for k, v in sorted(self.per_budget.items())},
@@ -116,6 +130,12 @@ class GraphManager:
         self.capture_enabled = settings.use_cuda_graphs and self.device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_out: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.uniform_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._uniform_out: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._uniform_seen: Counter = Counter()
+        self._uniform_pending: list[tuple[int, int]] = []
+        self._uniform_rejected: set[tuple[int, int]] = set()  # captured, but not faster than eager
+        self._pool = None
         self.autotune_table: list[dict] = []
         self._tuned: dict[int, tuple[float, float]] = {}  # budget -> (eager ms, graph ms), uniform batches
         self.capture_seconds = 0.0
@@ -133,9 +153,9 @@ class GraphManager:
         self._rot = torch.zeros(n, 2, dtype=torch.long, device=dev)
         self._cu = torch.zeros(self.seq_slots + 1, dtype=torch.int32, device=dev)
 
-    def _static_inputs(self, budget: int) -> TowerInputs:
+    def _static_inputs(self, budget: int, uniform: tuple[int, int] | None = None) -> TowerInputs:
         return TowerInputs(self._pixels[:budget], self._taps[:budget], self._weights[:budget],
-                           self._rot[:budget], self._cu, budget)
+                           self._rot[:budget], self._cu, uniform[1] if uniform else budget, uniform)
 
     def _fill(self, items: list[VisionItem], lay: BatchLayout, budget: int) -> None:
         """Copy a batch into the static buffers, zero the padding rows, pad cu_seqlens."""
@@ -193,72 +213,165 @@ class GraphManager:
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every budget, largest first, into one pool; then auto-tune."""
+        """Capture every budget, largest first, into one pool; then the listed uniform shapes; auto-tune."""
         if not self.capture_enabled:
             return
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         warm = self._synthetic_batch(self.max_budget)
         self._fill(warm, layout([it.grid for it in warm], self.geo.merge), self.max_budget)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up outside capture (cuBLAS handles, lazy init)
-            for _ in range(2):
-                self.tower(self._static_inputs(self.max_budget))
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
+        self._on_side_stream(lambda: [self.tower(self._static_inputs(self.max_budget)) for _ in range(2)])
         # Growth of reserved memory over the capture, from an emptied cache (torch.cuda.graph empties
         # it on entry too): the private graph pool's segments, i.e. what the graphs hold.
         torch.cuda.empty_cache()
         reserved0 = torch.cuda.memory_reserved(self.device)
-        pool = torch.cuda.graph_pool_handle()
+        self._pool = torch.cuda.graph_pool_handle()
         for i, b in enumerate(sorted(self.budgets, reverse=True)):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                out = self.tower(self._static_inputs(b))
-            self.graphs[b] = g
-            self._graph_out[b] = out
+            self.graphs[b], self._graph_out[b] = self._capture_graph(self._static_inputs(b))
             log.info("captured vision graph %d/%d: budget %d tokens", i + 1, len(self.budgets), b)
+        for shape in map(tuple, self.settings.uniform_shapes):
+            if self.uniform_fits(shape):
+                self._capture_uniform(shape, tune=False)
+            else:
+                log.warning("uniform graph shape %s exceeds the largest budget or max_frames_per_batch: skipped",
+                            shape)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
         self.capture_bytes = torch.cuda.memory_reserved(self.device) - reserved0
-        log.info("captured %d vision graphs in %.2f s using %.1f MiB", len(self.graphs), self.capture_seconds,
-                 self.capture_bytes / 2**20)
+        log.info("captured %d budget and %d uniform vision graphs in %.2f s using %.1f MiB", len(self.graphs),
+                 len(self.uniform_graphs), self.capture_seconds, self.capture_bytes / 2**20)
         if self.settings.autotune:
             self.autotune()
 
-    def _synthetic_batch(self, budget: int) -> list[VisionItem]:
-        """Images that fill `budget` tokens exactly (random pixels: zeros could time differently)."""
+    def _on_side_stream(self, fn) -> None:
+        """Run `fn` on a side stream and wait for it (warm-ups before capture: lazy init, cuDNN plans)."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+
+    def _capture_graph(self, inp: TowerInputs):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+            out = self.tower(inp)
+        return g, out
+
+    def uniform_fits(self, shape: tuple[int, int]) -> bool:
+        seqs, length = shape
+        return (seqs * length <= self.max_budget and seqs <= self.settings.max_frames_per_batch
+                and length % self.tower.merge_unit == 0)
+
+    def _capture_uniform(self, shape: tuple[int, int], tune: bool = True, reps: int = 10) -> bool:
+        """Capture the exact-shape graph for `shape` = (sequences, length); with `tune`, keep it only
+        if it beats eager on that shape (median of `reps` runs each). Returns whether it was kept."""
+        if shape in self.uniform_graphs or not self.uniform_fits(shape):
+            return shape in self.uniform_graphs
+        seqs, length = shape
+        n = seqs * length
+        items = self._synthetic_uniform(shape)
+        lay = layout([it.grid for it in items], self.geo.merge)
+        self._fill(items, lay, n)
+        inp = self._static_inputs(n, shape)
+        t0 = time.perf_counter()
+        self._on_side_stream(lambda: self.tower(inp))  # cuDNN builds its plan for this shape here
+        g, out = self._capture_graph(inp)
+        self.uniform_graphs[shape], self._uniform_out[shape] = g, out
+        log.info("captured uniform vision graph %s in %.0f ms", shape, 1e3 * (time.perf_counter() - t0))
+        if tune:
+            self._tune_uniform(shape, items, lay, reps)
+        return shape in self.uniform_graphs
+
+    def _tune_budget(self, b: int) -> dict:
+        mixed, same = self._synthetic_batch(b, equal=False), self._synthetic_batch(b)
+        lay_m, lay_s = (layout([it.grid for it in x], self.geo.merge) for x in (mixed, same))
+        eager_ms = self._time_ms(lambda: self._run_eager(mixed, lay_m))
+        graph_ms = self._time_ms(lambda: self._run_graph(mixed, lay_m, b))
+        dense_ms = self._time_ms(lambda: self._run_eager(same, lay_s)) if lay_s.uniform else eager_ms
+        keep = graph_ms < eager_ms
+        self._tuned[b] = (dense_ms, graph_ms)
+        if not keep:
+            del self.graphs[b], self._graph_out[b]
+        return {"budget": b, "eager_ms": round(eager_ms, 3), "eager_equal_ms": round(dense_ms, 3),
+                "graph_ms": round(graph_ms, 3), "kept": keep}
+
+    def _tune_uniform(self, shape, items, lay, reps: int = 10) -> None:
+        eager_ms = self._time_ms(lambda: self._run_eager(items, lay), reps)
+        graph_ms = self._time_ms(lambda: self._run_uniform(items, lay, shape), reps)
+        keep = graph_ms < eager_ms
+        self.autotune_table.append({"uniform": list(shape), "eager_ms": round(eager_ms, 3),
+                                    "graph_ms": round(graph_ms, 3), "kept": keep})
+        if not keep:
+            del self.uniform_graphs[shape], self._uniform_out[shape]
+            self._uniform_rejected.add(shape)
+
+    def _synthetic_uniform(self, shape: tuple[int, int]) -> list[VisionItem]:
+        seqs, length = shape
         m = self.geo.merge
-        per_item = min(budget, 1024)  # 1024 patches = a 512x512 image
-        items, left = [], budget
+        return [VisionItem(torch.randn(seqs * length, self.tower.patch_dim, device=self.device), (seqs, m, length // m))]
+
+    def _note_uniform(self, lay: BatchLayout) -> None:
+        """Count an equal-length shape that has no graph; queue it for capture at the threshold."""
+        shape = lay.uniform
+        after = self.settings.uniform_capture_after
+        if (not after or shape is None or shape in self._uniform_rejected or shape in self._uniform_pending
+                or not self.uniform_fits(shape)):
+            return
+        self._uniform_seen[shape] += 1
+        if (self._uniform_seen[shape] >= after
+                and len(self.uniform_graphs) + len(self._uniform_pending) < self.settings.max_uniform_graphs):
+            self._uniform_pending.append(shape)
+
+    @torch.inference_mode()
+    def capture_pending(self) -> int:
+        """Capture the uniform shapes queued by traffic (call when idle). Returns how many were kept."""
+        kept = 0
+        with self._lock:
+            while self._uniform_pending:
+                shape = self._uniform_pending.pop(0)
+                try:
+                    # Few timing runs: this blocks the replica's queue (once per shape).
+                    kept += self._capture_uniform(shape, tune=self.settings.autotune, reps=3)
+                except Exception:  # e.g. out of memory: serve this shape from the budget graphs
+                    log.exception("capturing the uniform vision graph %s failed", shape)
+                    self.uniform_graphs.pop(shape, None)
+                    self._uniform_out.pop(shape, None)
+                    self._uniform_rejected.add(shape)
+        return kept
+
+    def _synthetic_batch(self, budget: int, equal: bool = True) -> list[VisionItem]:
+        """Images that fill `budget` tokens exactly (random pixels: zeros could time differently).
+
+        With `equal=False` the first image is split 3:1 so the sequence lengths differ: that is what
+        budget graphs serve, since equal-length batches get exact-shape graphs of their own.
+        """
+        m, unit = self.geo.merge, self.tower.merge_unit
+        sizes, left = [], budget
         while left > 0:
-            n = min(per_item, left)
-            items.append(VisionItem(torch.randn(n, self.tower.patch_dim, device=self.device), (1, m, n // m)))
-            left -= n
-        return items[: self.settings.max_items_per_batch]
+            sizes.append(min(1024, left))  # 1024 patches = a 512x512 image
+            left -= sizes[-1]
+        first = sizes[0] * 3 // 4 // unit * unit
+        if not equal and 0 < first < sizes[0]:
+            sizes[:1] = [first, sizes[0] - first]
+        sizes = sizes[: self.settings.max_items_per_batch]
+        return [VisionItem(torch.randn(n, self.tower.patch_dim, device=self.device), (1, m, n // m)) for n in sizes]
 
     def _time_ms(self, fn, reps: int = 10) -> float:
         return statistics.median(cuda_times_ms(fn, reps))
 
     @torch.inference_mode()
     def autotune(self) -> None:
-        """Time graph vs eager per budget on a batch that fills it; drop graphs that are not faster."""
-        rows = []
-        for b in sorted(self.graphs):
-            items = self._synthetic_batch(b)
-            lay = layout([it.grid for it in items], self.geo.merge)
-            eager_ms = self._time_ms(lambda items=items, lay=lay: self._run_eager(items, lay))
-            graph_ms = self._time_ms(lambda items=items, lay=lay, b=b: self._run_graph(items, lay, b))
-            keep = graph_ms < eager_ms
-            self._tuned[b] = (eager_ms, graph_ms)
-            rows.append({"budget": b, "eager_ms": round(eager_ms, 3), "graph_ms": round(graph_ms, 3), "kept": keep})
-            if not keep:
-                del self.graphs[b]
-                del self._graph_out[b]
-        self.autotune_table = rows
-        log.info("vision graph auto-tune (budget, eager ms, graph ms, kept):\n%s",
-                 "\n".join(f"  {r['budget']:>6} {r['eager_ms']:>9.3f} {r['graph_ms']:>9.3f} {r['kept']}" for r in rows))
+        """Per budget: time graph vs eager on a batch of unequal lengths that fills it, and drop graphs
+        that are not faster. Eager on equal lengths (dense attention, no padding) is timed too: for an
+        equal-length batch without a graph of its own, dispatch picks whichever of the two is faster."""
+        self.autotune_table = [self._tune_budget(b) for b in sorted(self.graphs)]
+        for shape in list(self.uniform_graphs):
+            items = self._synthetic_uniform(shape)
+            self._tune_uniform(shape, items, layout([it.grid for it in items], self.geo.merge))
+        log.info("vision graph auto-tune (budget or uniform shape, eager ms, graph ms, kept):\n%s",
+                 "\n".join(f"  {str(r.get('budget', r.get('uniform'))):>10} {r['eager_ms']:>9.3f} "
+                           f"{r['graph_ms']:>9.3f} {r['kept']}" for r in self.autotune_table))
 
     # ------------------------------------------------------------------ run
     def _split(self, main: torch.Tensor, deepstack: list[torch.Tensor], lay: BatchLayout) -> list[VisionEmbedding]:
@@ -287,6 +400,12 @@ class GraphManager:
             main, deepstack = self.tower(self._static_inputs(budget))
         return self._split(main, deepstack, lay)
 
+    def _run_uniform(self, items: list[VisionItem], lay: BatchLayout, shape: tuple[int, int]) -> list[VisionEmbedding]:
+        self._fill(items, lay, lay.num_tokens)
+        self.uniform_graphs[shape].replay()
+        main, deepstack = self._uniform_out[shape]
+        return self._split(main, deepstack, lay)
+
     def encode(self, items: list[VisionItem], force_eager: bool = False) -> list[VisionEmbedding]:
         """Encode one batch (images and videos may be mixed); results in item order."""
         return self.encode_batch(items, force_eager)[0]
@@ -301,9 +420,14 @@ class GraphManager:
             if it.pixels.shape[0] != t * h * w:
                 raise ValueError(f"item has {it.pixels.shape[0]} patch rows but grid {it.grid} needs {t * h * w}")
         lay = layout([it.grid for it in items], self.geo.merge)
-        budget, reason = (None, "forced") if force_eager else self.choose_budget(lay)
         with self._lock:
-            if budget is None:
+            shape = None if force_eager else self._uniform_graph_for(lay)
+            budget, reason = (None, "forced") if force_eager or shape else self.choose_budget(lay)
+            if shape is not None:
+                out = self._run_uniform(items, lay, shape)
+                self.stats.graph_hits += 1
+                self.stats.uniform_hits += 1
+            elif budget is None:
                 out = self._run_eager(items, lay)
                 self.stats.eager_batches += 1
                 self.stats.eager_reasons[reason] += 1
@@ -315,3 +439,13 @@ class GraphManager:
             self.stats.real_tokens += lay.num_tokens
             self.stats.items += len(items)
         return out, budget or lay.num_tokens
+
+    def _uniform_graph_for(self, lay: BatchLayout) -> tuple[int, int] | None:
+        """The exact-shape graph for an equal-length batch, if captured (else the shape is counted)."""
+        shape = lay.uniform
+        if shape is None or not self.capture_enabled or lay.num_items > self.settings.max_items_per_batch:
+            return None
+        if shape in self.uniform_graphs:
+            return shape
+        self._note_uniform(lay)
+        return None

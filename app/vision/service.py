@@ -40,13 +40,16 @@ class EncoderService:
         tower = VisionTower(load_vision_model(checkpoint, dtype, device))
         budgets = enc.token_budgets or GraphSettings.power_of_two_budgets(enc.min_budget, enc.max_budget,
                                                                                 enc.budget_steps_per_octave)
-        self.manager = GraphManager(tower, GraphSettings(budgets, enc.max_items_per_batch, enc.max_frames_per_batch,
-                                                         enc.cuda_graphs, enc.autotune))
+        self.manager = GraphManager(tower, GraphSettings(
+            budgets, enc.max_items_per_batch, enc.max_frames_per_batch, enc.cuda_graphs, enc.autotune,
+            uniform_shapes=[tuple(s) for s in enc.uniform_graph_shapes],
+            uniform_capture_after=enc.uniform_capture_after, max_uniform_graphs=enc.max_uniform_graphs))
         self.manager.capture()
         self.cache = EmbeddingCache(enc.cache_bytes)
         self.batcher = EncodeBatcher(self.manager.encode_batch,
                                      Limits(self.manager.max_budget, enc.max_items_per_batch, enc.max_frames_per_batch),
-                                     enc.batch_wait_ms)
+                                     enc.batch_wait_ms,
+                                     on_idle=self.manager.capture_pending if self.manager.capture_enabled else None)
         log.info("vision encoder ready on %s (%s), budgets %s, graphs %s", device, dtype, self.manager.budgets,
                  sorted(self.manager.graphs) or "none captured")
 
@@ -71,4 +74,5 @@ class EncoderService:
         return {**self.manager.stats.as_dict(), **self.batcher.stats.as_dict(), **self.cache.stats(),
                 "budgets": self.manager.budgets,
                 "captured": sorted(self.manager.graphs), "capture_seconds": self.manager.capture_seconds,
+                "uniform_graphs": [list(k) for k in self.manager.uniform_graphs],
                 "autotune": self.manager.autotune_table}
