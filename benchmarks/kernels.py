@@ -3,7 +3,7 @@
 - attention back-ends by head size (cuDNN, FlashAttention-2 through SDPA), dense and varlen as the
   graphs run it (33 sequence slots, `max_seqlen` = the budget);
 - cuDNN's ragged (varlen) attention: correct, but can it be captured in a CUDA graph?
-- a Triton varlen attention that splits the 72-wide head into 64 + 16 (an experiment; not used);
+- our Triton varlen attention (app/vision/attention.py: the 72-wide head as 64 + 16), config sweep;
 - the GEMMs at 784 / 896 / 3136 / 4096 tokens, with the MLP width 4304 or padded to 4352.
 
 Times are per call, from a CUDA graph of `inner` back-to-back calls (no launch gaps), median of 30
@@ -19,6 +19,7 @@ import json
 import math
 import os
 import statistics
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -26,6 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.varlen import varlen_attn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from app.vision import attention  # noqa: E402
 
 DEV, BF, HEADS, HD = "cuda", torch.bfloat16, 16, 72
 RESULTS: dict = {}
@@ -111,79 +115,33 @@ def attention_cases():
         except Exception as e:  # noqa: BLE001 - recorded: this is what the probe asks
             row["cudnn_ragged_us"] = f"capture fails: {str(e).splitlines()[0][:80]}"
             torch.cuda.synchronize()
-        best = triton_split_head(q, k, v, seqs, ref)
-        row.update(best)
+        row.update(triton_split_head(q, k, v, seqs, slots, ref))
         rows.append(row)
         print("attention", row, flush=True)
     RESULTS["attention"] = rows
 
 
-try:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _split_head_attention(Q, K, V, Out, Tab, sq, sk, sv, so, qk_scale, D: tl.constexpr, BM: tl.constexpr,
-                              BN: tl.constexpr):
-        """One query block of one head; the head is 64 + 16 columns (8 real + 8 masked)."""
-        blk, h = tl.program_id(0), tl.program_id(1)
-        q0, s0, s1 = tl.load(Tab + blk * 3), tl.load(Tab + blk * 3 + 1), tl.load(Tab + blk * 3 + 2)
-        rows = q0 + tl.arange(0, BM)
-        rm = rows < s1
-        da, db = tl.arange(0, 64), 64 + tl.arange(0, 16)
-        dbm = db < D
-        qa = tl.load(Q + rows[:, None] * sq + h * D + da[None, :], mask=rm[:, None], other=0.0)
-        qb = tl.load(Q + rows[:, None] * sq + h * D + db[None, :], mask=rm[:, None] & dbm[None, :], other=0.0)
-        m_i = tl.full([BM], float("-inf"), tl.float32)
-        l_i = tl.zeros([BM], tl.float32)
-        acc_a, acc_b = tl.zeros([BM, 64], tl.float32), tl.zeros([BM, 16], tl.float32)
-        for n0 in range(s0, s1, BN):
-            cols = n0 + tl.arange(0, BN)
-            cm = cols < s1
-            ka = tl.load(K + cols[:, None] * sk + h * D + da[None, :], mask=cm[:, None], other=0.0)
-            kb = tl.load(K + cols[:, None] * sk + h * D + db[None, :], mask=cm[:, None] & dbm[None, :], other=0.0)
-            s = tl.dot(qa, tl.trans(ka)) + tl.dot(qb, tl.trans(kb))
-            s = tl.where(cm[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            va = tl.load(V + cols[:, None] * sv + h * D + da[None, :], mask=cm[:, None], other=0.0)
-            vb = tl.load(V + cols[:, None] * sv + h * D + db[None, :], mask=cm[:, None] & dbm[None, :], other=0.0)
-            p = p.to(va.dtype)
-            acc_a = acc_a * alpha[:, None] + tl.dot(p, va)
-            acc_b = acc_b * alpha[:, None] + tl.dot(p, vb)
-            m_i = m_new
-        o = Out + rows[:, None] * so + h * D
-        tl.store(o + da[None, :], (acc_a / l_i[:, None]).to(Out.dtype.element_ty), mask=rm[:, None])
-        tl.store(o + db[None, :], (acc_b / l_i[:, None]).to(Out.dtype.element_ty), mask=rm[:, None] & dbm[None, :])
-except ImportError:  # pragma: no cover
-    triton = None
-
-
-def triton_split_head(q, k, v, seqs, ref) -> dict:
-    """Best of a small config sweep: (block_m, block_n, warps, stages)."""
-    if triton is None:
+def triton_split_head(q, k, v, seqs, slots, ref) -> dict:
+    """Our kernel (app/vision/attention.py) over a small config sweep: (block_m, block_n, warps, stages)."""
+    if not attention.available(HD, q.device):
         return {}
-    best = None
-    for bm, bn, warps, stages in [(64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 4, 2), (128, 64, 8, 2),
-                                  (128, 128, 8, 2)]:
-        blocks, start = [], 0
-        for n in seqs:
-            blocks += [(s, start, start + n) for s in range(start, start + n, bm)]
-            start += n
-        tab = torch.tensor(blocks, dtype=torch.int32, device=DEV)
-        out = torch.empty_like(ref, dtype=BF)
+    rows = {}
+    da, db = attention.split(HD)
+    for bm, bn, warps, stages in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 2), (128, 64, 4, 2), (128, 64, 4, 3),
+                                  (128, 64, 8, 2), (128, 128, 8, 2)]:
+        tab = attention.block_table(seqs, attention.table_rows(sum(seqs), slots, bm), bm).to(DEV)
+        out = torch.empty(q.shape, dtype=BF, device=DEV)
 
         def run(tab=tab, out=out, bm=bm, bn=bn, warps=warps, stages=stages):
-            _split_head_attention[(tab.shape[0], HEADS)](q, k, v, out, tab, q.stride(0), k.stride(0), v.stride(0),
-                                                         out.stride(0), 1.4426950408889634 / math.sqrt(HD), HD, bm,
-                                                         bn, num_warps=warps, num_stages=stages)
+            attention._varlen_fwd[(tab.shape[0], HEADS)](q, k, v, out, tab, q.stride(0), k.stride(0), v.stride(0),
+                                                         out.stride(0), 1.4426950408889634 / math.sqrt(HD), HD, da,
+                                                         db, bm, bn, num_warps=warps, num_stages=stages)
         run()
-        us = graph_us(run)
-        if best is None or us < best["triton_split_us"]:
-            best = {"triton_split_us": us, "triton_config": (bm, bn, warps, stages), "triton_err": rel(out, ref)}
-    return best
+        rows[f"{bm}/{bn}/{warps}/{stages}"] = graph_us(run)
+    default = f"{attention.BLOCK_M}/{attention.BLOCK_N}/{attention.NUM_WARPS}/{attention.NUM_STAGES}"
+    return {"triton_us": rows[default], "triton_best": min(rows.items(), key=lambda kv: kv[1]),
+            "triton_err": rel(attention.varlen_attention(q, k, v, attention.block_table(seqs).to(DEV)), ref),
+            "triton_sweep": rows}
 
 
 def gemms():

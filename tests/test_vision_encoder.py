@@ -290,3 +290,42 @@ def test_uniform_graphs_equal_the_reference_and_hold_no_stale_data(gpu_harness):
         for a, b in zip(again, eager, strict=True):  # same kernels as eager: equal up to launch order
             assert _rel(a.main, b.main) <= 1e-2
     assert len(mgr.uniform_graphs) == n0 + 3
+
+
+def test_attention_block_table_lists_every_query_block_once():
+    from app.vision.attention import block_table, split, table_rows
+
+    tab = block_table([300, 0, 5, 128], rows=table_rows(433, 4), block_m=128).tolist()
+    assert tab[:5] == [[0, 0, 300], [128, 0, 300], [256, 0, 300], [300, 300, 305], [305, 305, 433]]
+    assert tab[5:] == [[433, 433, 433]] * (table_rows(433, 4) - 5)  # empty blocks: start == end
+    for seqs in ([128] * 4, [1] * 33, [8192], [129, 127, 1]):  # the bound holds for any split of the tokens
+        assert len(block_table(seqs)) <= table_rows(sum(seqs), len(seqs))
+    with pytest.raises(ValueError):
+        block_table([300], rows=2)
+    assert split(72) == (64, 16) and split(64) == (64, 0) and split(80) == (64, 16)
+    assert split(96) is None and split(48) is None
+
+
+@pytest.mark.gpu
+def test_split_head_varlen_attention_equals_per_sequence_attention():
+    """Our Triton kernel against SDPA per sequence in fp32: packed batches, graph-style padded tables
+    (empty slots, a padding sequence), strided q/k/v as the tower passes them, heads of 72 and 64."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import torch.nn.functional as F
+
+    from app.vision.attention import block_table, table_rows, varlen_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for d, seqs, slots in [(72, [784], 1), (72, [784, 112], 33), (72, [196] * 4 + [112], 33), (64, [300, 7, 1], 3),
+                           (72, [4096], 1), (72, [1, 64, 65, 129, 500], 9)]:
+        n = sum(seqs)
+        q, k, v = torch.randn(n, 3, 16, d, device="cuda", dtype=torch.bfloat16, generator=g).unbind(1)
+        out = varlen_attention(q, k, v, block_table(seqs, table_rows(n, slots)).cuda())
+        start = 0
+        for s in seqs:
+            ref = F.scaled_dot_product_attention(*(t[start:start + s].transpose(0, 1).float() for t in (q, k, v)))
+            got = out[start:start + s].transpose(0, 1).float()
+            assert torch.isfinite(got).all()
+            assert (got - ref).abs().max() <= 1e-2 * ref.abs().max(), (d, seqs, s)
+            start += s

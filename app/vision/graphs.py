@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .attention import block_table, table_rows
 from .metadata import BatchLayout, Grid, TowerGeometry, cu_seqlens, layout, position_metadata
 from .timing import cuda_times_ms
 from .tower import TowerInputs, VisionTower
@@ -152,10 +153,13 @@ class GraphManager:
         self._weights = torch.zeros(n, 4, dtype=torch.float32, device=dev)
         self._rot = torch.zeros(n, 2, dtype=torch.long, device=dev)
         self._cu = torch.zeros(self.seq_slots + 1, dtype=torch.int32, device=dev)
+        self._table = (torch.zeros(table_rows(n, self.seq_slots), 3, dtype=torch.int32, device=dev)
+                       if self.tower.split_attention else None)
 
     def _static_inputs(self, budget: int, uniform: tuple[int, int] | None = None) -> TowerInputs:
+        table = self._table[:table_rows(budget, self.seq_slots)] if self._table is not None else None
         return TowerInputs(self._pixels[:budget], self._taps[:budget], self._weights[:budget],
-                           self._rot[:budget], self._cu, uniform[1] if uniform else budget, uniform)
+                           self._rot[:budget], self._cu, uniform[1] if uniform else budget, uniform, table)
 
     def _fill(self, items: list[VisionItem], lay: BatchLayout, budget: int) -> None:
         """Copy a batch into the static buffers, zero the padding rows, pad cu_seqlens."""
@@ -175,6 +179,10 @@ class GraphManager:
             self._weights[n:budget].zero_()
             self._rot[n:budget].zero_()
         self._cu.copy_(cu_seqlens(lay.seq_lens, pad_to_tokens=budget, pad_to_seqs=self.seq_slots), non_blocking=True)
+        if self._table is not None:  # the padding tokens are one more sequence, as in cu_seqlens
+            rows = table_rows(budget, self.seq_slots)
+            seqs = lay.seq_lens + ([budget - n] if budget > n else [])
+            self._table[:rows].copy_(block_table(seqs, rows), non_blocking=True)
 
     # ------------------------------------------------------------------ selection
     def choose_budget(self, lay: BatchLayout) -> tuple[int | None, str | None]:
@@ -385,9 +393,10 @@ class GraphManager:
         pixels = torch.cat([it.pixels.to(dev, non_blocking=True) for it in items]) if len(items) > 1 \
             else items[0].pixels.to(dev, non_blocking=True)
         taps, weights, rot = position_metadata(lay.grids, self.geo)
+        table = block_table(lay.seq_lens).to(dev, non_blocking=True) if self._table is not None else None
         inp = TowerInputs(pixels, taps.to(dev, non_blocking=True), weights.to(dev, non_blocking=True),
                           rot.to(dev, non_blocking=True), cu_seqlens(lay.seq_lens).to(dev, non_blocking=True),
-                          max(lay.seq_lens), lay.uniform)
+                          max(lay.seq_lens), lay.uniform, table)
         main, deepstack = self.tower(inp)
         return self._split(main, deepstack, lay)
 

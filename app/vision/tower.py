@@ -15,8 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import attention
 from .kernels import add_bias_layernorm, linear_gelu_tanh, rotary_qk, triton_available
 
+DENSE_MIN_LENGTH = 512  # equal-length sequences at least this long take cuDNN's dense attention
 _DENSE_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                    SDPBackend.MATH]
 
@@ -37,6 +39,7 @@ class TowerInputs:
     cu_seqlens: torch.Tensor  # [S + 1] int32, monotonic
     max_seqlen: int  # host int: an upper bound of every sequence length
     uniform: tuple[int, int] | None = None  # (sequences, length) when all sequences are equally long
+    attn_table: torch.Tensor | None = None  # query-block table for attention.varlen_attention (CUDA)
 
 
 class VisionTower(nn.Module):
@@ -55,6 +58,8 @@ class VisionTower(nn.Module):
         self.eps = visual.blocks[0].norm1.eps
         # Fused kernels on CUDA (see kernels.py); the CPU keeps the reference's op-for-op math.
         self.fused = triton_available(self.device) and cfg.hidden_act == "gelu_pytorch_tanh"
+        # Our Triton varlen attention (attention.py) where it applies; callers then pass a block table.
+        self.split_attention = attention.available(self.head_dim, self.device) and self.dtype != torch.float32
 
     @property
     def dtype(self) -> torch.dtype:
@@ -86,15 +91,17 @@ class VisionTower(nn.Module):
         freqs = (rot_ids[..., None].float() * self.inv_freq.float()).flatten(1)
         return freqs.cos(), freqs.sin()
 
-    def _attention(self, q, k, v, cu_seqlens, max_seqlen, uniform=None):
-        if uniform is not None:
-            # Equal-length sequences (one image, a video's frames, same-size images): one dense batched
-            # attention. cuDNN's kernel is 1.6-2.2x faster than varlen FlashAttention-2 at head_dim 72.
+    def _attention(self, q, k, v, cu_seqlens, max_seqlen, uniform=None, table=None):
+        if uniform is not None and (table is None or uniform[1] >= DENSE_MIN_LENGTH):
+            # Long equal-length sequences (an image, same-size images): one dense batched attention,
+            # cuDNN's kernel (faster than ours from about 512 tokens per sequence).
             s, length = uniform
             q, k, v = (t.reshape(s, length, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
             with sdpa_kernel(_DENSE_BACKENDS, set_priority=True):
                 out = F.scaled_dot_product_attention(q, k, v)
             return out.transpose(1, 2).reshape(s * length, self.heads, self.head_dim)
+        if table is not None:
+            return attention.varlen_attention(q, k, v, table)
         if self.uses_varlen():
             return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
         # Block-diagonal mask from cu_seqlens, without host synchronisation (graph-safe).
@@ -104,14 +111,14 @@ class VisionTower(nn.Module):
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
         return out.transpose(0, 1)
 
-    def _block(self, blk, x, cos, sin, cu_seqlens, max_seqlen, uniform=None):
+    def _block(self, blk, x, cos, sin, inp: TowerInputs):
         n = x.shape[0]
         h = blk.norm1(x)
         qkv = blk.attn.qkv(h)
         q, k = rotary_qk(qkv, cos, sin, self.heads)  # float32 rotation, as the reference
         v = qkv.view(n, 3, self.heads, self.head_dim)[:, 2]
-        attn = self._attention(q, k, v, cu_seqlens, max_seqlen, uniform).reshape(n, self.hidden)
-        x = x + blk.attn.proj(attn)
+        attn = self._attention(q, k, v, inp.cu_seqlens, inp.max_seqlen, inp.uniform, inp.attn_table)
+        x = x + blk.attn.proj(attn.reshape(n, self.hidden))
         return x + blk.mlp(blk.norm2(x))
 
     def _embed(self, inp: TowerInputs, keep_float: bool = False) -> torch.Tensor:
@@ -135,7 +142,8 @@ class VisionTower(nn.Module):
             qkv = blk.attn.qkv(h)
             q, k = rotary_qk(qkv, cos, sin, self.heads)
             v = qkv.view(n, 3, self.heads, self.head_dim)[:, 2]
-            attn = self._attention(q, k, v, inp.cu_seqlens, inp.max_seqlen, inp.uniform).reshape(n, self.hidden)
+            attn = self._attention(q, k, v, inp.cu_seqlens, inp.max_seqlen, inp.uniform,
+                                   inp.attn_table).reshape(n, self.hidden)
             x, h = add_bias_layernorm(x, F.linear(attn, blk.attn.proj.weight), blk.attn.proj.bias,
                                       blk.norm2.weight, blk.norm2.bias, self.eps)
             mlp = blk.mlp
@@ -156,7 +164,7 @@ class VisionTower(nn.Module):
         cos, sin = self._rotary(inp.rot_ids)
         deepstack: list[torch.Tensor] = [None] * self.num_deepstack  # type: ignore[list-item]
         for i, blk in enumerate(vis.blocks):
-            x = self._block(blk, x, cos, sin, inp.cu_seqlens, inp.max_seqlen, inp.uniform)
+            x = self._block(blk, x, cos, sin, inp)
             j = self.deepstack_index.get(i)
             if j is not None:
                 deepstack[j] = vis.deepstack_merger_list[j](x)

@@ -1,0 +1,137 @@
+"""Block-diagonal (variable-length) attention for the tower, in Triton.
+
+Inside a budget graph the batch is padded: `max_seqlen` must be the budget and there are
+`max_frames_per_batch + 1` sequence slots, mostly empty. FlashAttention-2's varlen kernel launches
+a program for every (slot, query block of `max_seqlen`, head), and its time nearly doubles (784
+real tokens in an 896 budget: 28 -> 46 us per layer, 8B shape; `benchmarks/kernels.py`). Here the
+work is listed instead: a small table built on the host from the real sequence lengths holds one
+row per query block, (first query row, sequence start, sequence end), and the grid is that table's
+static length, its unused rows returning at once.
+
+Qwen3-VL's vision heads are 72 wide (8B). Library kernels round that up (FlashAttention-2 to 96;
+cuDNN takes as long as at 128), so the head is split into a 64-wide part and a 16-wide remainder
+(8 real columns, 8 masked): the work of an 80-wide head. Heads of 64 or fewer (power of two) take
+a single part.
+
+Padding tokens are a sequence of their own (see metadata.cu_seqlens): their rows come out finite
+and never mix with real rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 64, 4, 2  # best overall in benchmarks/kernels.py (H200)
+
+
+def split(head_dim: int) -> tuple[int, int] | None:
+    """(main part, remainder part) widths for a head size, or None where this kernel does not apply."""
+    if head_dim <= 64 and head_dim >= 16 and head_dim & (head_dim - 1) == 0:
+        return head_dim, 0
+    if 64 < head_dim <= 80 and head_dim % 8 == 0:
+        return 64, 16
+    return None
+
+
+def available(head_dim: int, device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda" and split(head_dim) is not None
+
+
+def table_rows(tokens: int, seqs: int, block_m: int = BLOCK_M) -> int:
+    """Most query blocks `seqs` sequences of `tokens` tokens in all can need: the static table size."""
+    return tokens // block_m + seqs
+
+
+def block_table(seq_lens: list[int], rows: int | None = None, block_m: int = BLOCK_M) -> torch.Tensor:
+    """int32 [rows, 3]: (first query row, sequence start, sequence end) per query block, padded to
+    `rows` with empty blocks (start = end) that do nothing."""
+    out, start = [], 0
+    for n in seq_lens:
+        out.extend((q, start, start + n) for q in range(start, start + n, block_m))
+        start += n
+    if rows is not None:
+        if len(out) > rows:
+            raise ValueError(f"{len(out)} attention blocks exceed the table's {rows} rows")
+        out.extend([(start, start, start)] * (rows - len(out)))
+    return torch.tensor(out, dtype=torch.int32).reshape(-1, 3)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _varlen_fwd(Q, K, V, Out, Table, stride_q, stride_k, stride_v, stride_o, qk_scale, D: tl.constexpr,
+                    DA: tl.constexpr, DB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        blk = tl.program_id(0)
+        h = tl.program_id(1)
+        q0 = tl.load(Table + blk * 3)
+        s0 = tl.load(Table + blk * 3 + 1)
+        s1 = tl.load(Table + blk * 3 + 2)
+        if q0 >= s1:
+            return
+        # Head offsets as h * D with D a compile-time constant: the compiler then knows they are
+        # 16-byte aligned and vectorises the loads (a runtime head stride of 72 costs 1.6x).
+        rows = q0 + tl.arange(0, BM)
+        rm = rows < s1
+        da = tl.arange(0, DA)
+        qa = tl.load(Q + rows[:, None] * stride_q + h * D + da[None, :], mask=rm[:, None], other=0.0)
+        acc_a = tl.zeros([BM, DA], tl.float32)
+        if DB > 0:
+            db = DA + tl.arange(0, DB)
+            dbm = db < D
+            qb = tl.load(Q + rows[:, None] * stride_q + h * D + db[None, :], mask=rm[:, None] & dbm[None, :],
+                         other=0.0)
+            acc_b = tl.zeros([BM, DB], tl.float32)
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        for n0 in range(s0, s1, BN):
+            cols = n0 + tl.arange(0, BN)
+            cm = cols < s1
+            ka = tl.load(K + cols[:, None] * stride_k + h * D + da[None, :], mask=cm[:, None], other=0.0)
+            s = tl.dot(qa, tl.trans(ka))
+            if DB > 0:
+                kb = tl.load(K + cols[:, None] * stride_k + h * D + db[None, :], mask=cm[:, None] & dbm[None, :],
+                             other=0.0)
+                s += tl.dot(qb, tl.trans(kb))
+            s = tl.where(cm[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            va = tl.load(V + cols[:, None] * stride_v + h * D + da[None, :], mask=cm[:, None], other=0.0)
+            p = p.to(va.dtype)  # probabilities in the value dtype for the second GEMM, as FlashAttention
+            acc_a = acc_a * alpha[:, None] + tl.dot(p, va)
+            if DB > 0:
+                vb = tl.load(V + cols[:, None] * stride_v + h * D + db[None, :], mask=cm[:, None] & dbm[None, :],
+                             other=0.0)
+                acc_b = acc_b * alpha[:, None] + tl.dot(p, vb)
+            m_i = m_new
+        o = Out + rows[:, None] * stride_o + h * D
+        tl.store(o + da[None, :], (acc_a / l_i[:, None]).to(Out.dtype.element_ty), mask=rm[:, None])
+        if DB > 0:
+            tl.store(o + db[None, :], (acc_b / l_i[:, None]).to(Out.dtype.element_ty), mask=rm[:, None] & dbm[None, :])
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """q, k, v [N, H, D] (rows of any stride; heads packed, unit column stride) -> out [N, H, D].
+
+    `table` comes from `block_table` (on q's device). Softmax scale 1/sqrt(D), no mask within a
+    sequence, nothing across sequences.
+    """
+    n, heads, d = q.shape
+    da, db = split(d)
+    for t in (q, k, v):
+        if t.stride(2) != 1 or t.stride(1) != d:
+            raise ValueError("q, k, v need packed heads ([N, H, D] views with unit column stride)")
+    out = torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
+    _varlen_fwd[(table.shape[0], heads)](q, k, v, out, table, q.stride(0), k.stride(0), v.stride(0), out.stride(0),
+                                         1.4426950408889634 / math.sqrt(d), d, da, db, BLOCK_M, BLOCK_N,
+                                         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out
