@@ -138,9 +138,10 @@ def triton_split_head(q, k, v, seqs, slots, ref) -> dict:
                                                          db, bm, bn, num_warps=warps, num_stages=stages)
         run()
         rows[f"{bm}/{bn}/{warps}/{stages}"] = graph_us(run)
-    default = f"{attention.BLOCK_M}/{attention.BLOCK_N}/{attention.NUM_WARPS}/{attention.NUM_STAGES}"
+    bm = attention.block_m_for(seqs[0] if len(set(seqs)) == 1 else None)
+    default = "/".join(map(str, (bm, *attention.CONFIGS[bm])))
     return {"triton_us": rows[default], "triton_best": min(rows.items(), key=lambda kv: kv[1]),
-            "triton_err": rel(attention.varlen_attention(q, k, v, attention.block_table(seqs).to(DEV)), ref),
+            "triton_err": rel(attention.varlen_attention(q, k, v, attention.block_table(seqs, block_m=bm).to(DEV), bm), ref),
             "triton_sweep": rows}
 
 

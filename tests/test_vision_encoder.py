@@ -321,11 +321,12 @@ def test_split_head_varlen_attention_equals_per_sequence_attention():
                            (72, [4096], 1), (72, [1, 64, 65, 129, 500], 9)]:
         n = sum(seqs)
         q, k, v = torch.randn(n, 3, 16, d, device="cuda", dtype=torch.bfloat16, generator=g).unbind(1)
-        out = varlen_attention(q, k, v, block_table(seqs, table_rows(n, slots)).cuda())
-        start = 0
-        for s in seqs:
-            ref = F.scaled_dot_product_attention(*(t[start:start + s].transpose(0, 1).float() for t in (q, k, v)))
-            got = out[start:start + s].transpose(0, 1).float()
-            assert torch.isfinite(got).all()
-            assert (got - ref).abs().max() <= 1e-2 * ref.abs().max(), (d, seqs, s)
-            start += s
+        for bm in (128, 64):
+            out = varlen_attention(q, k, v, block_table(seqs, table_rows(n, slots, bm), bm).cuda(), bm)
+            start = 0
+            for s in seqs:
+                ref = F.scaled_dot_product_attention(*(t[start:start + s].transpose(0, 1).float() for t in (q, k, v)))
+                got = out[start:start + s].transpose(0, 1).float()
+                assert torch.isfinite(got).all()
+                assert (got - ref).abs().max() <= 1e-2 * ref.abs().max(), (d, seqs, s, bm)
+                start += s

@@ -29,7 +29,16 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 64, 4, 2  # best overall in benchmarks/kernels.py (H200)
+# Query rows per program -> (key block, warps, pipeline stages). From the sweep in
+# benchmarks/kernels.py (H200): 128 rows suit long sequences and mixed batches (budget graphs),
+# 64 rows short ones (a 224^2 video's 196-token frames: 8.8 vs 11.7 us per layer).
+CONFIGS = {128: (64, 4, 3), 64: (64, 4, 3)}
+BLOCK_M = 128
+SHORT = 256  # equal-length sequences up to this long use 64-row blocks
+
+
+def block_m_for(uniform_length: int | None) -> int:
+    return 64 if uniform_length is not None and uniform_length <= SHORT else BLOCK_M
 
 
 def split(head_dim: int) -> tuple[int, int] | None:
@@ -119,12 +128,14 @@ if triton is not None:
             tl.store(o + db[None, :], (acc_b / l_i[:, None]).to(Out.dtype.element_ty), mask=rm[:, None] & dbm[None, :])
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                     block_m: int = BLOCK_M) -> torch.Tensor:
     """q, k, v [N, H, D] (rows of any stride; heads packed, unit column stride) -> out [N, H, D].
 
-    `table` comes from `block_table` (on q's device). Softmax scale 1/sqrt(D), no mask within a
-    sequence, nothing across sequences.
+    `table` comes from `block_table` with the same `block_m` (on q's device). Softmax scale
+    1/sqrt(D), no mask within a sequence, nothing across sequences.
     """
+    block_n, warps, stages = CONFIGS[block_m]
     n, heads, d = q.shape
     da, db = split(d)
     for t in (q, k, v):
@@ -132,6 +143,6 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: t
             raise ValueError("q, k, v need packed heads ([N, H, D] views with unit column stride)")
     out = torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
     _varlen_fwd[(table.shape[0], heads)](q, k, v, out, table, q.stride(0), k.stride(0), v.stride(0), out.stride(0),
-                                         1.4426950408889634 / math.sqrt(d), d, da, db, BLOCK_M, BLOCK_N,
-                                         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                                         1.4426950408889634 / math.sqrt(d), d, da, db, block_m, block_n,
+                                         num_warps=warps, num_stages=stages)
     return out

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import block_table, table_rows
+from .attention import block_m_for, block_table, table_rows
 from .metadata import BatchLayout, Grid, TowerGeometry, cu_seqlens, layout, position_metadata
 from .timing import cuda_times_ms
 from .tower import TowerInputs, VisionTower
@@ -153,16 +153,18 @@ class GraphManager:
         self._weights = torch.zeros(n, 4, dtype=torch.float32, device=dev)
         self._rot = torch.zeros(n, 2, dtype=torch.long, device=dev)
         self._cu = torch.zeros(self.seq_slots + 1, dtype=torch.int32, device=dev)
-        self._table = (torch.zeros(table_rows(n, self.seq_slots), 3, dtype=torch.int32, device=dev)
+        self._table = (torch.zeros(table_rows(n, self.seq_slots, block_m=64), 3, dtype=torch.int32, device=dev)
                        if self.tower.split_attention else None)
 
     def _static_inputs(self, budget: int, uniform: tuple[int, int] | None = None) -> TowerInputs:
-        table = self._table[:table_rows(budget, self.seq_slots)] if self._table is not None else None
+        bm = block_m_for(uniform[1] if uniform else None)
+        table = self._table[:table_rows(budget, self.seq_slots, bm)] if self._table is not None else None
         return TowerInputs(self._pixels[:budget], self._taps[:budget], self._weights[:budget],
-                           self._rot[:budget], self._cu, uniform[1] if uniform else budget, uniform, table)
+                           self._rot[:budget], self._cu, uniform[1] if uniform else budget, uniform, table, bm)
 
-    def _fill(self, items: list[VisionItem], lay: BatchLayout, budget: int) -> None:
-        """Copy a batch into the static buffers, zero the padding rows, pad cu_seqlens."""
+    def _fill(self, items: list[VisionItem], lay: BatchLayout, budget: int, uniform_graph: bool = False) -> None:
+        """Copy a batch into the static buffers, zero the padding rows, pad cu_seqlens and the
+        attention block table (laid out for a uniform graph or a budget graph)."""
         n = lay.num_tokens
         off = 0
         for it in items:
@@ -180,9 +182,10 @@ class GraphManager:
             self._rot[n:budget].zero_()
         self._cu.copy_(cu_seqlens(lay.seq_lens, pad_to_tokens=budget, pad_to_seqs=self.seq_slots), non_blocking=True)
         if self._table is not None:  # the padding tokens are one more sequence, as in cu_seqlens
-            rows = table_rows(budget, self.seq_slots)
+            bm = block_m_for(lay.seq_lens[0] if uniform_graph else None)
+            rows = table_rows(budget, self.seq_slots, bm)
             seqs = lay.seq_lens + ([budget - n] if budget > n else [])
-            self._table[:rows].copy_(block_table(seqs, rows), non_blocking=True)
+            self._table[:rows].copy_(block_table(seqs, rows, bm), non_blocking=True)
 
     # ------------------------------------------------------------------ selection
     def choose_budget(self, lay: BatchLayout) -> tuple[int | None, str | None]:
@@ -280,7 +283,7 @@ class GraphManager:
         n = seqs * length
         items = self._synthetic_uniform(shape)
         lay = layout([it.grid for it in items], self.geo.merge)
-        self._fill(items, lay, n)
+        self._fill(items, lay, n, uniform_graph=True)
         inp = self._static_inputs(n, shape)
         t0 = time.perf_counter()
         self._on_side_stream(lambda: self.tower(inp))  # cuDNN builds its plan for this shape here
@@ -393,10 +396,11 @@ class GraphManager:
         pixels = torch.cat([it.pixels.to(dev, non_blocking=True) for it in items]) if len(items) > 1 \
             else items[0].pixels.to(dev, non_blocking=True)
         taps, weights, rot = position_metadata(lay.grids, self.geo)
-        table = block_table(lay.seq_lens).to(dev, non_blocking=True) if self._table is not None else None
+        bm = block_m_for(lay.uniform[1] if lay.uniform else None)
+        table = block_table(lay.seq_lens, block_m=bm).to(dev, non_blocking=True) if self._table is not None else None
         inp = TowerInputs(pixels, taps.to(dev, non_blocking=True), weights.to(dev, non_blocking=True),
                           rot.to(dev, non_blocking=True), cu_seqlens(lay.seq_lens).to(dev, non_blocking=True),
-                          max(lay.seq_lens), lay.uniform, table)
+                          max(lay.seq_lens), lay.uniform, table, bm)
         main, deepstack = self.tower(inp)
         return self._split(main, deepstack, lay)
 
@@ -410,7 +414,7 @@ class GraphManager:
         return self._split(main, deepstack, lay)
 
     def _run_uniform(self, items: list[VisionItem], lay: BatchLayout, shape: tuple[int, int]) -> list[VisionEmbedding]:
-        self._fill(items, lay, lay.num_tokens)
+        self._fill(items, lay, lay.num_tokens, uniform_graph=True)
         self.uniform_graphs[shape].replay()
         main, deepstack = self._uniform_out[shape]
         return self._split(main, deepstack, lay)

@@ -40,6 +40,7 @@ class TowerInputs:
     max_seqlen: int  # host int: an upper bound of every sequence length
     uniform: tuple[int, int] | None = None  # (sequences, length) when all sequences are equally long
     attn_table: torch.Tensor | None = None  # query-block table for attention.varlen_attention (CUDA)
+    attn_block_m: int = attention.BLOCK_M  # the table's query rows per block
 
 
 class VisionTower(nn.Module):
@@ -91,7 +92,8 @@ class VisionTower(nn.Module):
         freqs = (rot_ids[..., None].float() * self.inv_freq.float()).flatten(1)
         return freqs.cos(), freqs.sin()
 
-    def _attention(self, q, k, v, cu_seqlens, max_seqlen, uniform=None, table=None):
+    def _attention(self, q, k, v, inp: TowerInputs):
+        uniform, table = inp.uniform, inp.attn_table
         if uniform is not None and (table is None or uniform[1] >= DENSE_MIN_LENGTH):
             # Long equal-length sequences (an image, same-size images): one dense batched attention,
             # cuDNN's kernel (faster than ours from about 512 tokens per sequence).
@@ -101,9 +103,10 @@ class VisionTower(nn.Module):
                 out = F.scaled_dot_product_attention(q, k, v)
             return out.transpose(1, 2).reshape(s * length, self.heads, self.head_dim)
         if table is not None:
-            return attention.varlen_attention(q, k, v, table)
+            return attention.varlen_attention(q, k, v, table, inp.attn_block_m)
+        cu_seqlens = inp.cu_seqlens
         if self.uses_varlen():
-            return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+            return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, inp.max_seqlen, inp.max_seqlen)
         # Block-diagonal mask from cu_seqlens, without host synchronisation (graph-safe).
         n = q.shape[0]
         seg = torch.searchsorted(cu_seqlens[1:], torch.arange(n, device=q.device, dtype=cu_seqlens.dtype), right=True)
@@ -117,7 +120,7 @@ class VisionTower(nn.Module):
         qkv = blk.attn.qkv(h)
         q, k = rotary_qk(qkv, cos, sin, self.heads)  # float32 rotation, as the reference
         v = qkv.view(n, 3, self.heads, self.head_dim)[:, 2]
-        attn = self._attention(q, k, v, inp.cu_seqlens, inp.max_seqlen, inp.uniform, inp.attn_table)
+        attn = self._attention(q, k, v, inp)
         x = x + blk.attn.proj(attn.reshape(n, self.hidden))
         return x + blk.mlp(blk.norm2(x))
 
@@ -142,8 +145,7 @@ class VisionTower(nn.Module):
             qkv = blk.attn.qkv(h)
             q, k = rotary_qk(qkv, cos, sin, self.heads)
             v = qkv.view(n, 3, self.heads, self.head_dim)[:, 2]
-            attn = self._attention(q, k, v, inp.cu_seqlens, inp.max_seqlen, inp.uniform,
-                                   inp.attn_table).reshape(n, self.hidden)
+            attn = self._attention(q, k, v, inp).reshape(n, self.hidden)
             x, h = add_bias_layernorm(x, F.linear(attn, blk.attn.proj.weight), blk.attn.proj.bias,
                                       blk.norm2.weight, blk.norm2.bias, self.eps)
             mlp = blk.mlp
