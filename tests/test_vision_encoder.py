@@ -230,17 +230,22 @@ def test_triton_kernels_equal_torch_fallbacks():
 
 
 def test_dispatch_prefers_eager_where_autotune_says_it_is_faster(cpu_harness):
-    """Equal-length batches go eager when the tuned eager time at their size beats the graph's."""
+    """A batch goes eager when the tuned eager time at its real size beats its budget graph's time:
+    equal lengths are judged on the equal-length eager column, others on the unequal one."""
     from app.vision.metadata import layout
 
     mgr = cpu_harness.mgr
     saved = dict(mgr._tuned)
-    try:
-        mgr._tuned = {64: (1.0, 2.0), 128: (2.0, 1.5), 256: (4.0, 3.0)}
+    try:  # budget: (eager unequal, eager equal, graph)
+        mgr._tuned = {64: (3.0, 1.0, 2.0), 128: (3.0, 2.0, 1.5), 256: (3.5, 4.0, 3.0)}
         assert mgr.choose_budget(layout([(1, 2, 20)], 2)) == (None, "faster_eager")  # 40 tok: 1.0 < 2.0
         assert mgr.choose_budget(layout([(1, 2, 50)], 2)) == (128, None)  # 100 tok: eager 1.6 > 1.5
-        assert mgr.choose_budget(layout([(1, 2, 20), (1, 2, 30)], 2)) == (128, None)  # unequal: graph
-        assert mgr._eager_estimate(192) == 3.0 and mgr._eager_estimate(512) == 8.0
+        assert mgr.choose_budget(layout([(1, 2, 20), (1, 2, 30)], 2)) == (128, None)  # unequal: 3.0 > 1.5
+        assert mgr.choose_budget(layout([(1, 2, 80), (1, 2, 20)], 2)) == (256, None)  # 200 tok: 3.28 > 3.0
+        mgr._tuned[256] = (3.5, 4.0, 3.4)
+        assert mgr.choose_budget(layout([(1, 2, 80), (1, 2, 20)], 2)) == (None, "faster_eager")  # 3.28 < 3.4
+        assert mgr._eager_estimate(192, True) == 3.0 and mgr._eager_estimate(512, True) == 8.0
+        assert mgr._eager_estimate(192, False) == 3.25
     finally:
         mgr._tuned = saved
 

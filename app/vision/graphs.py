@@ -138,7 +138,8 @@ class GraphManager:
         self._uniform_rejected: set[tuple[int, int]] = set()  # captured, but not faster than eager
         self._pool = None
         self.autotune_table: list[dict] = []
-        self._tuned: dict[int, tuple[float, float]] = {}  # budget -> (eager ms, graph ms), uniform batches
+        # budget -> (eager ms on unequal lengths, eager ms on equal lengths, graph ms), from the auto-tune
+        self._tuned: dict[int, tuple[float, float, float]] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.stats = EncoderStats()
@@ -202,16 +203,16 @@ class GraphManager:
             if b >= lay.num_tokens:
                 if self.capture_enabled and b not in self.graphs:
                     continue  # dropped by auto-tune: a larger captured budget may still pay
-                if lay.uniform and self._eager_estimate(lay.num_tokens) < self._tuned.get(b, (0, 0))[1]:
-                    # Equal-length sequences take dense attention eagerly and pay no padding: where
-                    # the auto-tune table says that beats this graph, eager it is.
+                if b in self._tuned and self._eager_estimate(lay.num_tokens, lay.uniform is not None) < self._tuned[b][2]:
+                    # Eager pays no padding (and a launch-bound floor): where the auto-tune table says
+                    # it beats this graph at the batch's real size, eager it is.
                     return None, "faster_eager"
                 return b, None
         return None, "no_graph"
 
-    def _eager_estimate(self, tokens: int) -> float:
+    def _eager_estimate(self, tokens: int, equal_lengths: bool) -> float:
         """Eager time for `tokens`, interpolated from the auto-tune table (inf when not tuned)."""
-        pts = sorted((b, e) for b, (e, _) in self._tuned.items())
+        pts = sorted((b, t[1] if equal_lengths else t[0]) for b, t in self._tuned.items())
         if not pts:
             return float("inf")
         if tokens <= pts[0][0]:
@@ -301,7 +302,7 @@ class GraphManager:
         graph_ms = self._time_ms(lambda: self._run_graph(mixed, lay_m, b))
         dense_ms = self._time_ms(lambda: self._run_eager(same, lay_s)) if lay_s.uniform else eager_ms
         keep = graph_ms < eager_ms
-        self._tuned[b] = (dense_ms, graph_ms)
+        self._tuned[b] = (eager_ms, dense_ms, graph_ms)
         if not keep:
             del self.graphs[b], self._graph_out[b]
         return {"budget": b, "eager_ms": round(eager_ms, 3), "eager_equal_ms": round(dense_ms, 3),
