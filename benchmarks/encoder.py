@@ -159,7 +159,7 @@ def bench_preset(preset: str, runs: int, budgets: list[int], matmul_tflops: floa
         row["speedup"] = row["ref_ms"] / row["graph_ms"]
         result["workloads"].append(row)
         print(f"{preset:12s} {name:30s} ref {row['ref_ms']:7.2f}  eager {row['eager_ms']:7.2f}  first "
-              f"{row['first_ms']:7.2f}  {'uniform' if uniform else 'budget'} graph "
+              f"{row['first_ms']:7.2f}  {'uniform graph' if uniform else 'budget graph' if used_graph else 'eager'} "
               f"{row['graph_ms']:7.2f} (p99 {row['graph_p99']:6.2f})  floor {row['floor_ms']:6.2f}  "
               f"x{row['speedup']:5.1f}  replay {row['replay_ms']:.2f}  err {err:.1e} "
               f"(vs fp32: ours {errs['ours_vs_fp32_max']:.1e} ref {errs['ref_vs_fp32_max']:.1e}; norm ours "

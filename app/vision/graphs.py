@@ -4,11 +4,12 @@ One set of max-size static input buffers is shared by every graph (each reads a 
 and all graphs share one memory pool. Two kinds of graph:
 
 - Budget graphs, one per token budget: any batch (images and videos mixed) replays the smallest
-  budget that holds it, padded; attention is variable-length (FlashAttention-2).
+  budget that holds it, padded; attention is variable-length (attention.py).
 - Uniform graphs, one per (sequences, length): batches whose attention sequences are all equally
-  long (one image, one video's frames, same-size images) replay a graph of their exact shape with
-  dense cuDNN attention and no padding. Listed shapes are captured at start-up; a shape seen
-  `uniform_capture_after` times is captured when the replica is idle (`capture_pending`).
+  long (one image, one video's frames, same-size images) replay a graph of their exact shape, with
+  no padding (and cuDNN's dense attention for long sequences). Listed shapes are captured at
+  start-up; a shape seen `uniform_capture_after` times is captured when the replica is idle
+  (`capture_pending`).
 
 What fits no graph (too many tokens, attention sequences or items) runs eagerly through the same
 tower code and is counted. Every graph is timed against eager when captured and dropped if it is
