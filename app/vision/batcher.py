@@ -85,9 +85,10 @@ class BatcherStats:
 class EncodeBatcher:
     def __init__(self, run_batch: RunBatch, limits: Limits, wait_ms: float = 2.0,
                  on_batch: Callable[[float, float, list[float]], None] | None = None,
-                 on_idle: Callable[[], object] | None = None):
-        """`on_batch(latency_s, fill, queue_waits_s)` is called after every batch (metrics);
-        `on_idle()` runs (in a worker thread) whenever the queue drains: deferred graph captures."""
+                 on_idle: Callable[[], Callable[[], object] | None] | None = None):
+        """`on_batch(latency_s, fill, queue_waits_s)` is called after every batch (metrics).
+        `on_idle()` is called whenever the queue drains; it returns deferred work (graph captures)
+        to run in a worker thread, or None when there is none."""
         self.run_batch, self.limits, self.wait_s = run_batch, limits, wait_ms / 1000
         self.on_batch, self.on_idle = on_batch, on_idle
         self.stats = BatcherStats()
@@ -127,9 +128,10 @@ class EncodeBatcher:
                 pieces = [Piece(q, q.vision.pixels.shape[0], q.vision.grid[0], q.enqueued) for q in live]
                 for batch in pack(pieces, self.limits):
                     await self._run_one([p.key for p in batch])
-            if self.on_idle is not None:
+            work = self.on_idle() if self.on_idle is not None else None
+            if work is not None:
                 try:
-                    await asyncio.to_thread(self.on_idle)
+                    await asyncio.to_thread(work)
                 except Exception:  # a failed capture must not stop the batcher
                     log.exception("encoder idle task failed")
 

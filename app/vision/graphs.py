@@ -336,6 +336,10 @@ class GraphManager:
                 and len(self.uniform_graphs) + len(self._uniform_pending) < self.settings.max_uniform_graphs):
             self._uniform_pending.append(shape)
 
+    def pending_captures(self):
+        """`capture_pending` when traffic has queued shapes, else None (the batcher's idle hook)."""
+        return self.capture_pending if self._uniform_pending else None
+
     @torch.inference_mode()
     def capture_pending(self) -> int:
         """Capture the uniform shapes queued by traffic (call when idle). Returns how many were kept."""

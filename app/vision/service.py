@@ -49,7 +49,7 @@ class EncoderService:
         self.batcher = EncodeBatcher(self.manager.encode_batch,
                                      Limits(self.manager.max_budget, enc.max_items_per_batch, enc.max_frames_per_batch),
                                      enc.batch_wait_ms,
-                                     on_idle=self.manager.capture_pending if self.manager.capture_enabled else None)
+                                     on_idle=self.manager.pending_captures)
         log.info("vision encoder ready on %s (%s), budgets %s, graphs %s", device, dtype, self.manager.budgets,
                  sorted(self.manager.graphs) or "none captured")
 
