@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import os
 import statistics
 import sys
@@ -126,18 +125,11 @@ def triton_split_head(q, k, v, seqs, slots, ref) -> dict:
     if not attention.available(HD, q.device):
         return {}
     rows = {}
-    da, db = attention.split(HD)
     for bm, bn, warps, stages in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 2), (128, 64, 4, 2), (128, 64, 4, 3),
                                   (128, 64, 8, 2), (128, 128, 8, 2)]:
         tab = attention.block_table(seqs, attention.table_rows(sum(seqs), slots, bm), bm).to(DEV)
-        out = torch.empty(q.shape, dtype=BF, device=DEV)
-
-        def run(tab=tab, out=out, bm=bm, bn=bn, warps=warps, stages=stages):
-            attention._varlen_fwd[(tab.shape[0], HEADS)](q, k, v, out, tab, q.stride(0), k.stride(0), v.stride(0),
-                                                         out.stride(0), 1.4426950408889634 / math.sqrt(HD), HD, da,
-                                                         db, bm, bn, num_warps=warps, num_stages=stages)
-        run()
-        rows[f"{bm}/{bn}/{warps}/{stages}"] = graph_us(run)
+        rows[f"{bm}/{bn}/{warps}/{stages}"] = graph_us(partial(attention.varlen_attention, q, k, v, tab, bm,
+                                                               (bn, warps, stages)))
     bm = attention.block_m_for(seqs[0] if len(set(seqs)) == 1 else None)
     default = "/".join(map(str, (bm, *attention.CONFIGS[bm])))
     return {"triton_us": rows[default], "triton_best": min(rows.items(), key=lambda kv: kv[1]),

@@ -258,17 +258,17 @@ def test_equal_length_shapes_are_queued_for_capture_at_the_threshold(tiny_checkp
     tower = VisionTower(load_vision_model(tiny_checkpoint, torch.float32))
     mgr = GraphManager(tower, GraphSettings(budgets=[256], uniform_capture_after=2, max_uniform_graphs=2))
     image, video, odd = layout([(1, 4, 6)], 2), layout([(3, 4, 4)], 2), layout([(1, 4, 6), (1, 4, 4)], 2)
-    mgr._note_uniform(image)
+    assert odd.uniform is None  # unequal lengths: no uniform shape to count
+    mgr._note_uniform(image.uniform)
     assert mgr._uniform_pending == []
-    mgr._note_uniform(image)
-    mgr._note_uniform(image)  # queued once only
+    mgr._note_uniform(image.uniform)
+    mgr._note_uniform(image.uniform)  # queued once only
     assert mgr._uniform_pending == [(1, 24)]
-    mgr._note_uniform(odd)  # unequal lengths: no uniform shape
     for _ in range(2):
-        mgr._note_uniform(video)
+        mgr._note_uniform(video.uniform)
     assert mgr._uniform_pending == [(1, 24), (3, 16)]
     for _ in range(3):
-        mgr._note_uniform(layout([(1, 8, 8)], 2))  # the limit of two graphs is reached
+        mgr._note_uniform(layout([(1, 8, 8)], 2).uniform)  # the limit of two graphs is reached
     assert mgr._uniform_pending == [(1, 24), (3, 16)]
     assert not mgr.uniform_fits((1, 260)) and not mgr.uniform_fits((33, 4))  # over the budget / frames
 

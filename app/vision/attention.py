@@ -129,13 +129,14 @@ if triton is not None:
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
-                     block_m: int = BLOCK_M) -> torch.Tensor:
+                     block_m: int = BLOCK_M, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """q, k, v [N, H, D] (rows of any stride; heads packed, unit column stride) -> out [N, H, D].
 
     `table` comes from `block_table` with the same `block_m` (on q's device). Softmax scale
-    1/sqrt(D), no mask within a sequence, nothing across sequences.
+    1/sqrt(D), no mask within a sequence, nothing across sequences. `config` = (key block, warps,
+    stages) overrides `CONFIGS[block_m]` (the benchmark's sweep).
     """
-    block_n, warps, stages = CONFIGS[block_m]
+    block_n, warps, stages = config or CONFIGS[block_m]
     n, heads, d = q.shape
     da, db = split(d)
     for t in (q, k, v):

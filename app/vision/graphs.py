@@ -158,15 +158,21 @@ class GraphManager:
         self._table = (torch.zeros(table_rows(n, self.seq_slots, block_m=64), 3, dtype=torch.int32, device=dev)
                        if self.tower.split_attention else None)
 
-    def _static_inputs(self, budget: int, uniform: tuple[int, int] | None = None) -> TowerInputs:
+    def _table_layout(self, budget: int, uniform: tuple[int, int] | None) -> tuple[int, int]:
+        """(query rows per block, table rows) of the attention table for a budget or uniform graph."""
         bm = block_m_for(uniform[1] if uniform else None)
-        table = self._table[:table_rows(budget, self.seq_slots, bm)] if self._table is not None else None
+        return bm, table_rows(budget, self.seq_slots, bm)
+
+    def _static_inputs(self, budget: int, uniform: tuple[int, int] | None = None) -> TowerInputs:
+        bm, rows = self._table_layout(budget, uniform)
+        table = self._table[:rows] if self._table is not None else None
         return TowerInputs(self._pixels[:budget], self._taps[:budget], self._weights[:budget],
                            self._rot[:budget], self._cu, uniform[1] if uniform else budget, uniform, table, bm)
 
-    def _fill(self, items: list[VisionItem], lay: BatchLayout, budget: int, uniform_graph: bool = False) -> None:
+    def _fill(self, items: list[VisionItem], lay: BatchLayout, budget: int,
+              uniform: tuple[int, int] | None = None) -> None:
         """Copy a batch into the static buffers, zero the padding rows, pad cu_seqlens and the
-        attention block table (laid out for a uniform graph or a budget graph)."""
+        attention block table (laid out as `_static_inputs(budget, uniform)` reads it)."""
         n = lay.num_tokens
         off = 0
         for it in items:
@@ -184,8 +190,7 @@ class GraphManager:
             self._rot[n:budget].zero_()
         self._cu.copy_(cu_seqlens(lay.seq_lens, pad_to_tokens=budget, pad_to_seqs=self.seq_slots), non_blocking=True)
         if self._table is not None:  # the padding tokens are one more sequence, as in cu_seqlens
-            bm = block_m_for(lay.seq_lens[0] if uniform_graph else None)
-            rows = table_rows(budget, self.seq_slots, bm)
+            bm, rows = self._table_layout(budget, uniform)
             seqs = lay.seq_lens + ([budget - n] if budget > n else [])
             self._table[:rows].copy_(block_table(seqs, rows, bm), non_blocking=True)
 
@@ -285,7 +290,7 @@ class GraphManager:
         n = seqs * length
         items = self._synthetic_uniform(shape)
         lay = layout([it.grid for it in items], self.geo.merge)
-        self._fill(items, lay, n, uniform_graph=True)
+        self._fill(items, lay, n, shape)
         inp = self._static_inputs(n, shape)
         t0 = time.perf_counter()
         self._on_side_stream(lambda: self.tower(inp))  # cuDNN builds its plan for this shape here
@@ -324,11 +329,10 @@ class GraphManager:
         m = self.geo.merge
         return [VisionItem(torch.randn(seqs * length, self.tower.patch_dim, device=self.device), (seqs, m, length // m))]
 
-    def _note_uniform(self, lay: BatchLayout) -> None:
+    def _note_uniform(self, shape: tuple[int, int]) -> None:
         """Count an equal-length shape that has no graph; queue it for capture at the threshold."""
-        shape = lay.uniform
         after = self.settings.uniform_capture_after
-        if (not after or shape is None or shape in self._uniform_rejected or shape in self._uniform_pending
+        if (not after or shape in self._uniform_rejected or shape in self._uniform_pending
                 or not self.uniform_fits(shape)):
             return
         self._uniform_seen[shape] += 1
@@ -420,7 +424,7 @@ class GraphManager:
         return self._split(main, deepstack, lay)
 
     def _run_uniform(self, items: list[VisionItem], lay: BatchLayout, shape: tuple[int, int]) -> list[VisionEmbedding]:
-        self._fill(items, lay, lay.num_tokens, uniform_graph=True)
+        self._fill(items, lay, lay.num_tokens, shape)
         self.uniform_graphs[shape].replay()
         main, deepstack = self._uniform_out[shape]
         return self._split(main, deepstack, lay)
@@ -441,7 +445,9 @@ class GraphManager:
         lay = layout([it.grid for it in items], self.geo.merge)
         with self._lock:
             shape = None if force_eager else self._uniform_graph_for(lay)
-            budget, reason = (None, "forced") if force_eager or shape else self.choose_budget(lay)
+            budget, reason = None, "forced"
+            if shape is None and not force_eager:
+                budget, reason = self.choose_budget(lay)
             if shape is not None:
                 out = self._run_uniform(items, lay, shape)
                 self.stats.graph_hits += 1
@@ -466,5 +472,5 @@ class GraphManager:
             return None
         if shape in self.uniform_graphs:
             return shape
-        self._note_uniform(lay)
+        self._note_uniform(shape)
         return None
