@@ -171,6 +171,29 @@ def test_padding_rows_are_finite_and_do_not_touch_real_rows(h):
     assert _rel(padded.main, eager.main) <= h.tol
 
 
+def test_layout_metadata_is_cached_and_copied_only_when_the_layout_changes(h):
+    """Device metadata per layout comes from an LRU; the static buffers are re-filled only when the
+    layout changes, and then hold exactly the padded metadata built from scratch."""
+    from app.vision.device_metadata import DeviceMetadataCache
+    from app.vision.metadata import layout
+
+    mgr = h.mgr
+    a, b = [(1, 6, 10)], [(2, 4, 6)]  # 60 and 48 tokens: both in the smallest budget
+    h.check(h.items(a, seed=4), expect_graph=True)
+    hits, misses = mgr.metadata.hits, mgr.metadata.misses
+    h.check(h.items(a, seed=5), expect_graph=True)  # same layout: nothing looked up or copied
+    assert (mgr.metadata.hits, mgr.metadata.misses) == (hits, misses)
+    h.check(h.items(b, seed=6), expect_graph=True)
+    h.check(h.items(a, seed=7), expect_graph=True)
+    assert (mgr.metadata.hits, mgr.metadata.misses) == (hits + 1, misses + 1)
+    budget = mgr.budgets[0]
+    fresh = DeviceMetadataCache(mgr.geo, mgr.device, mgr.seq_slots, mgr._table is not None).get(
+        layout(a, mgr.geo.merge), budget, None)
+    assert torch.equal(mgr._taps[:budget], fresh.taps) and torch.equal(mgr._rot[:budget], fresh.rot)
+    assert torch.equal(mgr._weights[:budget], fresh.weights) and torch.equal(mgr._cu, fresh.cu)
+    assert not mgr._pixels[60:budget].any() and not fresh.taps[60:].any()
+
+
 def test_power_of_two_budgets_include_the_maximum():
     assert GraphSettings.power_of_two_budgets(256, 8192) == [256, 512, 1024, 2048, 4096, 8192]
     assert GraphSettings.power_of_two_budgets(200, 3000) == [256, 512, 1024, 2048, 3000]

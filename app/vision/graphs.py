@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import block_m_for, block_table, table_rows
-from .metadata import BatchLayout, Grid, TowerGeometry, cu_seqlens, layout, position_metadata
+from .attention import table_rows
+from .device_metadata import DeviceMetadataCache, table_layout
+from .metadata import BatchLayout, Grid, TowerGeometry, layout
 from .timing import cuda_times_ms
 from .tower import TowerInputs, VisionTower
 
@@ -145,6 +146,8 @@ class GraphManager:
         self.capture_bytes = 0
         self.stats = EncoderStats()
         self._lock = threading.Lock()
+        self.metadata = DeviceMetadataCache(self.geo, self.device, self.seq_slots, tower.split_attention)
+        self._filled: tuple | None = None  # the metadata key the static buffers hold now
         self._alloc_static()
 
     # ------------------------------------------------------------------ buffers
@@ -158,41 +161,35 @@ class GraphManager:
         self._table = (torch.zeros(table_rows(n, self.seq_slots, block_m=64), 3, dtype=torch.int32, device=dev)
                        if self.tower.split_attention else None)
 
-    def _table_layout(self, budget: int, uniform: tuple[int, int] | None) -> tuple[int, int]:
-        """(query rows per block, table rows) of the attention table for a budget or uniform graph."""
-        bm = block_m_for(uniform[1] if uniform else None)
-        return bm, table_rows(budget, self.seq_slots, bm)
-
     def _static_inputs(self, budget: int, uniform: tuple[int, int] | None = None) -> TowerInputs:
-        bm, rows = self._table_layout(budget, uniform)
+        bm, rows = table_layout(budget, uniform, self.seq_slots)
         table = self._table[:rows] if self._table is not None else None
         return TowerInputs(self._pixels[:budget], self._taps[:budget], self._weights[:budget],
                            self._rot[:budget], self._cu, uniform[1] if uniform else budget, uniform, table, bm)
 
     def _fill(self, items: list[VisionItem], lay: BatchLayout, budget: int,
               uniform: tuple[int, int] | None = None) -> None:
-        """Copy a batch into the static buffers, zero the padding rows, pad cu_seqlens and the
-        attention block table (laid out as `_static_inputs(budget, uniform)` reads it)."""
+        """Copy a batch into the static buffers (laid out as `_static_inputs(budget, uniform)` reads
+        them): the pixels, zeroed padding rows and the padded metadata. The metadata and the padding
+        are copied only when the layout differs from the previous fill's."""
         n = lay.num_tokens
+        key = DeviceMetadataCache.key(lay, budget, uniform)
+        if key != self._filled:
+            meta = self.metadata.get(lay, budget, uniform)
+            self._taps[:budget].copy_(meta.taps)
+            self._weights[:budget].copy_(meta.weights)
+            self._rot[:budget].copy_(meta.rot)
+            self._cu.copy_(meta.cu)
+            if meta.table is not None:
+                self._table[:meta.table.shape[0]].copy_(meta.table)
+            if budget > n:
+                self._pixels[n:budget].zero_()
+            self._filled = key
         off = 0
         for it in items:
             k = it.pixels.shape[0]
             self._pixels[off:off + k].copy_(it.pixels, non_blocking=True)
             off += k
-        taps, weights, rot = position_metadata(lay.grids, self.geo)
-        self._taps[:n].copy_(taps, non_blocking=True)
-        self._weights[:n].copy_(weights, non_blocking=True)
-        self._rot[:n].copy_(rot, non_blocking=True)
-        if budget > n:
-            self._pixels[n:budget].zero_()
-            self._taps[n:budget].zero_()
-            self._weights[n:budget].zero_()
-            self._rot[n:budget].zero_()
-        self._cu.copy_(cu_seqlens(lay.seq_lens, pad_to_tokens=budget, pad_to_seqs=self.seq_slots), non_blocking=True)
-        if self._table is not None:  # the padding tokens are one more sequence, as in cu_seqlens
-            bm, rows = self._table_layout(budget, uniform)
-            seqs = lay.seq_lens + ([budget - n] if budget > n else [])
-            self._table[:rows].copy_(block_table(seqs, rows, bm), non_blocking=True)
 
     # ------------------------------------------------------------------ selection
     def choose_budget(self, lay: BatchLayout) -> tuple[int | None, str | None]:
@@ -395,24 +392,23 @@ class GraphManager:
                            f"{r['graph_ms']:>9.3f} {r['kept']}" for r in self.autotune_table))
 
     # ------------------------------------------------------------------ run
-    def _split(self, main: torch.Tensor, deepstack: list[torch.Tensor], lay: BatchLayout) -> list[VisionEmbedding]:
-        n_out = lay.num_tokens // lay.merge_unit
-        main = main[:n_out].clone()  # one copy per output: the results must outlive the next replay
-        deepstack = [d[:n_out].clone() for d in deepstack]
+    def _split(self, main: torch.Tensor, deepstack: list[torch.Tensor], lay: BatchLayout,
+               copy: bool = True) -> list[VisionEmbedding]:
+        """Per-item views; with `copy` (graph outputs, which the next replay overwrites) the real rows
+        of every output are copied out first, in one kernel."""
+        if copy:
+            n_out = lay.num_tokens // lay.merge_unit
+            main, *deepstack = torch.stack([main[:n_out], *(d[:n_out] for d in deepstack)]).unbind(0)
         return [VisionEmbedding(main[s], [d[s] for d in deepstack]) for s in lay.item_slices()]
 
     def _run_eager(self, items: list[VisionItem], lay: BatchLayout) -> list[VisionEmbedding]:
         dev = self.device
         pixels = torch.cat([it.pixels.to(dev, non_blocking=True) for it in items]) if len(items) > 1 \
             else items[0].pixels.to(dev, non_blocking=True)
-        taps, weights, rot = position_metadata(lay.grids, self.geo)
-        bm = block_m_for(lay.uniform[1] if lay.uniform else None)
-        table = block_table(lay.seq_lens, block_m=bm).to(dev, non_blocking=True) if self._table is not None else None
-        inp = TowerInputs(pixels, taps.to(dev, non_blocking=True), weights.to(dev, non_blocking=True),
-                          rot.to(dev, non_blocking=True), cu_seqlens(lay.seq_lens).to(dev, non_blocking=True),
-                          max(lay.seq_lens), lay.uniform, table, bm)
+        m = self.metadata.get(lay, None, lay.uniform)
+        inp = TowerInputs(pixels, m.taps, m.weights, m.rot, m.cu, max(lay.seq_lens), lay.uniform, m.table, m.block_m)
         main, deepstack = self.tower(inp)
-        return self._split(main, deepstack, lay)
+        return self._split(main, deepstack, lay, copy=False)
 
     def _run_graph(self, items: list[VisionItem], lay: BatchLayout, budget: int) -> list[VisionEmbedding]:
         self._fill(items, lay, budget)
