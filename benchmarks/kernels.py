@@ -4,12 +4,13 @@
   graphs run it (33 sequence slots, `max_seqlen` = the budget);
 - cuDNN's ragged (varlen) attention: correct, but can it be captured in a CUDA graph?
 - our Triton varlen attention (app/vision/attention.py: the 72-wide head as 64 + 16), config sweep;
-- the GEMMs at 784 / 896 / 3136 / 4096 tokens, with the MLP width 4304 or padded to 4352.
+- the GEMMs at 784 / 896 / 3136 / 4096 tokens, with the MLP width 4304 or padded to 4352;
+- the four patch mergers (main + 3 deepstack) one by one vs grouped into batched GEMMs.
 
 Times are per call, from a CUDA graph of `inner` back-to-back calls (no launch gaps), median of 30
 replays. Writes $OUT/kernels.json (or ./kernels.json).
 
-    python benchmarks/kernels.py
+    python benchmarks/kernels.py [sdpa_by_head_dim attention_cases gemms mergers]
 """
 
 from __future__ import annotations
@@ -138,13 +139,16 @@ def triton_split_head(q, k, v, seqs, slots, ref) -> dict:
 
 
 def gemms():
+    """Per-layer GEMMs, with torch's preferred BLAS library set to cuBLAS (the default) and cuBLASLt."""
     rows = []
     d, qkv_n = 1152, 3456
-    for m in (784, 896, 3136, 4096):
+    for m, lib in itertools.product((784, 896, 3136, 4096), ("cublas", "cublaslt")):
+        torch.backends.cuda.preferred_blas_library(lib)
         x, a = torch.randn(m, d, device=DEV, dtype=BF), torch.randn(m, d, device=DEV, dtype=BF)
         wq, bq, wp = (torch.randn(qkv_n, d, device=DEV, dtype=BF), torch.randn(qkv_n, device=DEV, dtype=BF),
                       torch.randn(d, d, device=DEV, dtype=BF))
-        row = {"tokens": m, "qkv_us": graph_us(partial(F.linear, x, wq, bq)), "proj_us": graph_us(partial(F.linear, a, wp))}
+        row = {"tokens": m, "blas": lib, "qkv_us": graph_us(partial(F.linear, x, wq, bq)),
+               "proj_us": graph_us(partial(F.linear, a, wp))}
         for width in (4304, 4352):
             w1, b1 = torch.randn(width, d, device=DEV, dtype=BF) * 0.02, torch.randn(width, device=DEV, dtype=BF)
             w2, u = torch.randn(d, width, device=DEV, dtype=BF) * 0.02, torch.randn(m, width, device=DEV, dtype=BF)
@@ -155,13 +159,48 @@ def gemms():
         row["layer_gemm_us"], row["layer_tflops"] = round(total, 1), round(flops / total / 1e6)
         rows.append(row)
         print("gemm", row, flush=True)
+    torch.backends.cuda.preferred_blas_library("cublas")
     RESULTS["gemms"] = rows
+
+
+def mergers():
+    """Main + 3 deepstack mergers at the 8B shape: each module in turn vs all four grouped into two
+    batched GEMMs over stacked weights (measured; not adopted, see RESULTS.md)."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchMerger
+
+    from app.model_builder import load_preset
+
+    cfg = AutoConfig.for_model(**load_preset("qwen3-vl-8b")).vision_config
+    mods = [Qwen3VLVisionPatchMerger(cfg, use_postshuffle_norm=i > 0).to(DEV, BF)
+            for i in range(1 + len(cfg.deepstack_visual_indexes))]
+    w1, b1, w2, b2 = (torch.stack([getattr(getattr(m, lin), p) for m in mods])
+                      for lin, p in itertools.product(("linear_fc1", "linear_fc2"), ("weight", "bias")))
+
+    def grouped(xs):
+        h = torch.stack([m.norm(x.view(-1, m.hidden_size) if m.use_postshuffle_norm else x).view(-1, m.hidden_size)
+                         for m, x in zip(mods, xs)])
+        u = mods[0].act_fn(torch.baddbmm(b1.unsqueeze(1), h, w1.transpose(1, 2)))
+        return torch.baddbmm(b2.unsqueeze(1), u, w2.transpose(1, 2))
+
+    rows = []
+    for tokens in (784, 3136, 4096):
+        xs = [torch.randn(tokens, cfg.hidden_size, device=DEV, dtype=BF) for _ in mods]
+        with torch.inference_mode():
+            err = rel(grouped(xs), torch.stack([m(x) for m, x in zip(mods, xs)]))
+            row = {"tokens": tokens, "err": err,
+                   "one_by_one_us": graph_us(lambda xs=xs: [m(x) for m, x in zip(mods, xs)], inner=5),
+                   "grouped_us": graph_us(partial(grouped, xs), inner=5)}
+        rows.append(row)
+        print("mergers", row, flush=True)
+    RESULTS["mergers"] = rows
 
 
 def main():
     RESULTS["device"] = f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
     print(RESULTS["device"], flush=True)
-    for step in (sdpa_by_head_dim, attention_cases, gemms):
+    steps = {f.__name__: f for f in (sdpa_by_head_dim, attention_cases, gemms, mergers)}
+    for step in [steps[a] for a in sys.argv[1:]] or steps.values():
         step()
     out = Path(os.environ.get("OUT", ".")) / "kernels.json"
     out.write_text(json.dumps(RESULTS, indent=1))
