@@ -125,8 +125,9 @@ def summarize(xs: list[float]) -> dict:
 
 
 def encoder_delta(before: dict, after: dict) -> dict:
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("graph_hits", "eager_batches", "batches", "pieces",
-                                                          "cache_hits", "cache_misses", "real_tokens", "padded_tokens")}
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("graph_hits", "uniform_hits", "eager_batches", "batches",
+                                                          "pieces", "cache_hits", "cache_misses", "real_tokens",
+                                                          "padded_tokens", "idle_captures", "idle_capture_ms")}
     reasons = after.get("eager_reasons", {})
     d["eager_reasons"] = {r: n - before.get("eager_reasons", {}).get(r, 0) for r, n in reasons.items()}
     tokens = after.get("batch_tokens", 0) - before.get("batch_tokens", 0)
@@ -193,7 +194,8 @@ def print_report(r: Report, label: str = "") -> None:
     e = r.encoder
     print(f"encoder: graph hits {e['graph_hits']}, eager {e['eager_batches']} {e['eager_reasons']}, batches "
           f"{e['batches']} ({e['items_per_batch']:.2f} items each), mean batch fill {e['mean_batch_fill']:.2f}, "
-          f"cache hits {e['cache_hits']}")
+          f"cache hits {e['cache_hits']}, uniform-graph hits {e.get('uniform_hits', 0)}, captured while serving "
+          f"{e.get('idle_captures', 0)} ({e.get('idle_capture_ms', 0):.0f} ms)")
     for err in r.errors:
         print("error:", err)
 
@@ -259,6 +261,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[8])
     p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals instead of fixed concurrency")
     p.add_argument("--compare", action="store_true", help="start the app with graphs on, then off; same workload")
+    p.add_argument("--compare-to", default='{"encoder": {"cuda_graphs": false}}',
+                   help="with --compare: JSON of encoder/llm settings the second side changes (default: graphs off)")
     p.add_argument("--model", default="embedded:tiny", help="with --compare")
     p.add_argument("--app-args", default="{}", help="with --compare: JSON merged into the application args")
     p.add_argument("--port", type=int, default=8000)
@@ -287,15 +291,17 @@ def main() -> None:
     else:
         base = {"model": a.model, **json.loads(a.app_args)}
         results = {}
-        for mode, graphs in (("graphs on", True), ("graphs off", False)):
-            args = {**base, "encoder": {**base.get("encoder", {}), "cuda_graphs": graphs}}
+        other = json.loads(a.compare_to)
+        second = "graphs off" if other == {"encoder": {"cuda_graphs": False}} else f"with {a.compare_to}"
+        for mode, change in (("graphs on", {}), (second, other)):
+            args = {**base, **{k: {**base.get(k, {}), **v} for k, v in change.items()}}
             start_app(args, a.port)
             results[mode] = sweep(f"http://127.0.0.1:{a.port}", mode)
             stop_app()
         print("\n| workload | concurrency | TTFT p50 on / off ms | TTFT p99 on / off ms | p99 ratio (off/on) "
               "| req/s on / off |")
         print("|---|---|---|---|---|---|")
-        for on, off in zip(results["graphs on"], results["graphs off"]):
+        for on, off in zip(results["graphs on"], results[second]):
             print(f"| {on['workload']} | {on['concurrency']} | {on['ttft_ms']['median']:.1f} / "
                   f"{off['ttft_ms']['median']:.1f} | {on['ttft_ms']['p99']:.1f} / {off['ttft_ms']['p99']:.1f} | "
                   f"{off['ttft_ms']['p99'] / on['ttft_ms']['p99']:.2f}x | {on['request_throughput']:.2f} / "

@@ -64,6 +64,10 @@ class EncoderMetrics:
                                   "(or the static-shape path without CUDA)")
         self.uniform_hits = Counter("vlm_encoder_uniform_graph_hits_total",
                                     description="graph hits that replayed an exact-shape (equal-length) graph")
+        self.idle_captures = Counter("vlm_encoder_idle_captures_total",
+                                     description="exact-shape graphs captured while serving (each blocks the queue once)")
+        self.idle_capture_ms = Counter("vlm_encoder_idle_capture_ms_total",
+                                       description="time spent on those captures (ms)")
         self.fallbacks = Counter("vlm_encoder_eager_fallbacks_total", description="batches run eagerly, by reason",
                                  tag_keys=("reason",))
         self.padding = Gauge("vlm_encoder_padding_ratio", description="padded tokens / all tokens run, cumulative")
@@ -85,6 +89,8 @@ class EncoderMetrics:
 
         inc(self.graph_hits, "graph_hits")
         inc(self.uniform_hits, "uniform_hits")
+        inc(self.idle_captures, "idle_captures")
+        inc(self.idle_capture_ms, "idle_capture_ms")
         inc(self.cache_hits, "cache_hits")
         inc(self.cache_misses, "cache_misses")
         for reason in now.get("eager_reasons", {}):

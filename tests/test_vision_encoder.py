@@ -358,3 +358,21 @@ def test_split_head_varlen_attention_equals_per_sequence_attention():
                 assert torch.isfinite(got).all()
                 assert (got - ref).abs().max() <= 1e-2 * ref.abs().max(), (d, seqs, s, bm)
                 start += s
+
+
+@pytest.mark.gpu
+def test_idle_hook_captures_one_queued_shape_at_a_time(gpu_harness):
+    """A request arriving while the replica captures waits for one capture at most; the time is counted."""
+    mgr = gpu_harness.mgr
+    mgr.capture_pending()
+    shapes = [(2, 400), (3, 300)]
+    for s in shapes:
+        for _ in range(mgr.settings.uniform_capture_after):
+            mgr._note_uniform(s)
+    assert mgr._uniform_pending == shapes
+    n, ms = mgr.stats.idle_captures, mgr.stats.idle_capture_ms
+    assert mgr.pending_captures()() == 1
+    assert mgr._uniform_pending == shapes[1:] and shapes[0] in mgr.uniform_graphs
+    assert mgr.stats.idle_captures == n + 1 and mgr.stats.idle_capture_ms > ms
+    mgr.pending_captures()()
+    assert mgr.pending_captures() is None and shapes[1] in mgr.uniform_graphs

@@ -87,6 +87,8 @@ class EncoderStats:
 
     graph_hits: int = 0
     uniform_hits: int = 0  # graph hits that replayed an exact-shape (uniform) graph
+    idle_captures: int = 0  # exact-shape graphs captured while serving (kept or not)
+    idle_capture_ms: float = 0.0  # time the replica spent on them, blocking its queue
     eager_batches: int = 0
     eager_reasons: Counter = field(default_factory=Counter)
     per_budget: Counter = field(default_factory=Counter)
@@ -103,6 +105,8 @@ class EncoderStats:
         return {
             "graph_hits": self.graph_hits,
             "uniform_hits": self.uniform_hits,
+            "idle_captures": self.idle_captures,
+            "idle_capture_ms": self.idle_capture_ms,
             "eager_batches": self.eager_batches,
             "eager_reasons": dict(self.eager_reasons),
             "per_budget": {str(k): v for k, v in sorted(self.per_budget.items())},
@@ -338,16 +342,19 @@ class GraphManager:
             self._uniform_pending.append(shape)
 
     def pending_captures(self):
-        """`capture_pending` when traffic has queued shapes, else None (the batcher's idle hook)."""
-        return self.capture_pending if self._uniform_pending else None
+        """The batcher's idle hook: capture one queued shape (so a request arriving meanwhile waits
+        for one capture at most), or None when traffic has queued none."""
+        return (lambda: self.capture_pending(limit=1)) if self._uniform_pending else None
 
     @torch.inference_mode()
-    def capture_pending(self) -> int:
-        """Capture the uniform shapes queued by traffic (call when idle). Returns how many were kept."""
-        kept = 0
+    def capture_pending(self, limit: int | None = None) -> int:
+        """Capture the uniform shapes queued by traffic, at most `limit` of them (call when idle).
+        Returns how many were kept."""
+        kept = done = 0
         with self._lock:
-            while self._uniform_pending:
+            while self._uniform_pending and (limit is None or done < limit):
                 shape = self._uniform_pending.pop(0)
+                t0 = time.perf_counter()
                 try:
                     # Few timing runs: this blocks the replica's queue (once per shape).
                     kept += self._capture_uniform(shape, tune=self.settings.autotune, reps=3)
@@ -356,6 +363,9 @@ class GraphManager:
                     self.uniform_graphs.pop(shape, None)
                     self._uniform_out.pop(shape, None)
                     self._uniform_rejected.add(shape)
+                done += 1
+                self.stats.idle_captures += 1
+                self.stats.idle_capture_ms += 1e3 * (time.perf_counter() - t0)
         return kept
 
     def _synthetic_batch(self, budget: int, equal: bool = True) -> list[VisionItem]:
