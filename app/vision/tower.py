@@ -107,6 +107,14 @@ class VisionTower(nn.Module):
         cu_seqlens = inp.cu_seqlens
         if self.uses_varlen():
             return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, inp.max_seqlen, inp.max_seqlen)
+        if q.device.type == "cpu":
+            # No graph to keep static: one attention per sequence, as the reference does. A mask over
+            # the whole padded batch costs (sum of lengths)^2 instead of the sum of squares: 7 images
+            # of 784 tokens padded to 6144 took 2.5 s instead of 0.07 s on a 2-core machine.
+            # (4-D inputs: torch's CPU flash kernel; 3-D ones take the math path, 9x slower.)
+            bounds = cu_seqlens.tolist()
+            return torch.cat([F.scaled_dot_product_attention(*(t[None, a:b].transpose(1, 2) for t in (q, k, v)))[0]
+                              .transpose(0, 1) for a, b in zip(bounds, bounds[1:]) if b > a])
         # Block-diagonal mask from cu_seqlens, without host synchronisation (graph-safe).
         n = q.shape[0]
         seg = torch.searchsorted(cu_seqlens[1:], torch.arange(n, device=q.device, dtype=cu_seqlens.dtype), right=True)
