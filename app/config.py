@@ -56,8 +56,9 @@ class EncoderConfig(_Strict):
     autotune: bool = Field(True, description="drop graphs that are not faster than eager")
     uniform_graph_shapes: list[tuple[int, int]] = Field(
         default_factory=list, description="(sequences, length) exact-shape graphs captured at start-up")
-    uniform_capture_after: int = Field(2, ge=0, description="sightings of an equal-length shape before its graph "
-                                       "is captured (when the replica is idle); 0 = only the listed shapes")
+    uniform_capture_after: int = Field(0, ge=0, description="sightings of an equal-length shape before its graph "
+                                       "is captured while serving (when the queue is empty; each capture then "
+                                       "stalls the replica ~0.25 s); 0 = only the listed shapes")
     max_uniform_graphs: int = Field(16, ge=0, description="exact-shape graphs per replica")
     batch_wait_ms: float = Field(2.0, ge=0, description="longest wait for other requests' items before a batch runs")
     cache_bytes: int = Field(512 * 1024 * 1024, ge=0, description="embedding cache size per replica; 0 = off")
@@ -95,6 +96,9 @@ class PlacementConfig(_Strict):
     encoder_num_gpus: float | Literal["auto"] = "auto"
     llm_num_gpus: float | Literal["auto"] = "auto"
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each encoder and LLM replica")
+    max_ongoing_requests: int = Field(
+        1024, ge=1, description="requests each replica (router, encoder, LLM) takes at once. Ray Serve's default "
+        "of 5 capped the LLM's continuous batching and the encoder's cross-request batching at 5 requests")
 
 
 class AppConfig(_Strict):

@@ -35,8 +35,10 @@ def placement(cfg: AppConfig, gpus: int) -> tuple[dict, dict]:
     enc_gpus = enc_gpus if p.encoder_num_gpus == "auto" else p.encoder_num_gpus
     llm_gpus = llm_gpus if p.llm_num_gpus == "auto" else p.llm_num_gpus
     replicas = replicas if p.encoder_replicas == "auto" else p.encoder_replicas
-    return ({"num_replicas": replicas, "ray_actor_options": {"num_gpus": enc_gpus, "num_cpus": p.num_cpus}},
-            {"ray_actor_options": {"num_gpus": llm_gpus, "num_cpus": p.num_cpus}})
+    ongoing = p.max_ongoing_requests
+    return ({"num_replicas": replicas, "max_ongoing_requests": ongoing,
+             "ray_actor_options": {"num_gpus": enc_gpus, "num_cpus": p.num_cpus}},
+            {"max_ongoing_requests": ongoing, "ray_actor_options": {"num_gpus": llm_gpus, "num_cpus": p.num_cpus}})
 
 
 def build_app(args: dict):
@@ -50,7 +52,7 @@ def build_app(args: dict):
     config = cfg.model_dump()
     encoder = VisionEncoder.options(**enc_opts).bind(config)
     llm = LLM.options(**llm_opts).bind(config)
-    return Router.bind(config, encoder, llm)
+    return Router.options(max_ongoing_requests=cfg.placement.max_ongoing_requests).bind(config, encoder, llm)
 
 
 def build(args: dict | None = None):

@@ -43,6 +43,7 @@ def test_placement():
     assert llm["ray_actor_options"]["num_gpus"] == 1
     enc, _ = placement(AppConfig(placement={"encoder_replicas": 2, "encoder_num_gpus": 0.25}), 1)
     assert enc["num_replicas"] == 2 and enc["ray_actor_options"]["num_gpus"] == 0.25
+    assert enc["max_ongoing_requests"] == llm["max_ongoing_requests"] == 1024  # not Ray Serve's 5
 
 
 def test_serve_config_args_validate():

@@ -297,3 +297,37 @@ def test_serving_benchmark_report_and_metrics_endpoint(server):
         time.sleep(1)
     assert not missing, missing
     assert 'reason="tokens"' in text
+
+
+def test_more_streams_than_ray_serves_default_replica_limit_reach_the_llm_together(server):
+    """Ray Serve lets a replica take 5 requests at once unless told otherwise, which capped the LLM's
+    continuous batching at 5 (and the encoder's cross-request batching). Of 12 long streams opened at
+    once, more than 5 must be in the LLM engine together (decoding, or admitted and waiting for a slot)."""
+    import threading
+    import time
+
+    body = {"messages": [{"role": "user", "content": "tell me everything"}], "max_tokens": 8000,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    stop = threading.Event()
+
+    def stream():
+        with server.stream("POST", "/v1/chat/completions", json=body) as resp:
+            next(resp.iter_lines())
+            stop.wait(60)
+
+    threads = [threading.Thread(target=stream, daemon=True) for _ in range(12)]
+    for t in threads:
+        t.start()
+    peak, deadline = 0, time.time() + 60
+    while peak < 6 and time.time() < deadline:
+        load = server.get("/v1/llm/load").json()
+        peak = max(peak, load["running"] + load["waiting"])
+        time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert peak >= 6, peak
+    deadline = time.time() + 30
+    while server.get("/v1/llm/load").json()["running"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.get("/v1/llm/load").json()["running"] == 0
