@@ -95,7 +95,8 @@ def bench_preset(preset: str, runs: int, budgets: list[int], matmul_tflops: floa
 
     visual32 = copy.deepcopy(visual).float()  # the truth both bf16 paths are judged against
     tower = VisionTower(visual)
-    mgr = GraphManager(tower, GraphSettings(budgets=budgets, max_items_per_batch=16, max_frames_per_batch=32))
+    mgr = GraphManager(tower, GraphSettings(budgets=budgets, max_items_per_batch=16, max_frames_per_batch=32,
+                                            uniform_capture_after=2))
     mgr.capture()
     result = {"preset": preset, "capture_s": mgr.capture_seconds, "graph_mem_mib": mgr.capture_bytes / 2**20,
               "budgets_kept": sorted(mgr.graphs), "autotune": mgr.autotune_table, "workloads": []}

@@ -32,7 +32,8 @@ class Harness:
         self.device = self.tower.device
         budgets = [b * scale for b in BUDGETS]
         self.mgr = GraphManager(self.tower, GraphSettings(budgets=budgets, max_items_per_batch=4,
-                                                          max_frames_per_batch=8, autotune=False))
+                                                          max_frames_per_batch=8, autotune=False,
+                                                          uniform_capture_after=2))
         self.mgr.capture()
 
     def items(self, grids, seed=0):

@@ -8,7 +8,7 @@ and all graphs share one memory pool. Two kinds of graph:
 - Uniform graphs, one per (sequences, length): batches whose attention sequences are all equally
   long (one image, one video's frames, same-size images) replay a graph of their exact shape, with
   no padding (and cuDNN's dense attention for long sequences). Listed shapes are captured at
-  start-up; a shape seen `uniform_capture_after` times is captured when the replica is idle
+  start-up; optionally, a shape seen `uniform_capture_after` times is captured when the replica is idle
   (`capture_pending`).
 
 What fits no graph (too many tokens, attention sequences or items) runs eagerly through the same
@@ -61,7 +61,9 @@ class GraphSettings:
     use_cuda_graphs: bool = True
     autotune: bool = True
     uniform_shapes: list[tuple[int, int]] = field(default_factory=list)  # (sequences, length) at start-up
-    uniform_capture_after: int = 2  # sightings of a new equal-length shape before it is captured; 0 = never
+    # Sightings of a new equal-length shape before it is captured while serving; 0 = never. Off by
+    # default: a capture stalls the replica's queue (~0.25 s each for the 2B shape on an H200 under load).
+    uniform_capture_after: int = 0
     max_uniform_graphs: int = 16
 
     @staticmethod
