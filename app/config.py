@@ -97,8 +97,9 @@ class PlacementConfig(_Strict):
     llm_num_gpus: float | Literal["auto"] = "auto"
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each encoder and LLM replica")
     max_ongoing_requests: int = Field(
-        1024, ge=1, description="requests each replica (router, encoder, LLM) takes at once. Ray Serve's default "
-        "of 5 capped the LLM's continuous batching and the encoder's cross-request batching at 5 requests")
+        1024, ge=1, description="requests each replica (router, encoder, LLM) takes at once, unless a config "
+        "file's deployments section sets it. Ray Serve's default of 5 caps the LLM's continuous batching and the "
+        "encoder's cross-request batching at 5 requests")
 
 
 class AppConfig(_Strict):
