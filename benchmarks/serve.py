@@ -201,6 +201,7 @@ def print_report(r: Report, label: str = "") -> None:
 
 
 # ---------------------------------------------------------------------------- --compare
+GRAPHS_OFF = '{"encoder": {"cuda_graphs": false}}'  # what --compare's second side changes by default
 def start_app(args: dict, port: int):
     import os
 
@@ -261,7 +262,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[8])
     p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals instead of fixed concurrency")
     p.add_argument("--compare", action="store_true", help="start the app with graphs on, then off; same workload")
-    p.add_argument("--compare-to", default='{"encoder": {"cuda_graphs": false}}',
+    p.add_argument("--compare-to", default=GRAPHS_OFF,
                    help="with --compare: JSON of encoder/llm settings the second side changes (default: graphs off)")
     p.add_argument("--model", default="embedded:tiny", help="with --compare")
     p.add_argument("--app-args", default="{}", help="with --compare: JSON merged into the application args")
@@ -292,7 +293,7 @@ def main() -> None:
         base = {"model": a.model, **json.loads(a.app_args)}
         results = {}
         other = json.loads(a.compare_to)
-        second = "graphs off" if other == {"encoder": {"cuda_graphs": False}} else f"with {a.compare_to}"
+        second = "graphs off" if other == json.loads(GRAPHS_OFF) else f"with {a.compare_to}"
         for mode, change in (("graphs on", {}), (second, other)):
             args = {**base, **{k: {**base.get(k, {}), **v} for k, v in change.items()}}
             start_app(args, a.port)
