@@ -1,6 +1,7 @@
 """Continuous batching: requests of different lengths decoded together equal transformers' generate."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -95,7 +96,7 @@ def test_sampler_penalties_and_top_k_follow_openai_semantics():
 
 def test_a_cancelled_request_frees_its_slot_within_a_step(world):
     engine = world["engine"]
-    seq = engine.submit(make_request(world, ["image"], max_tokens=500)[0])
+    seq = engine.submit(make_request(world, ["image"], max_tokens=500, ignore_eos=True)[0])
     seq.next_chunk(timeout=60)
     seq.cancel()
     steps = engine.steps
@@ -103,7 +104,7 @@ def test_a_cancelled_request_frees_its_slot_within_a_step(world):
 
     def watch():
         while seq in engine.running:
-            pass
+            time.sleep(0.0005)
         done.set()
 
     threading.Thread(target=watch, daemon=True).start()
@@ -114,10 +115,13 @@ def test_a_cancelled_request_frees_its_slot_within_a_step(world):
 
 def test_full_queue_is_a_503_with_retry_after(tiny_checkpoint, world):
     small = Engine(str(tiny_checkpoint), max_num_seqs=1, max_waiting=1)
-    first = small.submit(make_request(world, [], max_tokens=200)[0])
-    # the scheduler admits `first`; fill the waiting queue, then one more is refused
-    while first in list(small.waiting):
-        pass
+    # `first` cannot finish during the test (no EOS, thousands of tokens), so once admitted it holds the one slot
+    first = small.submit(make_request(world, [], max_tokens=8000, ignore_eos=True)[0])
+    deadline = time.monotonic() + 30
+    while first not in small.running:  # `waiting` holds (seq, request) pairs; `running` holds sequences
+        assert time.monotonic() < deadline, "the scheduler never admitted the first request"
+        time.sleep(0.001)
+    # the waiting queue takes one request, and the next is refused
     small.submit(make_request(world, [], max_tokens=2)[0])
     with pytest.raises(ClientError) as e:
         small.submit(make_request(world, [], max_tokens=2)[0])
