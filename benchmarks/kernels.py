@@ -5,12 +5,14 @@
 - cuDNN's ragged (varlen) attention: correct, but can it be captured in a CUDA graph?
 - our Triton varlen attention (app/vision/attention.py: the 72-wide head as 64 + 16), config sweep;
 - the GEMMs at 784 / 896 / 3136 / 4096 tokens, with the MLP width 4304 or padded to 4352;
-- the four patch mergers (main + 3 deepstack) one by one vs grouped into batched GEMMs.
+- the four patch mergers (main + 3 deepstack) one by one vs grouped into batched GEMMs;
+- optional Hopper kernels written in the CuTe DSL, where their packages are installed:
+  FlashAttention-4's forward (`flash_attn.cute`, SM90 path) and QuACK's GEMMs (`quack`).
 
 Times are per call, from a CUDA graph of `inner` back-to-back calls (no launch gaps), median of 30
 replays. Writes $OUT/kernels.json (or ./kernels.json).
 
-    python benchmarks/kernels.py [sdpa_by_head_dim attention_cases gemms mergers]
+    python benchmarks/kernels.py [sdpa_by_head_dim attention_cases gemms mergers fa4_attention quack_gemms]
 """
 
 from __future__ import annotations
@@ -196,14 +198,116 @@ def mergers():
     RESULTS["mergers"] = rows
 
 
+def fa4_attention():
+    """FlashAttention-4 (CuTe DSL) at the attention cases: varlen as the graphs would call it, and dense
+    (batch, length) for equal lengths; error against per-sequence fp32 attention; can it be captured?"""
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except Exception as e:  # noqa: BLE001 - recorded: the package is optional
+        RESULTS["fa4"] = f"not importable: {e}"
+        print("fa4", RESULTS["fa4"], flush=True)
+        return
+    rows = []
+    for name, (seqs, slots) in CASES.items():
+        n = sum(seqs)
+        q, k, v = (t.contiguous() for t in torch.randn(n, 3, HEADS, HD, device=DEV, dtype=BF).unbind(1))
+        ref = per_sequence_reference(q, k, v, seqs)
+        cu = torch.tensor(list(itertools.accumulate([0] + seqs)) + [n] * (slots - len(seqs)), device=DEV,
+                          dtype=torch.int32)
+        maxlen = n if slots > len(seqs) else max(seqs)
+        row = {"case": name}
+
+        def varlen(q=q, k=k, v=v, cu=cu, maxlen=maxlen):
+            return flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=maxlen,
+                                          max_seqlen_k=maxlen)[0]
+
+        qkv = torch.stack((q, k, v), 1)  # v as the tower has it: a strided view into the qkv rows
+        for label, fn in [("varlen", varlen), ("varlen_strided_v", partial(varlen, q, k, qkv[:, 2]))]:
+            try:
+                row[f"{label}_err"] = rel(fn(), ref)
+                row[f"{label}_us"] = graph_us(fn)
+            except Exception as e:  # noqa: BLE001
+                row[f"{label}_us"] = f"fails: {str(e).splitlines()[0][:120]}"
+                torch.cuda.synchronize()
+        if slots == len(seqs) and len(set(seqs)) == 1:
+            qb, kb, vb = (t.reshape(len(seqs), seqs[0], HEADS, HD) for t in (q, k, v))
+            try:
+                dense = partial(lambda a, b, c: flash_attn_func(a, b, c)[0], qb, kb, vb)
+                row["dense_err"] = rel(dense().reshape(n, HEADS, HD), ref)
+                row["dense_us"] = graph_us(dense)
+            except Exception as e:  # noqa: BLE001
+                row["dense_us"] = f"fails: {str(e).splitlines()[0][:120]}"
+                torch.cuda.synchronize()
+            qd, kd, vd = (t.transpose(1, 2) for t in (qb, kb, vb))
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                row["cudnn_dense_us"] = graph_us(partial(F.scaled_dot_product_attention, qd, kd, vd))
+        bm = attention.block_m_for(seqs[0] if len(set(seqs)) == 1 else None)
+        tab = attention.block_table(seqs, attention.table_rows(n, slots, bm), bm).to(DEV)
+        row["triton_us"] = graph_us(partial(attention.varlen_attention, q, k, v, tab, bm))
+        rows.append(row)
+        print("fa4", row, flush=True)
+    RESULTS["fa4"] = rows
+
+
+def quack_gemms():
+    """QuACK's SM90 GEMMs (CuTe DSL) at the layer's four GEMMs, a few tile configs, against cuBLAS."""
+    try:
+        from quack.gemm_config import GemmConfig
+        from quack.gemm_interface import gemm_act, gemm_tuned
+        gemm_pinned = gemm_tuned.fn  # the function under the autotuner: runs the config it is given
+    except Exception as e:  # noqa: BLE001 - recorded: the package is optional
+        RESULTS["quack"] = f"not importable: {e}"
+        print("quack", RESULTS["quack"], flush=True)
+        return
+    configs = {"128x128 pp c1x2": GemmConfig(128, 128, pingpong=True, is_dynamic_persistent=False, cluster_m=1,
+                                            cluster_n=2),
+               "128x192 pp c2x1": GemmConfig(128, 192, pingpong=True, is_dynamic_persistent=False, cluster_m=2),
+               "192x128 pp c2x1": GemmConfig(192, 128, pingpong=True, is_dynamic_persistent=False, cluster_m=2),
+               "256x128 coop c2x1": GemmConfig(256, 128, pingpong=False, is_dynamic_persistent=False, cluster_m=2)}
+    d, rows = 1152, []
+    for m in (784, 3136, 4096):
+        x = torch.randn(m, d, device=DEV, dtype=BF)
+        u = torch.randn(m, 4304, device=DEV, dtype=BF)
+        shapes = {"qkv": (x, torch.randn(3456, d, device=DEV, dtype=BF) * 0.03, torch.randn(3456, device=DEV, dtype=BF)),
+                  "proj": (x, torch.randn(d, d, device=DEV, dtype=BF) * 0.03, None),
+                  "fc1_gelu": (x, torch.randn(4304, d, device=DEV, dtype=BF) * 0.03,
+                               torch.randn(4304, device=DEV, dtype=BF)),
+                  "fc2": (u, torch.randn(d, 4304, device=DEV, dtype=BF) * 0.02, None)}
+        for gname, (a, w, b) in shapes.items():
+            row = {"tokens": m, "gemm": gname}
+            if gname == "fc1_gelu":
+                ref_fn = partial(torch._addmm_activation, b, a, w.t(), use_gelu=True)
+            else:
+                ref_fn = partial(F.linear, a, w, b)
+            ref = ref_fn()
+            row["cublas_us"] = graph_us(ref_fn)
+            out = torch.empty(m, w.shape[0], device=DEV, dtype=BF)
+            for cname, cfg in configs.items():
+                try:
+                    if gname == "fc1_gelu":
+                        fn = partial(gemm_act, a, w.t(), bias=b, activation="gelu_tanh_approx", postact_out=out,
+                                     store_preact=False, config=cfg)
+                    else:
+                        fn = partial(gemm_pinned, a, w.t(), out, bias=b, config=cfg)
+                    fn()
+                    row[f"{cname}_err"] = rel(out, ref.float())
+                    row[f"{cname}_us"] = graph_us(fn)
+                except Exception as e:  # noqa: BLE001
+                    row[f"{cname}_us"] = f"fails: {str(e).splitlines()[0][:100] if str(e) else type(e).__name__}"
+                    torch.cuda.synchronize()
+            rows.append(row)
+            print("quack", row, flush=True)
+    RESULTS["quack"] = rows
+
+
 def main():
     RESULTS["device"] = f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
     print(RESULTS["device"], flush=True)
-    steps = {f.__name__: f for f in (sdpa_by_head_dim, attention_cases, gemms, mergers)}
-    for step in [steps[a] for a in sys.argv[1:]] or steps.values():
-        step()
+    steps = {f.__name__: f for f in (sdpa_by_head_dim, attention_cases, gemms, mergers, fa4_attention, quack_gemms)}
     out = Path(os.environ.get("OUT", ".")) / "kernels.json"
-    out.write_text(json.dumps(RESULTS, indent=1))
+    for step in [steps[a] for a in sys.argv[1:]] or list(steps.values())[:4]:
+        step()
+        out.write_text(json.dumps(RESULTS, indent=1))  # after each step: a later one may run out of time
 
 
 if __name__ == "__main__":
