@@ -91,7 +91,10 @@ def _open_image(data: bytes, param: str):
     try:
         img = Image.open(io.BytesIO(data))
         img.load()
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+    except UnidentifiedImageError as e:  # its text names a BytesIO object's address: say what a client can use
+        raise ClientError("could not decode image: not a format the server reads (PNG, JPEG, WebP, GIF, BMP, ...)",
+                          param=param, code="invalid_image") from e
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise ClientError(f"could not decode image: {e}", param=param, code="invalid_image") from e
     return img
 
@@ -163,7 +166,9 @@ def decode_video(data: bytes, *, param: str, fps: float, min_frames: int, max_fr
     except ClientError:
         raise
     except (av.error.FFmpegError, ValueError, IndexError, MemoryError) as e:
-        raise ClientError(f"could not decode video: {e}", param=param, code="invalid_video") from e
+        # FFmpeg's text carries an errno and the in-memory file's name ('<none>'); its reason is enough
+        reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
+        raise ClientError(f"could not decode video: {reason}", param=param, code="invalid_video") from e
     decoded = [wanted[i] for i in idx if len(wanted[i])]
     if not decoded:
         raise ClientError("video has no decodable frames", param=param, code="invalid_video")
