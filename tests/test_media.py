@@ -149,6 +149,26 @@ def test_patchify_layout_matches_a_conv3d_view():
     assert np.allclose(p.pixel_values[row], block.reshape(-1), atol=1e-6)
 
 
+def test_patchify_equals_a_row_by_row_reference_with_padding_and_any_mean_and_std():
+    """Every row against a plain loop over patches, in float64 as the processor's formula reads:
+    3 frames (the last temporal group padded with the last frame) and CLIP's mean and std."""
+    spec = PatchSpec(mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711))
+    frames = (np.random.default_rng(3).random((3, 64, 32, 3)) * 255).astype(np.uint8)
+    got = patchify(frames, spec)
+    x = (frames.astype(np.float64) / 255 - np.asarray(spec.mean)) / np.asarray(spec.std)
+    x = np.concatenate([x, x[-1:]])  # temporal padding
+    rows = []
+    for t in range(2):
+        for br in range(2):  # merge-block rows: 64 / 32
+            for bc in range(1):
+                for ir in range(2):
+                    for ic in range(2):
+                        r, c = (br * 2 + ir) * 16, (bc * 2 + ic) * 16
+                        rows.append(x[t * 2:t * 2 + 2, r:r + 16, c:c + 16].transpose(3, 0, 1, 2).reshape(-1))
+    assert got.grid == (2, 4, 2) and got.pixel_values.dtype == np.float32
+    assert np.abs(got.pixel_values - np.stack(rows)).max() <= 2e-6
+
+
 def test_fetch_over_http_from_a_local_server():
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer

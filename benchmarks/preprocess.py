@@ -1,0 +1,51 @@
+"""Router-side media preparation per item: decode, resize, patchify, cache key (`prepare_bytes`).
+
+The Router runs this on its CPU thread pool for every image and video before anything reaches the
+GPU, so its cost adds to each request's time to first token and bounds a Router replica's rate.
+Prints a markdown table of the median and p99 over `--runs` runs.
+
+    python benchmarks/preprocess.py [--runs 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from app.config import MediaConfig  # noqa: E402
+from app.media_pipeline import prepare_bytes  # noqa: E402
+from app.preprocess import PatchSpec  # noqa: E402
+from app.schemas import MediaRef  # noqa: E402
+from app.synthetic_media import image_bytes, mp4_bytes  # noqa: E402
+
+CASES = {
+    "image 448x448 JPEG": ("image", lambda: image_bytes(448, 448, fmt="JPEG")),
+    "image 1024x768 JPEG": ("image", lambda: image_bytes(768, 1024, fmt="JPEG")),
+    "video 224x224, 16 frames at 4 fps (MP4)": ("video", lambda: mp4_bytes(16, 224, 224, fps=4)),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=40)
+    args = ap.parse_args()
+    cfg, spec = MediaConfig(), PatchSpec()
+    print("| item | tokens | median ms | p99 ms |\n|---|---|---|---|")
+    for name, (kind, make) in CASES.items():
+        data, ref = make(), MediaRef(kind, "bench", "bench")
+        item = prepare_bytes(data, ref, cfg, spec)  # warm-up
+        times = []
+        for _ in range(args.runs):
+            t0 = time.perf_counter()
+            prepare_bytes(data, ref, cfg, spec)
+            times.append((time.perf_counter() - t0) * 1e3)
+        p99 = sorted(times)[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
+        print(f"| {name} | {item.patches.num_tokens} | {statistics.median(times):.2f} | {p99:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
