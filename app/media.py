@@ -99,8 +99,9 @@ def _open_image(data: bytes, param: str):
     return img
 
 
-def decode_image(data: bytes, *, param: str, max_pixels: int) -> np.ndarray:
-    """RGB uint8 array [H, W, 3], EXIF orientation applied."""
+def open_rgb_image(data: bytes, *, param: str, max_pixels: int):
+    """The decoded RGB PIL image, EXIF orientation applied. Kept as a PIL image so that the resize
+    reads it directly: a full-size array copy of a 12-megapixel photo costs more than its decode."""
     from PIL import ImageOps
 
     kind = sniff(data)
@@ -113,8 +114,13 @@ def decode_image(data: bytes, *, param: str, max_pixels: int) -> np.ndarray:
     if img.width * img.height > max_pixels:
         raise ClientError(f"image of {img.width}x{img.height} exceeds the limit of {max_pixels} pixels", param=param,
                           code="image_too_large")
-    img = ImageOps.exif_transpose(img)
-    return np.asarray(img.convert("RGB"))
+    ImageOps.exif_transpose(img, in_place=True)
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def decode_image(data: bytes, *, param: str, max_pixels: int) -> np.ndarray:
+    """RGB uint8 array [H, W, 3], EXIF orientation applied."""
+    return np.asarray(open_rgb_image(data, param=param, max_pixels=max_pixels))
 
 
 def sample_indices(total: int, src_fps: float, fps: float, min_frames: int, max_frames: int) -> list[int]:

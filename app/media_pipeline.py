@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .config import MediaConfig
-from .media import IMAGE, VIDEO, decode_image, decode_video, fetch
-from .preprocess import Patches, PatchSpec, frame_timestamps, preprocess_image, preprocess_video
+from .media import IMAGE, VIDEO, decode_video, fetch, open_rgb_image
+from .preprocess import Patches, PatchSpec, frame_timestamps, image_frames, patchify, video_frames
 from .prompt import MediaSlot
 from .schemas import MediaRef
 
@@ -30,26 +30,27 @@ class PreparedItem:
         return MediaSlot(self.kind, self.patches.grid, self.timestamps, merge)
 
 
-def cache_key(kind: str, pixels: np.ndarray, *params) -> str:
-    """Hash of the decoded pixels plus every parameter that shapes the tower's input."""
+def cache_key(kind: str, frames: np.ndarray, spec: PatchSpec) -> str:
+    """Hash of the tower's input: the resized uint8 frames and the settings that turn them into rows.
+    Equal keys mean equal embeddings; hashing after the resize also reads far fewer bytes than the
+    decoded original (a 12-megapixel photo: 36 MB against 3 MB)."""
     h = hashlib.blake2b(digest_size=20)
-    h.update(repr((kind, pixels.shape, str(pixels.dtype), params)).encode())
-    h.update(np.ascontiguousarray(pixels).data)
+    h.update(repr((kind, frames.shape, str(frames.dtype), spec)).encode())
+    h.update(np.ascontiguousarray(frames).data)
     return h.hexdigest()
 
 
 def prepare_bytes(data: bytes, ref: MediaRef, cfg: MediaConfig, spec: PatchSpec) -> PreparedItem:
     if ref.kind == IMAGE:
-        img = decode_image(data, param=ref.param, max_pixels=cfg.max_input_pixels)
-        bounds = (cfg.image_min_pixels, cfg.image_max_pixels)
-        return PreparedItem(IMAGE, preprocess_image(img, spec, *bounds), key=cache_key(IMAGE, img, spec, bounds))
+        img = open_rgb_image(data, param=ref.param, max_pixels=cfg.max_input_pixels)
+        frames = image_frames(img, spec, cfg.image_min_pixels, cfg.image_max_pixels)
+        return PreparedItem(IMAGE, patchify(frames, spec), key=cache_key(IMAGE, frames, spec))
     video = decode_video(data, param=ref.param, fps=cfg.video_fps, min_frames=cfg.video_min_frames,
                          max_frames=cfg.video_max_frames, max_duration_s=cfg.max_video_duration_s,
                          max_pixels=cfg.max_input_pixels)
-    bounds = (cfg.video_min_pixels, cfg.video_max_pixels)
-    patches = preprocess_video(video.frames, spec, *bounds)
-    return PreparedItem(VIDEO, patches, frame_timestamps(video.indices, video.fps, spec.temporal),
-                        key=cache_key(VIDEO, video.frames, spec, bounds, video.indices, video.fps))
+    frames = video_frames(video.frames, spec, cfg.video_min_pixels, cfg.video_max_pixels)
+    return PreparedItem(VIDEO, patchify(frames, spec), frame_timestamps(video.indices, video.fps, spec.temporal),
+                        key=cache_key(VIDEO, frames, spec))
 
 
 class MediaPipeline:

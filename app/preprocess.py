@@ -107,16 +107,37 @@ def patchify(frames: np.ndarray, spec: PatchSpec) -> Patches:
     return Patches(out.reshape(gt * gh * gw, c * tp * p * p), (gt, gh, gw))
 
 
-def preprocess_image(image: np.ndarray, spec: PatchSpec, min_pixels: int, max_pixels: int) -> Patches:
+def image_frames(image, spec: PatchSpec, min_pixels: int, max_pixels: int) -> np.ndarray:
+    """[1, h, w, 3] uint8: the image resized to the tower's grid (Qwen's smart resize, bicubic).
+
+    `image` is an [H, W, 3] uint8 array or an RGB PIL image. A PIL image is resized as it is, with no
+    full-size array made first (the pixels, and so the result, are the same).
+    """
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        h0, w0 = image.height, image.width
+        h, w = smart_resize(h0, w0, spec.factor, min_pixels, max_pixels)
+        if (h, w) != (h0, w0):
+            image = image.resize((w, h), Image.Resampling.BICUBIC)
+        return np.asarray(image)[None]
     h, w = smart_resize(image.shape[0], image.shape[1], spec.factor, min_pixels, max_pixels)
-    frames = _resize(image[None], h, w)
-    return patchify(np.repeat(frames, spec.temporal, axis=0), spec)
+    return _resize(image[None], h, w)
+
+
+def video_frames(frames: np.ndarray, spec: PatchSpec, min_pixels: int, max_pixels: int) -> np.ndarray:
+    """[n, h, w, 3] uint8: every frame resized to the same grid (per-frame pixel bounds)."""
+    h, w = smart_resize(frames.shape[1], frames.shape[2], spec.factor, min_pixels, max_pixels)
+    return _resize(frames, h, w)
+
+
+def preprocess_image(image, spec: PatchSpec, min_pixels: int, max_pixels: int) -> Patches:
+    """One image -> tower rows (its one frame fills both temporal slots, as the reference does)."""
+    return patchify(image_frames(image, spec, min_pixels, max_pixels), spec)
 
 
 def preprocess_video(frames: np.ndarray, spec: PatchSpec, min_pixels: int, max_pixels: int) -> Patches:
-    """Per-frame pixel bounds; every frame gets the same size."""
-    h, w = smart_resize(frames.shape[1], frames.shape[2], spec.factor, min_pixels, max_pixels)
-    return patchify(_resize(frames, h, w), spec)
+    return patchify(video_frames(frames, spec, min_pixels, max_pixels), spec)
 
 
 def frame_timestamps(indices: list[int], fps: float, temporal: int) -> list[float]:

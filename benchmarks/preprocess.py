@@ -25,6 +25,8 @@ from app.synthetic_media import image_bytes, mp4_bytes  # noqa: E402
 CASES = {
     "image 448x448 JPEG": ("image", lambda: image_bytes(448, 448, fmt="JPEG")),
     "image 1024x768 JPEG": ("image", lambda: image_bytes(768, 1024, fmt="JPEG")),
+    # random pixels: a 10.7 MB file, slower to decode than a real photo of that size
+    "image 4000x3000 JPEG": ("image", lambda: image_bytes(3000, 4000, fmt="JPEG")),
     "video 224x224, 16 frames at 4 fps (MP4)": ("video", lambda: mp4_bytes(16, 224, 224, fps=4)),
 }
 

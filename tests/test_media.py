@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from app.errors import ClientError
-from app.media import decode_image, decode_video, fetch, sample_indices, sniff
+from app.media import decode_image, decode_video, fetch, open_rgb_image, sample_indices, sniff
 from app.preprocess import PatchSpec, frame_timestamps, patchify, preprocess_image, smart_resize
 from helpers import mp4_bytes, png_bytes
 
@@ -167,6 +167,32 @@ def test_patchify_equals_a_row_by_row_reference_with_padding_and_any_mean_and_st
                         rows.append(x[t * 2:t * 2 + 2, r:r + 16, c:c + 16].transpose(3, 0, 1, 2).reshape(-1))
     assert got.grid == (2, 4, 2) and got.pixel_values.dtype == np.float32
     assert np.abs(got.pixel_values - np.stack(rows)).max() <= 2e-6
+
+
+@pytest.mark.parametrize("hw", [(100, 150), (448, 448), (1200, 800)])
+def test_a_pil_image_is_preprocessed_exactly_as_its_array(hw):
+    """The router hands the decoded PIL image to the resize (no full-size array): same rows, bit for bit."""
+    data = png_bytes(*hw, seed=hw[0])
+    lo, hi = 64 * 32 * 32, 512 * 32 * 32
+    from_pil = preprocess_image(open_rgb_image(data, param="p", max_pixels=BIG), PatchSpec(), lo, hi)
+    from_array = preprocess_image(decode_image(data, param="p", max_pixels=BIG), PatchSpec(), lo, hi)
+    assert from_pil.grid == from_array.grid and np.array_equal(from_pil.pixel_values, from_array.pixel_values)
+
+
+def test_the_cache_key_follows_the_towers_input_not_the_file():
+    from app.config import MediaConfig
+    from app.media_pipeline import prepare_bytes
+    from app.schemas import MediaRef
+
+    cfg, spec, ref = MediaConfig(), PatchSpec(), MediaRef("image", "u", "p")
+    key = prepare_bytes(png_bytes(300, 200, seed=1), ref, cfg, spec).key
+    assert prepare_bytes(png_bytes(300, 200, seed=1, fmt="BMP"), ref, cfg, spec).key == key  # same pixels
+    assert prepare_bytes(png_bytes(300, 200, seed=2), ref, cfg, spec).key != key
+    same_grid = cfg.model_copy(update={"image_max_pixels": 128 * 32 * 32})  # does not bind: same input, same key
+    assert prepare_bytes(png_bytes(300, 200, seed=1), ref, same_grid, spec).key == key
+    smaller = cfg.model_copy(update={"image_min_pixels": 16 * 32 * 32, "image_max_pixels": 32 * 32 * 32})
+    assert prepare_bytes(png_bytes(300, 200, seed=1), ref, smaller, spec).key != key  # resized to another grid
+    assert prepare_bytes(png_bytes(300, 200, seed=1), ref, cfg, PatchSpec(mean=(0.4, 0.5, 0.5))).key != key
 
 
 def test_fetch_over_http_from_a_local_server():
