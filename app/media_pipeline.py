@@ -1,6 +1,8 @@
 """Request media -> tower-ready items: fetch (async), then decode and preprocess in a worker pool.
 
-Decoding and resizing are CPU-bound; they never run on the asyncio loop.
+Decoding and resizing are CPU-bound; they never run on the asyncio loop. Items leave as raw uint8
+patch rows: the encoder normalises them on its device, so a quarter of float32's bytes crosses Ray
+(one 448^2 image: 1.2 instead of 4.8 MB, a Ray call 2.9 instead of 7.0 ms on 2 cores).
 """
 
 from __future__ import annotations
@@ -44,12 +46,13 @@ def prepare_bytes(data: bytes, ref: MediaRef, cfg: MediaConfig, spec: PatchSpec)
     if ref.kind == IMAGE:
         img = open_rgb_image(data, param=ref.param, max_pixels=cfg.max_input_pixels)
         frames = image_frames(img, spec, cfg.image_min_pixels, cfg.image_max_pixels)
-        return PreparedItem(IMAGE, patchify(frames, spec), key=cache_key(IMAGE, frames, spec))
+        return PreparedItem(IMAGE, patchify(frames, spec, normalize=False), key=cache_key(IMAGE, frames, spec))
     video = decode_video(data, param=ref.param, fps=cfg.video_fps, min_frames=cfg.video_min_frames,
                          max_frames=cfg.video_max_frames, max_duration_s=cfg.max_video_duration_s,
                          max_pixels=cfg.max_input_pixels)
     frames = video_frames(video.frames, spec, cfg.video_min_pixels, cfg.video_max_pixels)
-    return PreparedItem(VIDEO, patchify(frames, spec), frame_timestamps(video.indices, video.fps, spec.temporal),
+    return PreparedItem(VIDEO, patchify(frames, spec, normalize=False),
+                        frame_timestamps(video.indices, video.fps, spec.temporal),
                         key=cache_key(VIDEO, frames, spec))
 
 

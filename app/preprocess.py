@@ -30,6 +30,15 @@ class PatchSpec:
     def factor(self) -> int:
         return self.patch * self.merge
 
+    def column_norm(self) -> tuple[np.ndarray, np.ndarray]:
+        """(scale, offset), float32, one per column of a tower row (C, T, P, P): the processor's
+        rescale and normalise as one multiply-add, x * scale + offset, on uint8 rows."""
+        std = np.asarray(self.std, np.float32)
+        per_channel = self.temporal * self.patch * self.patch
+        scale = np.repeat((1 / (255 * std)).astype(np.float32), per_channel)
+        offset = np.repeat(-np.asarray(self.mean, np.float32) / std, per_channel)
+        return scale, offset
+
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> PatchSpec:
         cfg_path = Path(path) / "preprocessor_config.json"
@@ -41,7 +50,7 @@ class PatchSpec:
 
 @dataclass
 class Patches:
-    pixel_values: np.ndarray  # [t*h*w, C*T*P*P] float32
+    pixel_values: np.ndarray  # [t*h*w, C*T*P*P]: float32 normalised, or uint8 (patchify(normalize=False))
     grid: tuple[int, int, int]
 
     @property
@@ -79,14 +88,15 @@ def _resize(frames: np.ndarray, h: int, w: int) -> np.ndarray:
     return np.stack([np.asarray(Image.fromarray(f).resize((w, h), Image.Resampling.BICUBIC)) for f in frames])
 
 
-def patchify(frames: np.ndarray, spec: PatchSpec) -> Patches:
+def patchify(frames: np.ndarray, spec: PatchSpec, normalize: bool = True) -> Patches:
     """[n, H, W, 3] uint8 frames (H, W already multiples of patch*merge) -> tower rows.
 
-    The patch layout is gathered on the uint8 frames (a quarter of the bytes of float32), then
-    rescale and normalise run as one multiply-add into the output: x * (1 / (255 std)) - mean / std.
-    Converting to float first and transposing after, as the reference processor does, took 4-5x
-    longer (a 448^2 image: 8.2 -> 1.7 ms on the 2-core development machine); the router does this
-    for every image and video it serves.
+    The patch layout is gathered on the uint8 frames (a quarter of the bytes of float32). With
+    `normalize` (the reference processor's float32 rows), rescale and normalise then run as one
+    multiply-add into the output, x * (1 / (255 std)) - mean / std: converting to float first and
+    transposing after, as the processor does, took 4-5x longer (a 448^2 image: 8.2 -> 1.7 ms on the
+    2-core development machine). Without it the rows stay uint8 and the encoder normalises them on
+    its device (`column_norm`): the router sends a quarter of the bytes.
     """
     n, hh, ww, c = frames.shape
     p, m, tp = spec.patch, spec.merge, spec.temporal
@@ -97,14 +107,14 @@ def patchify(frames: np.ndarray, spec: PatchSpec) -> Patches:
     # (group, frame in group, block row, row in block, patch row, block col, col in block, patch col, C)
     # -> rows ordered (group, block row, block col, row in block, col in block), each row (C, T, P, P)
     x = frames.reshape(gt, tp, gh // m, m, p, gw // m, m, p, c).transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
-    x = np.ascontiguousarray(x)
-    std = np.asarray(spec.std, np.float32)
-    scale = (1 / (255 * std)).astype(np.float32)[:, None, None, None]
-    offset = (-np.asarray(spec.mean, np.float32) / std)[:, None, None, None]
-    out = np.empty(x.shape, np.float32)
-    np.multiply(x, scale, out=out)
+    rows = np.ascontiguousarray(x).reshape(gt * gh * gw, c * tp * p * p)
+    if not normalize:
+        return Patches(rows, (gt, gh, gw))
+    scale, offset = spec.column_norm()
+    out = np.empty(rows.shape, np.float32)
+    np.multiply(rows, scale, out=out)
     out += offset
-    return Patches(out.reshape(gt * gh * gw, c * tp * p * p), (gt, gh, gw))
+    return Patches(out, (gt, gh, gw))
 
 
 def image_frames(image, spec: PatchSpec, min_pixels: int, max_pixels: int) -> np.ndarray:

@@ -63,9 +63,10 @@ def _rel(a, b):
 
 
 def _items(grids, seed):
+    """Raw uint8 patch rows, as the router sends them."""
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(t * h * w, 1536, generator=g).numpy(), (t, h, w), f"k{seed}-{i}")
-            for i, (t, h, w) in enumerate(grids)]
+    return [(torch.randint(0, 256, (t * h * w, 1536), generator=g, dtype=torch.uint8).numpy(), (t, h, w),
+             f"k{seed}-{i}") for i, (t, h, w) in enumerate(grids)]
 
 
 def test_chunked_long_video_equals_the_unchunked_encoding(service):

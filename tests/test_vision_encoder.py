@@ -195,6 +195,32 @@ def test_layout_metadata_is_cached_and_copied_only_when_the_layout_changes(h):
     assert not mgr._pixels[60:budget].any() and not fresh.taps[60:].any()
 
 
+def test_raw_uint8_rows_give_the_embeddings_of_the_processors_float_rows(h):
+    """The router sends uint8 patch rows and the tower normalises them: that must reproduce the
+    processor's float rows exactly, and so the embeddings of the float path (the reference's input)."""
+    import numpy as np
+
+    from app.preprocess import PatchSpec, patchify
+
+    spec = PatchSpec()
+    frames = np.random.default_rng(5).integers(0, 256, (4, 128, 64, 3), dtype=np.uint8)
+    raw, norm = patchify(frames, spec, normalize=False), patchify(frames, spec)
+    scale, offset = (torch.as_tensor(t) for t in spec.column_norm())
+    assert raw.pixel_values.dtype == np.uint8
+    assert torch.equal(torch.from_numpy(raw.pixel_values).float() * scale + offset, torch.from_numpy(norm.pixel_values))
+    mgr = GraphManager(VisionTower(h.visual, pixel_norm=spec.column_norm()),
+                       GraphSettings(budgets=h.mgr.budgets, max_items_per_batch=4, max_frames_per_batch=8,
+                                     autotune=False, uint8_pixels=True))
+    mgr.capture()
+    with torch.inference_mode():
+        ours = mgr.encode([VisionItem(torch.from_numpy(raw.pixel_values).to(h.device), raw.grid)])[0]
+        ref = h.mgr.encode([VisionItem(torch.from_numpy(norm.pixel_values).to(h.device, h.dtype), norm.grid)])[0]
+    for a, b in zip([ours.main, *ours.deepstack], [ref.main, *ref.deepstack], strict=True):
+        assert torch.equal(a, b) if h.truth is None else _rel(a, b) <= 1e-3
+    with pytest.raises(ValueError, match="uint8"):  # a manager refuses rows of the other format
+        mgr.encode([VisionItem(torch.from_numpy(norm.pixel_values).to(h.device), norm.grid)])
+
+
 def test_power_of_two_budgets_include_the_maximum():
     assert GraphSettings.power_of_two_budgets(256, 8192) == [256, 512, 1024, 2048, 4096, 8192]
     assert GraphSettings.power_of_two_budgets(200, 3000) == [256, 512, 1024, 2048, 3000]

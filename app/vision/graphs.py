@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 class VisionItem:
     """One image or video (or a video chunk) ready for the tower."""
 
-    pixels: torch.Tensor  # [t*h*w, C*T*P*P], float
+    pixels: torch.Tensor  # [t*h*w, C*T*P*P]: normalised float, or raw uint8 (GraphSettings.uint8_pixels)
     grid: Grid
 
 
@@ -65,6 +65,9 @@ class GraphSettings:
     # default: a capture stalls the replica's queue (~0.25 s each for the 2B shape on an H200 under load).
     uniform_capture_after: int = 0
     max_uniform_graphs: int = 16
+    # Items carry raw uint8 patch rows and the tower normalises them (VisionTower's pixel_norm): a
+    # quarter of the bytes from the router and to the GPU. Otherwise rows come normalised, as floats.
+    uint8_pixels: bool = False
 
     @staticmethod
     def power_of_two_budgets(min_budget: int, max_budget: int, steps_per_octave: int = 1) -> list[int]:
@@ -159,7 +162,8 @@ class GraphManager:
     # ------------------------------------------------------------------ buffers
     def _alloc_static(self) -> None:
         n, dev = self.max_budget, self.device
-        self._pixels = torch.zeros(n, self.tower.patch_dim, dtype=self.tower.dtype, device=dev)
+        px_dtype = torch.uint8 if self.settings.uint8_pixels else self.tower.dtype
+        self._pixels = torch.zeros(n, self.tower.patch_dim, dtype=px_dtype, device=dev)
         self._taps = torch.zeros(n, 4, dtype=torch.long, device=dev)
         self._weights = torch.zeros(n, 4, dtype=torch.float32, device=dev)
         self._rot = torch.zeros(n, 2, dtype=torch.long, device=dev)
@@ -327,10 +331,17 @@ class GraphManager:
             del self.uniform_graphs[shape], self._uniform_out[shape]
             self._uniform_rejected.add(shape)
 
+    def _random_pixels(self, rows: int) -> torch.Tensor:
+        """Rows in the format items carry (random: zeros could time differently)."""
+        shape, dev = (rows, self.tower.patch_dim), self.device
+        if self.settings.uint8_pixels:
+            return torch.randint(0, 256, shape, dtype=torch.uint8, device=dev)
+        return torch.randn(shape, device=dev)
+
     def _synthetic_uniform(self, shape: tuple[int, int]) -> list[VisionItem]:
         seqs, length = shape
         m = self.geo.merge
-        return [VisionItem(torch.randn(seqs * length, self.tower.patch_dim, device=self.device), (seqs, m, length // m))]
+        return [VisionItem(self._random_pixels(seqs * length), (seqs, m, length // m))]
 
     def _note_uniform(self, shape: tuple[int, int]) -> None:
         """Count an equal-length shape that has no graph; queue it for capture at the threshold."""
@@ -371,7 +382,7 @@ class GraphManager:
         return kept
 
     def _synthetic_batch(self, budget: int, equal: bool = True) -> list[VisionItem]:
-        """Images that fill `budget` tokens exactly (random pixels: zeros could time differently).
+        """Images that fill `budget` tokens exactly.
 
         With `equal=False` the first image is split 3:1 so the sequence lengths differ: that is what
         budget graphs serve, since equal-length batches get exact-shape graphs of their own.
@@ -385,7 +396,7 @@ class GraphManager:
         if not equal and 0 < first < sizes[0]:
             sizes[:1] = [first, sizes[0] - first]
         sizes = sizes[: self.settings.max_items_per_batch]
-        return [VisionItem(torch.randn(n, self.tower.patch_dim, device=self.device), (1, m, n // m)) for n in sizes]
+        return [VisionItem(self._random_pixels(n), (1, m, n // m)) for n in sizes]
 
     def _time_ms(self, fn, reps: int = 10) -> float:
         return statistics.median(cuda_times_ms(fn, reps))
@@ -450,6 +461,9 @@ class GraphManager:
             t, h, w = it.grid
             if it.pixels.shape[0] != t * h * w:
                 raise ValueError(f"item has {it.pixels.shape[0]} patch rows but grid {it.grid} needs {t * h * w}")
+            if (it.pixels.dtype == torch.uint8) != self.settings.uint8_pixels:
+                want = "uint8 (raw)" if self.settings.uint8_pixels else "normalised float"
+                raise ValueError(f"item pixels are {it.pixels.dtype}; this manager takes {want} rows")
         lay = layout([it.grid for it in items], self.geo.merge)
         with self._lock:
             shape = None if force_eager else self._uniform_graph_for(lay)

@@ -9,6 +9,7 @@ import torch
 
 from ..config import AppConfig
 from ..llm.engine import resolve_dtype
+from ..preprocess import PatchSpec
 from .batcher import EncodeBatcher
 from .cache import EmbeddingCache
 from .graphs import GraphManager, GraphSettings, VisionItem
@@ -37,13 +38,17 @@ class EncoderService:
         enc = cfg.encoder
         device = pick_device(cfg.device)
         dtype = resolve_dtype(enc.dtype, torch.device(device))
-        tower = VisionTower(load_vision_model(checkpoint, dtype, device))
+        # The router sends raw uint8 patch rows (a quarter of float32's bytes through Ray and to the GPU);
+        # the tower normalises them with the checkpoint's processor settings.
+        tower = VisionTower(load_vision_model(checkpoint, dtype, device),
+                            pixel_norm=PatchSpec.from_checkpoint(checkpoint).column_norm())
         budgets = enc.token_budgets or GraphSettings.power_of_two_budgets(enc.min_budget, enc.max_budget,
                                                                                 enc.budget_steps_per_octave)
         self.manager = GraphManager(tower, GraphSettings(
             budgets, enc.max_items_per_batch, enc.max_frames_per_batch, enc.cuda_graphs, enc.autotune,
             uniform_shapes=[tuple(s) for s in enc.uniform_graph_shapes],
-            uniform_capture_after=enc.uniform_capture_after, max_uniform_graphs=enc.max_uniform_graphs))
+            uniform_capture_after=enc.uniform_capture_after, max_uniform_graphs=enc.max_uniform_graphs,
+            uint8_pixels=True))
         self.manager.capture()
         self.cache = EmbeddingCache(enc.cache_bytes)
         self.batcher = EncodeBatcher(self.manager.encode_batch,
@@ -54,13 +59,15 @@ class EncoderService:
                  sorted(self.manager.graphs) or "none captured")
 
     def encode(self, items: list[tuple[np.ndarray, tuple[int, int, int]]]) -> list[EncodedItem]:
-        """One request's items as one batch, synchronously (no cache, no cross-request batching)."""
+        """One request's items (uint8 patch rows, grid) as one batch, synchronously (no cache, no
+        cross-request batching)."""
         outs = self.manager.encode([VisionItem(torch.from_numpy(px), tuple(grid)) for px, grid in items])
         return [_to_cpu(o) for o in outs]
 
     async def encode_async(self, items: list[tuple[np.ndarray, tuple[int, int, int], str | None]]
                            ) -> list[EncodedItem]:
-        """Cache first; the misses join the cross-request batcher; results in item order."""
+        """Items (uint8 patch rows, grid, cache key). Cache first; the misses join the cross-request
+        batcher; results in item order."""
         results: list[EncodedItem | None] = [self.cache.get(key) for _, _, key in items]
         todo = [i for i, r in enumerate(results) if r is None]
         if todo:

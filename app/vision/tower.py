@@ -46,7 +46,9 @@ class TowerInputs:
 class VisionTower(nn.Module):
     """Wraps a transformers `Qwen3VLVisionModel`; `forward(TowerInputs)` -> (main, [deepstack...])."""
 
-    def __init__(self, visual: nn.Module):
+    def __init__(self, visual: nn.Module, pixel_norm: tuple | None = None):
+        """`pixel_norm` = (scale, offset) per row column (`PatchSpec.column_norm`) lets the tower take
+        uint8 patch rows and normalise them itself; without it, rows come normalised (float)."""
         super().__init__()
         self.visual = visual
         cfg = visual.config
@@ -61,6 +63,9 @@ class VisionTower(nn.Module):
         self.fused = triton_available(self.device) and cfg.hidden_act == "gelu_pytorch_tanh"
         # Our Triton varlen attention (attention.py) where it applies; callers then pass a block table.
         self.split_attention = attention.available(self.head_dim, self.device) and self.dtype != torch.float32
+        self.pixel_scale, self.pixel_offset = (
+            (torch.as_tensor(t, dtype=torch.float32, device=self.device) for t in pixel_norm) if pixel_norm
+            else (None, None))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -135,8 +140,13 @@ class VisionTower(nn.Module):
     def _embed(self, inp: TowerInputs, keep_float: bool = False) -> torch.Tensor:
         vis = self.visual
         proj = vis.patch_embed.proj
+        px = inp.pixels
+        if px.dtype == torch.uint8:  # raw patches: the processor's rescale and normalise, in float32 as it does
+            if self.pixel_scale is None:
+                raise ValueError("uint8 pixel rows need the tower's pixel_norm")
+            px = px.float() * self.pixel_scale + self.pixel_offset
         # The Conv3d's kernel equals its stride: it is a matmul over flattened patches.
-        x = F.linear(inp.pixels.to(self.dtype), proj.weight.view(proj.weight.shape[0], -1), proj.bias)
+        x = F.linear(px.to(self.dtype), proj.weight.view(proj.weight.shape[0], -1), proj.bias)
         pos = (vis.pos_embed.weight[inp.pos_taps] * inp.pos_weights[:, :, None]).sum(1)
         return x.float() + pos if keep_float else x + pos.to(x.dtype)
 
