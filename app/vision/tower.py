@@ -63,9 +63,10 @@ class VisionTower(nn.Module):
         self.fused = triton_available(self.device) and cfg.hidden_act == "gelu_pytorch_tanh"
         # Our Triton varlen attention (attention.py) where it applies; callers then pass a block table.
         self.split_attention = attention.available(self.head_dim, self.device) and self.dtype != torch.float32
-        self.pixel_scale, self.pixel_offset = (
-            (torch.as_tensor(t, dtype=torch.float32, device=self.device) for t in pixel_norm) if pixel_norm
-            else (None, None))
+        self.pixel_scale = self.pixel_offset = None
+        if pixel_norm is not None:
+            self.pixel_scale, self.pixel_offset = (torch.as_tensor(t, dtype=torch.float32, device=self.device)
+                                                   for t in pixel_norm)
 
     @property
     def dtype(self) -> torch.dtype:
