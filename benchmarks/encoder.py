@@ -28,6 +28,7 @@ from app.vision.loading import vision_model_from_config  # noqa: E402
 from app.vision.metadata import layout  # noqa: E402
 from app.vision.timing import cuda_times_ms  # noqa: E402
 from app.vision.tower import VisionTower  # noqa: E402
+from benchmarks.stats import p99  # noqa: E402
 
 # name -> grids (t, h, w) in 16-px patches; a 224^2 8-frame video is 4 temporal groups of 14x14.
 WORKLOADS = {
@@ -62,11 +63,6 @@ def measure_matmul_tflops() -> float:
 
 def time_fn(fn, runs: int, warmup: int = 10) -> list[float]:
     return cuda_times_ms(fn, runs, warmup)
-
-
-def p99(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
 
 
 def rel_err(a, b) -> float:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.preprocess import PatchSpec, image_frames, patchify  # noqa: E402
+from benchmarks.stats import p99  # noqa: E402
 
 
 def main() -> None:
@@ -50,9 +51,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 ray.get(enc.encode.remote(items))
                 times.append((time.perf_counter() - t0) * 1e3)
-            p99 = sorted(times)[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
             mb = sum(px.nbytes for px, _ in items) / 1e6
-            row.append((mb, statistics.median(times), p99))
+            row.append((mb, statistics.median(times), p99(times)))
         (fm, ft, fp), (um, ut, up) = row
         print(f"| {count} x {side}x{side} image | {fm:.1f} MB, {ft:.2f} ({fp:.2f}) | {um:.1f} MB, {ut:.2f} ({up:.2f}) "
               f"| {ft / ut:.1f}x |")

@@ -21,6 +21,7 @@ from app.media_pipeline import prepare_bytes  # noqa: E402
 from app.preprocess import PatchSpec  # noqa: E402
 from app.schemas import MediaRef  # noqa: E402
 from app.synthetic_media import image_bytes, mp4_bytes  # noqa: E402
+from benchmarks.stats import p99  # noqa: E402
 
 CASES = {
     "image 448x448 JPEG": ("image", lambda: image_bytes(448, 448, fmt="JPEG")),
@@ -45,8 +46,7 @@ def main() -> None:
             t0 = time.perf_counter()
             prepare_bytes(data, ref, cfg, spec)
             times.append((time.perf_counter() - t0) * 1e3)
-        p99 = sorted(times)[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
-        print(f"| {name} | {item.patches.num_tokens} | {statistics.median(times):.2f} | {p99:.2f} |")
+        print(f"| {name} | {item.patches.num_tokens} | {statistics.median(times):.2f} | {p99(times):.2f} |")
 
 
 if __name__ == "__main__":

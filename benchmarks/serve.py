@@ -31,6 +31,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.synthetic_media import image_bytes, mp4_bytes  # noqa: E402
+from benchmarks.stats import pct  # noqa: E402
 
 
 @dataclass
@@ -95,11 +96,6 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> Result:
     e2e = time.perf_counter() - t0
     return Result(True, ttft if ttft is not None else e2e, e2e, usage.get("prompt_tokens", 0),
                   usage.get("completion_tokens", 0))
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
 @dataclass
