@@ -75,3 +75,51 @@ def test_stop_checker_holds_back_prefixes():
     s = StopChecker(["</end>"])
     assert s.safe_length("abc</e") == 3 and s.safe_length("abc") == 3 and s.find("ab</end>c") == 2
     assert StopChecker([]).safe_length("abc\ufffd") == 3
+
+
+def test_the_in_process_pipeline_equals_transformers_generate_on_the_processors_rows(world, tiny_checkpoint):
+    """Router media pipeline (uint8 rows) -> encoder service (normalises on its device) -> engine, for an
+    image and a video, against transformers' generate fed the processor's float rows of the same media."""
+    import asyncio
+    import base64
+
+    from app.chat import ChatService
+    from app.config import AppConfig
+    from app.local_backend import LocalBackend
+    from app.media import decode_image, decode_video
+    from app.media_pipeline import MediaPipeline
+    from app.preprocess import preprocess_image, preprocess_video
+    from app.vision.service import EncoderService
+    from helpers import mp4_bytes, png_bytes
+
+    cfg = AppConfig(model=str(tiny_checkpoint))
+    m, spec = cfg.media, world["spec"]
+    chat = ChatService(cfg, world["tok"], MediaPipeline(m, spec),
+                       LocalBackend(EncoderService(cfg, str(tiny_checkpoint)), world["engine"]))
+    png, mp4 = png_bytes(80, 112, seed=3), mp4_bytes(8, seed=4)
+
+    def url(data, mime):
+        return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url(png, "image/png")}},
+        {"type": "video_url", "video_url": {"url": url(mp4, "video/mp4")}},
+        {"type": "text", "text": "Compare them"}]}], "max_tokens": 8, "temperature": 0}
+    req, gen, payload = asyncio.run(chat.prepare(body))
+    assert all(px.dtype.name == "uint8" for px, _, _ in payload)
+    got = asyncio.run(chat.complete(req, gen, payload))
+
+    img = preprocess_image(decode_image(png, param="p", max_pixels=m.max_input_pixels), spec, m.image_min_pixels,
+                           m.image_max_pixels)
+    video = decode_video(mp4, param="p", fps=m.video_fps, min_frames=m.video_min_frames, max_frames=m.video_max_frames,
+                         max_duration_s=m.max_video_duration_s, max_pixels=m.max_input_pixels)
+    vid = preprocess_video(video.frames, spec, m.video_min_pixels, m.video_max_pixels)
+    ids = torch.tensor([gen["input_ids"]])
+    out = world["ref"].generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                mm_token_type_ids=torch.tensor([gen["mm_token_type_ids"]]),
+                                pixel_values=torch.from_numpy(img.pixel_values), image_grid_thw=torch.tensor([img.grid]),
+                                pixel_values_videos=torch.from_numpy(vid.pixel_values),
+                                video_grid_thw=torch.tensor([vid.grid]), max_new_tokens=8, do_sample=False)
+    want = [t for t in out[0, ids.shape[1]:].tolist() if t not in world["engine"].eos_ids]
+    assert got["usage"]["completion_tokens"] == len(want)
+    assert got["choices"][0]["message"]["content"] == world["tok"].decode(want, skip_special_tokens=True)
