@@ -2,7 +2,7 @@
 router sent before) or raw uint8 rows (what it sends now; the encoder normalises on its device).
 
 A stand-in actor receives the items and returns their row count, so only serialisation and the
-transfer are timed, per call, median and p99 over `--runs` calls after a warm-up.
+transfer are timed, per call, median and p99 over `--runs` calls after a warm-up call.
 
     python benchmarks/payload.py [--runs 30]
 """
@@ -13,12 +13,11 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.preprocess import PatchSpec, image_frames, patchify  # noqa: E402
-from benchmarks.stats import p99  # noqa: E402
+from benchmarks.stats import p99, wall_times_ms  # noqa: E402
 
 
 def main() -> None:
@@ -45,12 +44,7 @@ def main() -> None:
         for normalize in (True, False):
             p = patchify(frames, spec, normalize=normalize)
             items = [(p.pixel_values.copy(), p.grid) for _ in range(count)]
-            ray.get(enc.encode.remote(items))
-            times = []
-            for _ in range(args.runs):
-                t0 = time.perf_counter()
-                ray.get(enc.encode.remote(items))
-                times.append((time.perf_counter() - t0) * 1e3)
+            times = wall_times_ms(lambda items=items: ray.get(enc.encode.remote(items)), args.runs)
             mb = sum(px.nbytes for px, _ in items) / 1e6
             row.append((mb, statistics.median(times), p99(times)))
         (fm, ft, fp), (um, ut, up) = row

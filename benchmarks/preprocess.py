@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -21,7 +21,7 @@ from app.media_pipeline import prepare_bytes  # noqa: E402
 from app.preprocess import PatchSpec  # noqa: E402
 from app.schemas import MediaRef  # noqa: E402
 from app.synthetic_media import image_bytes, mp4_bytes  # noqa: E402
-from benchmarks.stats import p99  # noqa: E402
+from benchmarks.stats import p99, wall_times_ms  # noqa: E402
 
 CASES = {
     "image 448x448 JPEG": ("image", lambda: image_bytes(448, 448, fmt="JPEG")),
@@ -40,12 +40,8 @@ def main() -> None:
     print("| item | tokens | median ms | p99 ms |\n|---|---|---|---|")
     for name, (kind, make) in CASES.items():
         data, ref = make(), MediaRef(kind, "bench", "bench")
-        item = prepare_bytes(data, ref, cfg, spec)  # warm-up
-        times = []
-        for _ in range(args.runs):
-            t0 = time.perf_counter()
-            prepare_bytes(data, ref, cfg, spec)
-            times.append((time.perf_counter() - t0) * 1e3)
+        item = prepare_bytes(data, ref, cfg, spec)
+        times = wall_times_ms(partial(prepare_bytes, data, ref, cfg, spec), args.runs)
         print(f"| {name} | {item.patches.num_tokens} | {statistics.median(times):.2f} | {p99(times):.2f} |")
 
 
