@@ -93,6 +93,32 @@ CASES = {"1x448": ([784], 1), "1x448 in budget 896": ([784, 112], 33), "video 4x
          "mixed 2744 in budget 3072": ([784, 196, 196, 196, 196, 784, 196, 196, 328], 33)}
 
 
+def case_inputs(seqs: list[int], slots: int):
+    """q, k, v [N, H, D] (views into one [N, 3, H, D] tensor), the fp32 per-sequence reference,
+    `cu_seqlens` padded to `slots` sequences, and `max_seqlen` as the graphs pass it (the budget when
+    slots are padded)."""
+    n = sum(seqs)
+    q, k, v = torch.randn(n, 3, HEADS, HD, device=DEV, dtype=BF).unbind(1)
+    cu = torch.tensor(list(itertools.accumulate([0] + seqs)) + [n] * (slots - len(seqs)), device=DEV,
+                      dtype=torch.int32)
+    return q, k, v, per_sequence_reference(q, k, v, seqs), cu, n if slots > len(seqs) else max(seqs)
+
+
+def attempt(fn, *args, prefix: str = "fails"):
+    """fn(*args), or where it raises, the first line of why (what the probe records), the GPU synchronised."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - recorded: this is what the probe asks
+        torch.cuda.synchronize()
+        return f"{prefix}: {(str(e).splitlines() or [type(e).__name__])[0][:120]}"
+
+
+def err_after(fn, ref, out=None) -> str:
+    """Run `fn` once; the error of its result (or of `out`, where it writes into a given buffer) vs `ref`."""
+    res = fn()
+    return rel(res if out is None else out, ref)
+
+
 def cudnn_ragged(q, k, v, cu, maxlen):
     return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, maxlen, maxlen, False, 0.0, False, False)[0]
 
@@ -100,23 +126,14 @@ def cudnn_ragged(q, k, v, cu, maxlen):
 def attention_cases():
     rows = []
     for name, (seqs, slots) in CASES.items():
-        n = sum(seqs)
-        q, k, v = torch.randn(n, 3, HEADS, HD, device=DEV, dtype=BF).unbind(1)
-        ref = per_sequence_reference(q, k, v, seqs)
-        cu = torch.tensor(list(itertools.accumulate([0] + seqs)) + [n] * (slots - len(seqs)), device=DEV,
-                          dtype=torch.int32)
-        maxlen = n if slots > len(seqs) else max(seqs)  # graphs pass the budget as the bound
+        q, k, v, ref, cu, maxlen = case_inputs(seqs, slots)
         row = {"case": name, "fa2_varlen_us": graph_us(partial(varlen_attn, q, k, v, cu, cu, maxlen, maxlen))}
         if slots == len(seqs) and len(set(seqs)) == 1:
             qb, kb, vb = (t.reshape(len(seqs), seqs[0], HEADS, HD).transpose(1, 2) for t in (q, k, v))
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 row["cudnn_dense_us"] = graph_us(partial(F.scaled_dot_product_attention, qb, kb, vb))
         row["cudnn_ragged_err"] = rel(cudnn_ragged(q, k, v, cu, maxlen), ref)
-        try:
-            row["cudnn_ragged_us"] = graph_us(partial(cudnn_ragged, q, k, v, cu, maxlen))
-        except Exception as e:  # noqa: BLE001 - recorded: this is what the probe asks
-            row["cudnn_ragged_us"] = f"capture fails: {str(e).splitlines()[0][:80]}"
-            torch.cuda.synchronize()
+        row["cudnn_ragged_us"] = attempt(graph_us, partial(cudnn_ragged, q, k, v, cu, maxlen), prefix="capture fails")
         row.update(triton_split_head(q, k, v, seqs, slots, ref))
         rows.append(row)
         print("attention", row, flush=True)
@@ -210,11 +227,8 @@ def fa4_attention():
     rows = []
     for name, (seqs, slots) in CASES.items():
         n = sum(seqs)
-        q, k, v = (t.contiguous() for t in torch.randn(n, 3, HEADS, HD, device=DEV, dtype=BF).unbind(1))
-        ref = per_sequence_reference(q, k, v, seqs)
-        cu = torch.tensor(list(itertools.accumulate([0] + seqs)) + [n] * (slots - len(seqs)), device=DEV,
-                          dtype=torch.int32)
-        maxlen = n if slots > len(seqs) else max(seqs)
+        q, k, v, ref, cu, maxlen = case_inputs(seqs, slots)
+        q, k, v = (t.contiguous() for t in (q, k, v))  # the tower's q and k are contiguous (rotary output)
         row = {"case": name}
 
         def varlen(q=q, k=k, v=v, cu=cu, maxlen=maxlen):
@@ -223,21 +237,13 @@ def fa4_attention():
 
         qkv = torch.stack((q, k, v), 1)  # v as the tower has it: a strided view into the qkv rows
         for label, fn in [("varlen", varlen), ("varlen_strided_v", partial(varlen, q, k, qkv[:, 2]))]:
-            try:
-                row[f"{label}_err"] = rel(fn(), ref)
-                row[f"{label}_us"] = graph_us(fn)
-            except Exception as e:  # noqa: BLE001
-                row[f"{label}_us"] = f"fails: {str(e).splitlines()[0][:120]}"
-                torch.cuda.synchronize()
+            row[f"{label}_err"] = attempt(err_after, fn, ref)
+            row[f"{label}_us"] = attempt(graph_us, fn)
         if slots == len(seqs) and len(set(seqs)) == 1:
             qb, kb, vb = (t.reshape(len(seqs), seqs[0], HEADS, HD) for t in (q, k, v))
-            try:
-                dense = partial(lambda a, b, c: flash_attn_func(a, b, c)[0], qb, kb, vb)
-                row["dense_err"] = rel(dense().reshape(n, HEADS, HD), ref)
-                row["dense_us"] = graph_us(dense)
-            except Exception as e:  # noqa: BLE001
-                row["dense_us"] = f"fails: {str(e).splitlines()[0][:120]}"
-                torch.cuda.synchronize()
+            dense = partial(lambda a, b, c: flash_attn_func(a, b, c)[0].reshape(-1, HEADS, HD), qb, kb, vb)
+            row["dense_err"] = attempt(err_after, dense, ref)
+            row["dense_us"] = attempt(graph_us, dense)
             qd, kd, vd = (t.transpose(1, 2) for t in (qb, kb, vb))
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 row["cudnn_dense_us"] = graph_us(partial(F.scaled_dot_product_attention, qd, kd, vd))
@@ -283,18 +289,13 @@ def quack_gemms():
             row["cublas_us"] = graph_us(ref_fn)
             out = torch.empty(m, w.shape[0], device=DEV, dtype=BF)
             for cname, cfg in configs.items():
-                try:
-                    if gname == "fc1_gelu":
-                        fn = partial(gemm_act, a, w.t(), bias=b, activation="gelu_tanh_approx", postact_out=out,
-                                     store_preact=False, config=cfg)
-                    else:
-                        fn = partial(gemm_pinned, a, w.t(), out, bias=b, config=cfg)
-                    fn()
-                    row[f"{cname}_err"] = rel(out, ref.float())
-                    row[f"{cname}_us"] = graph_us(fn)
-                except Exception as e:  # noqa: BLE001
-                    row[f"{cname}_us"] = f"fails: {str(e).splitlines()[0][:100] if str(e) else type(e).__name__}"
-                    torch.cuda.synchronize()
+                if gname == "fc1_gelu":
+                    fn = partial(gemm_act, a, w.t(), bias=b, activation="gelu_tanh_approx", postact_out=out,
+                                 store_preact=False, config=cfg)
+                else:
+                    fn = partial(gemm_pinned, a, w.t(), out, bias=b, config=cfg)
+                row[f"{cname}_err"] = attempt(err_after, fn, ref.float(), out)
+                row[f"{cname}_us"] = attempt(graph_us, fn)
             rows.append(row)
             print("quack", row, flush=True)
     RESULTS["quack"] = rows
