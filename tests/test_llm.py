@@ -82,6 +82,7 @@ def test_the_in_process_pipeline_equals_transformers_generate_on_the_processors_
     image and a video, against transformers' generate fed the processor's float rows of the same media."""
     import asyncio
     import base64
+    from types import SimpleNamespace
 
     from app.chat import ChatService
     from app.config import AppConfig
@@ -114,12 +115,8 @@ def test_the_in_process_pipeline_equals_transformers_generate_on_the_processors_
     video = decode_video(mp4, param="p", fps=m.video_fps, min_frames=m.video_min_frames, max_frames=m.video_max_frames,
                          max_duration_s=m.max_video_duration_s, max_pixels=m.max_input_pixels)
     vid = preprocess_video(video.frames, spec, m.video_min_pixels, m.video_max_pixels)
-    ids = torch.tensor([gen["input_ids"]])
-    out = world["ref"].generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                mm_token_type_ids=torch.tensor([gen["mm_token_type_ids"]]),
-                                pixel_values=torch.from_numpy(img.pixel_values), image_grid_thw=torch.tensor([img.grid]),
-                                pixel_values_videos=torch.from_numpy(vid.pixel_values),
-                                video_grid_thw=torch.tensor([vid.grid]), max_new_tokens=8, do_sample=False)
-    want = [t for t in out[0, ids.shape[1]:].tolist() if t not in world["engine"].eos_ids]
+    assert img.grid[0] == 1 < vid.grid[0]  # how reference_generate tells images from videos
+    prompt = SimpleNamespace(input_ids=gen["input_ids"], mm_token_type_ids=gen["mm_token_type_ids"])
+    want = [t for t in reference_generate(world, prompt, [img, vid], max_new=8) if t not in world["engine"].eos_ids]
     assert got["usage"]["completion_tokens"] == len(want)
     assert got["choices"][0]["message"]["content"] == world["tok"].decode(want, skip_special_tokens=True)
