@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.model_builder import load_preset  # noqa: E402
+from app.preprocess import PatchSpec  # noqa: E402
 from app.vision.graphs import GraphManager, GraphSettings, VisionItem  # noqa: E402
 from app.vision.loading import vision_model_from_config  # noqa: E402
 from app.vision.metadata import layout  # noqa: E402
@@ -90,17 +91,21 @@ def bench_preset(preset: str, runs: int, budgets: list[int], matmul_tflops: floa
     import copy
 
     visual32 = copy.deepcopy(visual).float()  # the truth both bf16 paths are judged against
-    tower = VisionTower(visual)
+    # As the service runs it: uint8 patch rows in, the processor's normalisation inside the graph.
+    spec = PatchSpec(patch=cfg.patch_size, temporal=cfg.temporal_patch_size, merge=cfg.spatial_merge_size)
+    tower = VisionTower(visual, pixel_norm=spec.column_norm())
     mgr = GraphManager(tower, GraphSettings(budgets=budgets, max_items_per_batch=16, max_frames_per_batch=32,
-                                            uniform_capture_after=2))
+                                            uniform_capture_after=2, uint8_pixels=True))
     mgr.capture()
     result = {"preset": preset, "capture_s": mgr.capture_seconds, "graph_mem_mib": mgr.capture_bytes / 2**20,
               "budgets_kept": sorted(mgr.graphs), "autotune": mgr.autotune_table, "workloads": []}
     for name, grids in WORKLOADS.items():
         g = torch.Generator(device="cuda").manual_seed(1)
-        items = [VisionItem(torch.randn(t * h * w, tower.patch_dim, device="cuda", generator=g, dtype=torch.bfloat16),
-                            (t, h, w)) for t, h, w in grids]
-        pixels = torch.cat([it.pixels for it in items])
+        items = [VisionItem(torch.randint(0, 256, (t * h * w, tower.patch_dim), device="cuda", generator=g,
+                                          dtype=torch.uint8), (t, h, w)) for t, h, w in grids]
+        # The reference takes the processor's normalised rows (its normalisation runs on the CPU).
+        pixels32 = torch.cat([it.pixels for it in items]).float() * tower.pixel_scale + tower.pixel_offset
+        pixels = pixels32.to(torch.bfloat16)
         grid_t = torch.tensor(grids, device="cuda")
         with torch.inference_mode():
             ref = visual(pixels, grid_thw=grid_t)
@@ -108,7 +113,7 @@ def bench_preset(preset: str, runs: int, budgets: list[int], matmul_tflops: floa
             ours_all = all_outputs(torch.cat([o.main for o in ours]),
                                    [torch.cat([o.deepstack[j] for o in ours]) for j in range(len(ours[0].deepstack))])
             ref_all = all_outputs(ref.pooler_output, ref.deepstack_features)
-            r32 = visual32(pixels.float(), grid_thw=grid_t)
+            r32 = visual32(pixels32, grid_thw=grid_t)
             r32_all = all_outputs(r32.pooler_output, r32.deepstack_features)
             err = max(rel_err(a, b) for a, b in zip(ours_all, ref_all))
             errs = {"ours_vs_ref_max": err,

@@ -287,13 +287,15 @@ def test_triton_kernels_equal_torch_fallbacks():
 
 
 def test_dispatch_prefers_eager_where_autotune_says_it_is_faster(cpu_harness):
-    """A batch goes eager when the tuned eager time at its real size beats its budget graph's time:
-    equal lengths are judged on the equal-length eager column, others on the unequal one."""
+    """A batch goes eager when the tuned eager time at its real size beats its budget graph's time
+    (by the settings' margin): equal lengths are judged on the equal-length eager column, others on
+    the unequal one."""
     from app.vision.metadata import layout
 
     mgr = cpu_harness.mgr
-    saved = dict(mgr._tuned)
+    saved, margin = dict(mgr._tuned), mgr.settings.eager_margin
     try:  # budget: (eager unequal, eager equal, graph)
+        mgr.settings.eager_margin = 0.0
         mgr._tuned = {64: (3.0, 1.0, 2.0), 128: (3.0, 2.0, 1.5), 256: (3.5, 4.0, 3.0)}
         assert mgr.choose_budget(layout([(1, 2, 20)], 2)) == (None, "faster_eager")  # 40 tok: 1.0 < 2.0
         assert mgr.choose_budget(layout([(1, 2, 50)], 2)) == (128, None)  # 100 tok: eager 1.6 > 1.5
@@ -303,8 +305,12 @@ def test_dispatch_prefers_eager_where_autotune_says_it_is_faster(cpu_harness):
         assert mgr.choose_budget(layout([(1, 2, 80), (1, 2, 20)], 2)) == (None, "faster_eager")  # 3.28 < 3.4
         assert mgr._eager_estimate(192, True) == 3.0 and mgr._eager_estimate(512, True) == 8.0
         assert mgr._eager_estimate(192, False) == 3.25
+        # With a margin, eager must win by it: 3.28 * 1.1 = 3.61 > 3.4 keeps the graph; 1.0 * 1.1 < 2.0 not.
+        mgr.settings.eager_margin = 0.1
+        assert mgr.choose_budget(layout([(1, 2, 80), (1, 2, 20)], 2)) == (256, None)
+        assert mgr.choose_budget(layout([(1, 2, 20)], 2)) == (None, "faster_eager")
     finally:
-        mgr._tuned = saved
+        mgr._tuned, mgr.settings.eager_margin = saved, margin
 
 
 def test_equal_length_shapes_are_queued_for_capture_at_the_threshold(tiny_checkpoint):
