@@ -70,6 +70,7 @@ class Result:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
+    start_s: float = 0.0  # when it was sent, from the start of the run
 
 
 async def one_request(client: httpx.AsyncClient, body: dict) -> Result:
@@ -113,6 +114,7 @@ class Report:
     e2e_ms: dict
     encoder: dict = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    slowest: list[dict] = field(default_factory=list)  # the 8 longest TTFTs and when they were sent: a tail's when
 
 
 def summarize(xs: list[float]) -> dict:
@@ -153,7 +155,9 @@ async def run_load(url: str, workload: Workload, num_requests: int, concurrency:
 
         async def task(b):
             async with sem:
+                start = time.perf_counter() - t0
                 r = await one_request(client, b)
+                r.start_s = start
             if bar is not None:
                 bar.update(1)
             return r
@@ -177,7 +181,9 @@ async def run_load(url: str, workload: Workload, num_requests: int, concurrency:
         input_token_throughput=sum(r.prompt_tokens for r in ok) / duration,
         output_token_throughput=sum(r.completion_tokens for r in ok) / duration,
         ttft_ms=summarize([r.ttft_s for r in ok]), e2e_ms=summarize([r.e2e_s for r in ok]),
-        encoder=encoder_delta(before, after), errors=sorted({r.error for r in results if not r.ok})[:5])
+        encoder=encoder_delta(before, after), errors=sorted({r.error for r in results if not r.ok})[:5],
+        slowest=[{"sent_s": round(r.start_s, 3), "ttft_ms": round(1e3 * r.ttft_s, 1)}
+                 for r in sorted(ok, key=lambda r: -r.ttft_s)[:8]])
 
 
 def print_report(r: Report, label: str = "") -> None:
@@ -192,6 +198,7 @@ def print_report(r: Report, label: str = "") -> None:
           f"{e['batches']} ({e['items_per_batch']:.2f} items each), mean batch fill {e['mean_batch_fill']:.2f}, "
           f"cache hits {e['cache_hits']}, uniform-graph hits {e.get('uniform_hits', 0)}, captured while serving "
           f"{e.get('idle_captures', 0)} ({e.get('idle_capture_ms', 0):.0f} ms)")
+    print("slowest TTFTs (sent at s: ms):", ", ".join(f"{s['sent_s']:.2f}: {s['ttft_ms']:.0f}" for s in r.slowest))
     for err in r.errors:
         print("error:", err)
 
