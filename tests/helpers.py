@@ -63,3 +63,27 @@ def prompt_kinds(prompt, items):
 def ours(world, req):
     chunks = list(world["engine"].generate(req))
     return [t for c in chunks for t in c.token_ids], chunks
+
+
+def attention_calls(fn) -> tuple[int, int]:
+    """(SDPA calls, of which cuDNN's) while `fn()` runs, from profiled op names (every thread's)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ops = prof.key_averages()
+    return (sum(e.count for e in ops if e.key == "aten::scaled_dot_product_attention"),
+            sum(e.count for e in ops if "cudnn_attention" in e.key and "backward" not in e.key))
+
+
+def skip_unless_cudnn_is_the_default(heads: int, head_dim: int, dtype=torch.bfloat16, masked: bool = False) -> None:
+    """Tests that check we keep cuDNN's attention out of eager forwards mean something only where
+    PyTorch would pick it by default for such a call: skip where it would not."""
+    import pytest
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(2, heads, 64, head_dim, device="cuda", dtype=dtype) for _ in range(3))
+    mask = torch.ones(2, 1, 64, 64, dtype=torch.bool, device="cuda").tril() if masked else None
+    if not attention_calls(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))[1]:
+        pytest.skip("PyTorch does not pick cuDNN's attention by default here")

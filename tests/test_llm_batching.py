@@ -8,7 +8,7 @@ import torch
 
 from app.errors import ClientError
 from app.llm.engine import Engine
-from helpers import make_request, reference_generate
+from helpers import attention_calls, make_request, reference_generate, skip_unless_cudnn_is_the_default
 
 KINDS = [[], ["image"], ["video"], ["image", "video"], ["image", "image"], [], ["video", "image", "video"], ["image"]]
 
@@ -162,3 +162,32 @@ def test_graph_decode_equals_eager_decode_and_generate_on_gpu(tiny_checkpoint, w
         want = [t for t in reference_generate(world, prompt, items, max_new=req.params.max_tokens)
                 if t not in graphed.eos_ids]
         assert got == want
+
+
+@pytest.mark.gpu
+def test_prefill_and_eager_decode_build_no_cudnn_attention_plans(tiny_checkpoint, world):
+    """Prefill shapes (batch, padded width) change with every batch, and cuDNN's attention builds an
+    execution plan per new shape: a first burst of 8 requests waited 2 s in the 2B LLM's prefill. The
+    engine's uncaptured forwards must use other kernels."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    eng = Engine(str(tiny_checkpoint), device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=4,
+                 cuda_graphs=False)
+    tc = eng.model.config.text_config
+    skip_unless_cudnn_is_the_default(tc.num_attention_heads, eng.head_dim, masked=True)
+    reqs = [make_request(world, k, data_seed=i, words=3 * i, max_tokens=4) for i, k in enumerate(KINDS[:4])]
+    for r in reqs:
+        for v in r[0].vision:
+            v.main, v.deepstack = v.main.cuda(), [d.cuda() for d in v.deepstack]
+    # The profiler sees only its own thread: run the scheduler's iterations here, not in its thread.
+    eng._thread = threading.current_thread()  # alive, so submit starts no scheduler thread
+    seqs = [eng.submit(r[0]) for r in reqs]
+
+    def schedule():
+        with torch.inference_mode():
+            while eng.running or eng.waiting:
+                eng._iterate()
+
+    sdpa, cudnn = attention_calls(schedule)
+    assert sdpa > 0 and cudnn == 0  # prefill and eager decode ran attention, none of it cuDNN's
+    assert eng.prefill_batches >= 1 and eng.steps > 0 and all(s.finished for s in seqs)

@@ -360,6 +360,24 @@ def test_uniform_graphs_equal_the_reference_and_hold_no_stale_data(gpu_harness):
     assert len(mgr.uniform_graphs) == n0 + 3
 
 
+@pytest.mark.gpu
+def test_eager_batches_build_no_cudnn_attention_plans(gpu_harness):
+    """cuDNN's attention builds an execution plan per new shape (up to 1 s on an H200), so only
+    graphs, whose shapes are fixed at capture, may use it. An eager batch of long equal-length images
+    (the dense path) must run another kernel, and still match the reference."""
+    from helpers import attention_calls, skip_unless_cudnn_is_the_default
+
+    h = gpu_harness
+    skip_unless_cudnn_is_the_default(h.tower.heads, h.tower.head_dim)
+    items = h.items([(1, 32, 32)] * 5)  # 5 x 1024 tokens: over the largest budget, so eager
+    eager = h.mgr.stats.eager_batches
+    with torch.inference_mode():
+        sdpa, cudnn = attention_calls(lambda: h.mgr.encode(items))
+    assert sdpa > 0 and cudnn == 0  # the dense path ran, on another kernel
+    assert h.mgr.stats.eager_batches == eager + 1
+    h.check(items, expect_graph=False)
+
+
 def test_attention_block_table_lists_every_query_block_once():
     from app.vision.attention import block_table, split, table_rows
 

@@ -180,7 +180,8 @@ class GraphManager:
         bm, rows = table_layout(budget, uniform, self.seq_slots)
         table = self._table[:rows] if self._table is not None else None
         return TowerInputs(self._pixels[:budget], self._taps[:budget], self._weights[:budget],
-                           self._rot[:budget], self._cu, uniform[1] if uniform else budget, uniform, table, bm)
+                           self._rot[:budget], self._cu, uniform[1] if uniform else budget, uniform, table, bm,
+                           static=True)
 
     def _fill(self, items: list[VisionItem], lay: BatchLayout, budget: int,
               uniform: tuple[int, int] | None = None) -> None:
