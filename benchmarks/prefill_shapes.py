@@ -21,8 +21,8 @@ from torch.nn.attention import sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.llm.engine import _EAGER_ATTENTION  # noqa: E402
 from app.model_builder import ensure_embedded  # noqa: E402
+from app.sdpa_backends import UNCAPTURED  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -68,7 +68,7 @@ def main() -> None:
     # Each side gets shapes the other never ran, so neither inherits the other's plans.
     for label, choice, shapes in (("PyTorch default (cuDNN first on Hopper)", contextlib.nullcontext,
                                    [(4, 230), (5, 241), (8, 260), (1, 333)]),
-                                  ("engine (cuDNN left out)", lambda: sdpa_kernel(_EAGER_ATTENTION),
+                                  ("engine (cuDNN left out)", lambda: sdpa_kernel(UNCAPTURED),
                                    [(6, 251), (7, 263), (3, 199), (1, 444)])):
         with choice():
             for n, w in shapes:

@@ -66,7 +66,8 @@ def ours(world, req):
 
 
 def attention_calls(fn) -> tuple[int, int]:
-    """(SDPA calls, of which cuDNN's) while `fn()` runs, from profiled op names (every thread's)."""
+    """(SDPA calls, of which cuDNN's) while `fn()` runs, from profiled op names. The profiler sees
+    the calling thread only: run the work on it."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:

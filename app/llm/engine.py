@@ -24,20 +24,15 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
 from ..errors import ClientError
+from ..sdpa_backends import UNCAPTURED
 from .mrope import mrope_positions
 from .sampling import SamplingParams
 from .sequence import Chunk, Sequence
 
 log = logging.getLogger(__name__)
-
-# Attention kernels for uncaptured forwards (prefill, eager decode), whose shapes change with every
-# batch: cuDNN's attention is left out, because it builds an execution plan per new shape (40 ms to
-# 1 s each on an H200; a first burst of 8 requests waited 2 s in the 2B LLM's prefill). Captured
-# decode graphs keep the default choice: their shapes, and so their plans, are fixed at capture.
-_EAGER_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 __all__ = ["Chunk", "Engine", "GenerationRequest", "VisionInput", "request_from_dict", "resolve_dtype"]
 
@@ -285,7 +280,7 @@ class Engine:
             self.graph_steps += 1
             return out[:n]
         dev = self.device
-        with sdpa_kernel(_EAGER_ATTENTION):
+        with sdpa_kernel(UNCAPTURED):
             return self._decode(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
                                 torch.tensor(lengths, device=dev), need)
 
@@ -325,7 +320,7 @@ class Engine:
             deepstack = [torch.cat([v.deepstack[j] for v in vision]).to(self.device, embeds.dtype)
                          for j in range(len(vision[0].deepstack))]
         cache = DynamicCache(config=self.model.config.text_config)
-        with sdpa_kernel(_EAGER_ATTENTION):
+        with sdpa_kernel(UNCAPTURED):  # prefill shapes change with every batch: no cuDNN plans
             out = self.text(inputs_embeds=embeds, attention_mask=attn if n > 1 else None, position_ids=position_ids,
                             past_key_values=cache, use_cache=True, visual_pos_masks=mask if vision else None,
                             deepstack_visual_embeds=deepstack)

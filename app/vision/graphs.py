@@ -222,8 +222,9 @@ class GraphManager:
             if b >= lay.num_tokens:
                 if self.capture_enabled and b not in self.graphs:
                     continue  # dropped by auto-tune: a larger captured budget may still pay
-                eager = self._eager_estimate(lay.num_tokens, lay.uniform is not None)
-                if b in self._tuned and eager * (1 + self.settings.eager_margin) < self._tuned[b][2]:
+                tuned = self._tuned.get(b)  # (eager unequal, eager equal, graph) ms
+                margin = 1 + self.settings.eager_margin
+                if tuned and self._eager_estimate(lay.num_tokens, lay.uniform is not None) * margin < tuned[2]:
                     # Eager pays no padding (and a launch-bound floor): where the auto-tune table says
                     # it beats this graph at the batch's real size by the margin, eager it is.
                     return None, "faster_eager"

@@ -13,18 +13,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
+from .. import sdpa_backends
 from . import attention
 from .kernels import add_bias_layernorm, linear_gelu_tanh, rotary_qk, triton_available
 
 DENSE_MIN_LENGTH = 512  # equal-length sequences at least this long take one dense attention call
-# cuDNN's attention is the fastest at head size 72, but it builds an execution plan for every new
-# shape (40 ms to 1 s each, measured on an H200). A graph's shape is fixed, so its plan is built once,
-# at capture; eager runs, whose shapes keep changing, leave cuDNN out.
-_GRAPH_DENSE_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                         SDPBackend.MATH]
-_EAGER_DENSE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -107,10 +102,11 @@ class VisionTower(nn.Module):
         uniform, table = inp.uniform, inp.attn_table
         if uniform is not None and (table is None or uniform[1] >= DENSE_MIN_LENGTH):
             # Long equal-length sequences (an image, same-size images): one dense batched attention,
-            # in graphs cuDNN's kernel (faster than ours from about 512 tokens per sequence).
+            # in graphs cuDNN's kernel (faster than ours from about 512 tokens per sequence); eager
+            # batches, of ever-new shapes, leave it out (sdpa_backends says why).
             s, length = uniform
             q, k, v = (t.reshape(s, length, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-            backends = _GRAPH_DENSE_BACKENDS if inp.static else _EAGER_DENSE_BACKENDS
+            backends = sdpa_backends.CAPTURED if inp.static else sdpa_backends.UNCAPTURED
             with sdpa_kernel(backends, set_priority=True):
                 out = F.scaled_dot_product_attention(q, k, v)
             return out.transpose(1, 2).reshape(s * length, self.heads, self.head_dim)

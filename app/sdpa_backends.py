@@ -1,0 +1,15 @@
+"""Which scaled-dot-product-attention kernels the tower and the LLM let PyTorch choose from.
+
+cuDNN's attention is the fastest on Hopper at these head sizes, but it builds an execution plan for
+every new shape: about 1 s for a process's first ones, 40-65 ms later (measured on an H200,
+`benchmarks/prefill_shapes.py`). A CUDA graph's shape is fixed, so its plan is built once, at
+capture. Uncaptured forwards (LLM prefill, eager decode, eager encoder batches) see new shapes all
+the time, so they leave cuDNN out.
+"""
+
+from __future__ import annotations
+
+from torch.nn.attention import SDPBackend
+
+CAPTURED = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+UNCAPTURED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
