@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.media.preprocess import PatchSpec  # noqa: E402
 from app.model_builder import load_preset  # noqa: E402
-from app.preprocess import PatchSpec  # noqa: E402
 from app.vision.graphs import GraphManager, GraphSettings, VisionItem  # noqa: E402
 from app.vision.loading import vision_model_from_config  # noqa: E402
 from app.vision.metadata import layout  # noqa: E402

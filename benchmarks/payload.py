@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from app.preprocess import PatchSpec, image_frames, patchify  # noqa: E402
+from app.media.preprocess import PatchSpec, image_frames, patchify  # noqa: E402
 from benchmarks.stats import p99, wall_times_ms  # noqa: E402
 
 

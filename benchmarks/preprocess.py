@@ -16,11 +16,11 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from app.api.schemas import MediaRef  # noqa: E402
 from app.config import MediaConfig  # noqa: E402
-from app.media_pipeline import prepare_bytes  # noqa: E402
-from app.preprocess import PatchSpec  # noqa: E402
-from app.schemas import MediaRef  # noqa: E402
-from app.synthetic_media import image_bytes, mp4_bytes  # noqa: E402
+from app.media.pipeline import prepare_bytes  # noqa: E402
+from app.media.preprocess import PatchSpec  # noqa: E402
+from app.media.synthetic import image_bytes, mp4_bytes  # noqa: E402
 from benchmarks.stats import p99, wall_times_ms  # noqa: E402
 
 CASES = {

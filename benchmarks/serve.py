@@ -30,7 +30,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.synthetic_media import image_bytes, mp4_bytes  # noqa: E402
+from app.media.synthetic import image_bytes, mp4_bytes  # noqa: E402
 from benchmarks.stats import pct  # noqa: E402
 
 

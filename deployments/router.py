@@ -1,4 +1,4 @@
-"""Router deployment: the FastAPI ingress. Wiring only; the logic is app.chat.ChatService."""
+"""Router deployment: the FastAPI ingress. Wiring only; the logic is app.api.chat.ChatService."""
 
 import json
 import logging
@@ -11,12 +11,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from app.chat import ChatService, unwrap_client_error
+from app.api.chat import ChatService, unwrap_client_error
 from app.config import AppConfig
 from app.errors import ClientError
-from app.media_pipeline import MediaPipeline
+from app.media.pipeline import MediaPipeline
+from app.media.preprocess import PatchSpec
 from app.model_builder import resolve_model
-from app.preprocess import PatchSpec
 
 from .logs import route_app_logs
 from .metrics import RouterMetrics

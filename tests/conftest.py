@@ -26,7 +26,7 @@ def world(tiny_checkpoint):
     from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
 
     from app.llm.engine import Engine
-    from app.preprocess import PatchSpec
+    from app.media.preprocess import PatchSpec
     from app.vision.graphs import GraphManager, GraphSettings
     from app.vision.loading import load_vision_model
     from app.vision.tower import VisionTower

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from app.api.prompt import MediaSlot, PromptBuilder
 from app.llm.engine import GenerationRequest, VisionInput
 from app.llm.sampling import SamplingParams
-from app.preprocess import frame_timestamps, preprocess_image, preprocess_video
-from app.prompt import MediaSlot, PromptBuilder
-from app.synthetic_media import image_bytes, mp4_bytes  # noqa: F401  (re-exported for tests)
+from app.media.preprocess import frame_timestamps, preprocess_image, preprocess_video
+from app.media.synthetic import image_bytes, mp4_bytes  # noqa: F401  (re-exported for tests)
 from app.vision.graphs import VisionItem
 
 

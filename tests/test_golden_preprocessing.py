@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.preprocess import PatchSpec, preprocess_image, preprocess_video
+from app.media.preprocess import PatchSpec, preprocess_image, preprocess_video
 from fixtures.make_golden import IMAGE_BOUNDS, IMAGES, VIDEOS, image_input, video_input
 
 GOLDEN = np.load(Path(__file__).parent / "fixtures" / "golden_preprocessing.npz")

@@ -76,7 +76,7 @@ def test_text_only(server):
 def test_one_image(server):
     body = expect_ok(chat(server, [{"type": "image_url", "image_url": {"url": data_url(png_bytes(64, 96), "image/png")}},
                                    {"type": "text", "text": "What is this?"}]), images=1)
-    from app.preprocess import smart_resize
+    from app.media.preprocess import smart_resize
 
     h, w = smart_resize(64, 96, 32, 64 * 32 * 32, 1024 * 1024)
     assert body["usage"]["prompt_tokens_details"]["image_tokens"] == (h // 16) * (w // 16) // 4
@@ -85,7 +85,7 @@ def test_one_image(server):
 def test_one_video(server):
     body = expect_ok(chat(server, [{"type": "video_url", "video_url": {"url": data_url(mp4_bytes(8), "video/mp4")}},
                                    {"type": "text", "text": "What happens?"}]), videos=1)
-    from app.preprocess import smart_resize
+    from app.media.preprocess import smart_resize
 
     # 8 frames at 4 fps = 2 s -> 4 frames sampled at 2 fps -> 2 temporal groups
     h, w = smart_resize(64, 64, 32, 64 * 32 * 32, 256 * 32 * 32)
@@ -153,12 +153,12 @@ def test_client_errors_are_4xx_and_the_server_keeps_serving(server, name, body, 
 def test_sixteen_concurrent_requests_share_encoder_batches_and_get_their_own_answers(server, tiny_checkpoint):
     import asyncio
 
-    from app.chat import ChatService
+    from app.api.chat import ChatService
     from app.config import AppConfig
     from app.llm.engine import Engine
     from app.local_backend import LocalBackend
-    from app.media_pipeline import MediaPipeline
-    from app.preprocess import PatchSpec
+    from app.media.pipeline import MediaPipeline
+    from app.media.preprocess import PatchSpec
     from app.vision.service import EncoderService
 
     bodies = [{"messages": [{"role": "user", "content": [

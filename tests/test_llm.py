@@ -84,12 +84,12 @@ def test_the_in_process_pipeline_equals_transformers_generate_on_the_processors_
     import base64
     from types import SimpleNamespace
 
-    from app.chat import ChatService
+    from app.api.chat import ChatService
     from app.config import AppConfig
     from app.local_backend import LocalBackend
-    from app.media import decode_image, decode_video
-    from app.media_pipeline import MediaPipeline
-    from app.preprocess import preprocess_image, preprocess_video
+    from app.media.decode import decode_image, decode_video
+    from app.media.pipeline import MediaPipeline
+    from app.media.preprocess import preprocess_image, preprocess_video
     from app.vision.service import EncoderService
     from helpers import mp4_bytes, png_bytes
 

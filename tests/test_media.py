@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from app.errors import ClientError
-from app.media import decode_image, decode_video, fetch, open_rgb_image, sample_indices, sniff
-from app.preprocess import PatchSpec, frame_timestamps, patchify, preprocess_image, smart_resize
+from app.media.decode import decode_image, decode_video, open_rgb_image, sample_indices, sniff
+from app.media.fetch import fetch
+from app.media.preprocess import PatchSpec, frame_timestamps, patchify, preprocess_image, smart_resize
 from helpers import mp4_bytes, png_bytes
 
 BIG = 10**9
@@ -180,9 +181,9 @@ def test_a_pil_image_is_preprocessed_exactly_as_its_array(hw):
 
 
 def test_the_cache_key_follows_the_towers_input_not_the_file():
+    from app.api.schemas import MediaRef
     from app.config import MediaConfig
-    from app.media_pipeline import prepare_bytes
-    from app.schemas import MediaRef
+    from app.media.pipeline import prepare_bytes
 
     cfg, spec, ref = MediaConfig(), PatchSpec(), MediaRef("image", "u", "p")
     key = prepare_bytes(png_bytes(300, 200, seed=1), ref, cfg, spec).key

@@ -1,7 +1,7 @@
 import pytest
 
+from app.api.schemas import parse_chat_request
 from app.errors import ClientError
-from app.schemas import parse_chat_request
 
 
 def parse(body):

@@ -200,7 +200,7 @@ def test_raw_uint8_rows_give_the_embeddings_of_the_processors_float_rows(h):
     processor's float rows exactly, and so the embeddings of the float path (the reference's input)."""
     import numpy as np
 
-    from app.preprocess import PatchSpec, patchify
+    from app.media.preprocess import PatchSpec, patchify
 
     spec = PatchSpec()
     frames = np.random.default_rng(5).integers(0, 256, (4, 128, 64, 3), dtype=np.uint8)

@@ -1,7 +1,7 @@
 """LRU cache of per-item encoder outputs, bounded in bytes.
 
 Keys come from the router: a hash of the decoded pixels plus every preprocessing parameter
-(see media_pipeline.cache_key), so a repeated image or video skips the encoder entirely.
+(see app.media.pipeline.cache_key), so a repeated image or video skips the encoder entirely.
 """
 
 from __future__ import annotations

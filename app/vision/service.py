@@ -9,7 +9,7 @@ import torch
 
 from ..config import AppConfig
 from ..llm.engine import resolve_dtype
-from ..preprocess import PatchSpec
+from ..media.preprocess import PatchSpec
 from .batcher import EncodeBatcher
 from .cache import EmbeddingCache
 from .graphs import GraphManager, GraphSettings, VisionItem

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import MediaConfig
-from .media import IMAGE, VIDEO, decode_video, fetch, open_rgb_image
+from ..api.prompt import MediaSlot
+from ..api.schemas import MediaRef
+from ..config import MediaConfig
+from .decode import IMAGE, VIDEO, decode_video, open_rgb_image
+from .fetch import fetch
 from .preprocess import Patches, PatchSpec, frame_timestamps, image_frames, patchify, video_frames
-from .prompt import MediaSlot
-from .schemas import MediaRef
 
 
 @dataclass

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ClientError
+from ..errors import ClientError
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .errors import ClientError
-from .llm.sampling import SamplingParams
+from ..errors import ClientError
+from ..llm.sampling import SamplingParams
 
 ROLES = ("system", "user", "assistant", "developer")
 

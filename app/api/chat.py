@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Protocol
 
-from .config import AppConfig
-from .errors import ClientError
-from .media_pipeline import MediaPipeline, to_encoder_payload
+from ..config import AppConfig
+from ..errors import ClientError
+from ..media.pipeline import MediaPipeline, to_encoder_payload
 from .prompt import IMAGE_TYPE, VIDEO_TYPE, PromptBuilder
 from .schemas import ChatRequest, completion_response, parse_chat_request, stream_chunk, usage
 

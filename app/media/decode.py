@@ -1,4 +1,4 @@
-"""Fetching and decoding media: images with Pillow, videos with PyAV.
+"""Decoding media: images with Pillow, videos with PyAV.
 
 The modality is decided from the bytes themselves (container/format probing), never from a file
 extension or a claimed MIME type. Rules for mismatches, documented in the README:
@@ -10,15 +10,13 @@ extension or a claimed MIME type. Rules for mismatches, documented in the README
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ClientError
+from ..errors import ClientError
 
 IMAGE = "image"
 VIDEO = "video"
@@ -34,38 +32,6 @@ class VideoFrames:
     @property
     def duration(self) -> float:
         return self.total_frames / self.fps if self.fps else 0.0
-
-
-async def fetch(url: str, *, timeout_s: float, max_bytes: int, param: str) -> bytes:
-    """Bytes behind a `data:` or `http(s):` URL."""
-    if url.startswith("data:"):
-        head, sep, payload = url.partition(",")
-        if not sep:
-            raise ClientError("malformed data URL: no ',' separator", param=param, code="invalid_media_url")
-        try:
-            data = base64.b64decode(payload, validate=False) if head.endswith(";base64") else payload.encode()
-        except (binascii.Error, ValueError) as e:
-            raise ClientError(f"malformed base64 in data URL: {e}", param=param, code="invalid_media_url") from e
-    elif url.startswith(("http://", "https://")):
-        import httpx
-
-        try:
-            async with httpx.AsyncClient(timeout=timeout_s, follow_redirects=True) as client:
-                resp = await client.get(url)
-        except httpx.HTTPError as e:
-            raise ClientError(f"could not fetch {url}: {type(e).__name__}: {e}", param=param,
-                              code="media_fetch_failed") from e
-        if resp.status_code >= 400:
-            raise ClientError(f"could not fetch {url}: HTTP {resp.status_code}", param=param, code="media_fetch_failed")
-        data = resp.content
-    else:
-        raise ClientError("media URLs must be data: or http(s): URLs", param=param, code="invalid_media_url")
-    if not data:
-        raise ClientError("empty media payload", param=param, code="invalid_media")
-    if len(data) > max_bytes:
-        raise ClientError(f"media payload of {len(data)} bytes exceeds the limit of {max_bytes}", param=param,
-                          code="media_too_large", status=413)
-    return data
 
 
 def sniff(data: bytes) -> str | None:
