@@ -102,10 +102,10 @@ class LLMMetrics:
     def __init__(self, load: Callable[[], dict]):
         self.running = Gauge("vlm_llm_running_requests", description="requests being decoded")
         self.waiting = Gauge("vlm_llm_waiting_requests", description="requests waiting for a KV slot")
-        self.kv_usage = Gauge("vlm_llm_kv_cache_usage", description="KV slots in use / KV slots")
+        self.kv_usage = Gauge("vlm_llm_kv_cache_usage", description="fraction of the KV cache in use")
         self._sync = _Syncer(load, self._apply)
 
     def _apply(self, now: dict, last: dict) -> None:
         self.running.set(now["running"])
         self.waiting.set(now["waiting"])
-        self.kv_usage.set(now["kv_slots_used"] / max(1, now["kv_slots"]))
+        self.kv_usage.set(now["kv_usage"])

@@ -151,7 +151,7 @@ class Engine:
     def load(self) -> dict:
         with self._cv:
             return {"running": len(self.running), "waiting": len(self.waiting),
-                    "kv_slots_used": len(self.running), "kv_slots": self.max_num_seqs}
+                    "kv_usage": len(self.running) / self.max_num_seqs}
 
     # ------------------------------------------------------------------ scheduler
     def _loop(self) -> None:
