@@ -80,15 +80,31 @@ class EncoderConfig(_Strict):
 
 
 class LLMConfig(_Strict):
-    """Text generation."""
+    """Text generation (app/llm/): a paged KV cache, chunked prefill inside decode steps, prefix caching."""
 
-    max_model_len: int = Field(8192, ge=16)
+    max_model_len: int = Field(8192, ge=16, description="prompt + completion limit per request")
     default_max_tokens: int = Field(256, ge=1)
-    max_num_seqs: int = Field(8, ge=1, description="requests decoded together (KV slots of max_model_len each)")
-    max_waiting: int = Field(256, ge=0, description="queued requests beyond the slots; more get 503")
-    cuda_graphs: bool = Field(True, description="decode steps in CUDA graphs per (batch, span) bucket")
-    max_prefill_tokens: int = Field(8192, ge=16, description="prompt tokens prefilled together between decode steps")
+    max_num_seqs: int | None = Field(None, ge=1, description="requests decoded together; default 256 on a GPU, "
+                                     "8 on the CPU. Costs no memory: the KV cache is a shared pool of blocks")
+    max_num_batched_tokens: int = Field(2048, ge=16, description="tokens per engine step (decodes + prefill "
+                                        "chunks): a long prompt is prefilled in chunks of at most this many "
+                                        "tokens, each step also decoding every running request")
+    max_waiting: int = Field(256, ge=0, description="queued requests beyond the running ones; more get 503")
+    block_size: int = Field(16, ge=1, description="tokens per KV-cache block (the prefix-caching granularity)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of the GPU memory that is free "
+                                          "after the weights and a forward at the step's token budget, given to "
+                                          "the KV cache")
+    num_kv_blocks: int | None = Field(None, ge=2, description="explicit KV pool size in blocks (overrides "
+                                      "gpu_memory_utilization; the CPU default holds max_num_seqs x max_model_len)")
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prompt prefixes; vision "
+                                        "tokens are identified by their media's content key")
+    cuda_graphs: bool = Field(True, description="decode steps replayed from CUDA graphs per batch bucket")
+    stream_interval_ms: float = Field(10.0, ge=0, description="a stream sends at most one chunk per interval "
+                                      "after its first (tokens that arrive meanwhile are merged); 0 = every step")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+
+    def resolved_max_num_seqs(self, device_type: str) -> int:
+        return self.max_num_seqs or (256 if device_type == "cuda" else 8)
 
 
 class PlacementConfig(_Strict):

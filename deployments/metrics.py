@@ -100,12 +100,23 @@ class EncoderMetrics:
 
 class LLMMetrics:
     def __init__(self, load: Callable[[], dict]):
-        self.running = Gauge("vlm_llm_running_requests", description="requests being decoded")
-        self.waiting = Gauge("vlm_llm_waiting_requests", description="requests waiting for a KV slot")
+        self.running = Gauge("vlm_llm_running_requests", description="requests being decoded or prefilled")
+        self.waiting = Gauge("vlm_llm_waiting_requests", description="requests waiting for KV blocks")
         self.kv_usage = Gauge("vlm_llm_kv_cache_usage", description="fraction of the KV cache in use")
+        self.prefix_queried = Counter("vlm_llm_prefix_cache_queried_tokens_total",
+                                      description="prompt tokens looked up in the prefix cache")
+        self.prefix_hits = Counter("vlm_llm_prefix_cache_hit_tokens_total",
+                                   description="prompt tokens whose KV came from the prefix cache")
+        self.preemptions = Counter("vlm_llm_preemptions_total",
+                                   description="requests preempted for KV blocks (recomputed later)")
         self._sync = _Syncer(load, self._apply)
 
     def _apply(self, now: dict, last: dict) -> None:
         self.running.set(now["running"])
         self.waiting.set(now["waiting"])
         self.kv_usage.set(now["kv_usage"])
+        for counter, key in ((self.prefix_queried, "prefix_cache_queried_tokens"),
+                             (self.prefix_hits, "prefix_cache_hit_tokens"), (self.preemptions, "preemptions")):
+            delta = now.get(key, 0) - last.get(key, 0)
+            if delta > 0:
+                counter.inc(delta)

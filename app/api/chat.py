@@ -70,7 +70,8 @@ class ChatService:
             raise ClientError(f"prompt of {len(prompt.input_ids)} tokens exceeds max_model_len "
                               f"{self.cfg.llm.max_model_len}", param="messages", code="context_length_exceeded")
         gen = {"input_ids": prompt.input_ids, "mm_token_type_ids": prompt.mm_token_type_ids,
-               "grids": [it.patches.grid for it in items], "params": asdict(req.params),
+               "grids": [it.patches.grid for it in items], "media_keys": [it.key for it in items],
+               "params": asdict(req.params),
                "image_tokens": prompt.count(IMAGE_TYPE), "video_tokens": prompt.count(VIDEO_TYPE)}
         return req, gen, to_encoder_payload(items)
 
