@@ -98,13 +98,25 @@ def run_streams(engine: Engine, reader: Reader, n: int, prompt: int, new: int, v
             "ttft_ms_median": 1e3 * float(np.median([r["seq"].first_token_time - t0 for r in recs]))}
 
 
+def ttft_parts(seq, t0: float) -> dict:
+    """Where the time to first token went: to the sequence being built (hand-off to the reader's loop
+    included), queued for the engine, admitted into a step, and the step that made the token."""
+    s = seq
+    return {"built_ms": 1e3 * (s.arrival_time - t0), "queued_ms": 1e3 * (s.queued_time - s.arrival_time),
+            "admitted_ms": 1e3 * (s.scheduled_time - s.queued_time),
+            "first_step_ms": 1e3 * (s.first_token_time - s.scheduled_time)}
+
+
 def ttft_alone(engine: Engine, reader: Reader, prompt: int, vocab: int, runs: int) -> dict:
-    times = []
+    times, parts = [], []
     for _ in range(runs):
         t0 = time.perf_counter()
         rec = finish(reader, request(prompt, 1, vocab))
         times.append(1e3 * (rec["seq"].first_token_time - t0))
-    return {"median_ms": float(np.median(times)), "p99_ms": pct(times, 99), "runs": runs, "all_ms": times}
+        parts.append(ttft_parts(rec["seq"], t0))
+    median_parts = {k: float(np.median([p[k] for p in parts])) for k in parts[0]}
+    return {"median_ms": float(np.median(times)), "p99_ms": pct(times, 99), "runs": runs, "all_ms": times,
+            "median_parts_ms": median_parts}
 
 
 def ttft_under_load(engine: Engine, reader: Reader, streams: int, prompt: int, arrivals: int, gap_s: float,
@@ -165,12 +177,14 @@ def engine_only(engine: Engine, batches: list[int], prompt: int, vocab: int, ste
             q.run([request(64, steps, vocab) for _ in range(b)])
             host = [1e3 * r[3] for r in engine.step_log if r[0] == b and r[2]]
             out[f"host_b{b}"] = {"steps": len(host), "median_ms": float(np.median(host)), "p99_ms": pct(host, 99)}
-        times = []
+        times, parts = [], []
         for _ in range(20):
             t0 = time.perf_counter()
             (seq,) = q.run([request(prompt, 1, vocab)])
             times.append(1e3 * (seq.first_token_time - t0))
-        out["ttft_alone"] = {"median_ms": float(np.median(times)), "p99_ms": pct(times, 99), "all_ms": times}
+            parts.append(ttft_parts(seq, t0))
+        out["ttft_alone"] = {"median_ms": float(np.median(times)), "p99_ms": pct(times, 99), "all_ms": times,
+                             "median_parts_ms": {k: float(np.median([p[k] for p in parts])) for k in parts[0]}}
     return out
 
 
@@ -231,6 +245,65 @@ def profile_decode(engine: Engine, reader: Reader, batch: int, vocab: int) -> li
     return [{"steps": steps, "gpu_us_per_step": round(sum(r["us_per_step"] for r in rows), 1)}] + rows[:25]
 
 
+def prefill_attention_ab(engine: Engine) -> dict:
+    """One layer's prefill attention, µs (CUDA events, median): our paged kernel against PyTorch's varlen
+    FlashAttention on contiguous keys (a whole prompt), and, for a chunk after a cached prefix, varlen
+    on keys first gathered out of the blocks (what using it there would cost)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return {"varlen": "not in this torch"}
+    cases = (("1 x 1000 prompt", [1000], [1000]), ("4 x 250 prompts", [250] * 4, [250] * 4),
+             ("512 chunk after 1000 cached", [512], [1512]))
+    return {name: _attention_case(engine.spec, qlens, klens) for name, qlens, klens in cases}
+
+
+def _attention_case(s, qlens: list[int], klens: list[int], bs: int = 16) -> dict:
+    import triton.testing
+    from torch.nn.attention.varlen import varlen_attn
+
+    from app.llm.attention import AttentionMetadata, block_q_for, paged_attention, work_table
+
+    dev = "cuda"
+    blocks = -(-sum(klens) // bs) + len(klens)
+    k_cache = torch.randn(blocks * bs, s.kv_heads, s.head_dim, device=dev, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(sum(qlens), s.heads, s.head_dim, device=dev, dtype=torch.bfloat16)
+    table = torch.zeros(len(klens) + 1, -(-max(klens) // bs), dtype=torch.int32, device=dev)
+    nxt = 0
+    for i, k in enumerate(klens):
+        nb = -(-k // bs)
+        table[i, :nb] = torch.arange(nxt, nxt + nb)
+        nxt += nb
+
+    def i32(a):
+        return torch.tensor(np.asarray(list(a)), dtype=torch.int32, device=dev)
+
+    bq = block_q_for(s.heads // s.kv_heads, 64)
+    ws, w0 = work_table(np.array(qlens, dtype=np.int32), bq)
+    cq, ck = i32(np.concatenate([[0], np.cumsum(qlens)])), i32(np.concatenate([[0], np.cumsum(klens)]))
+    meta = AttentionMetadata(cq, i32(klens), i32(range(len(klens))), table, i32(ws), i32(w0), bq, bs)
+    idx = torch.cat([(table[i, :-(-k // bs)].long()[:, None] * bs + torch.arange(bs, device=dev)).flatten()[:k]
+                     for i, k in enumerate(klens)])
+    kc, vc = k_cache[idx], v_cache[idx]
+    scale = s.head_dim ** -0.5
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, return_mode="median") * 1e3
+
+    def flash(k, v):
+        return varlen_attn(q, k, v, cq, ck, max(qlens), max(klens), scale=scale, window_size=(-1, 0), enable_gqa=True)
+
+    row = {"ours_us": bench(lambda: paged_attention(q, k_cache, v_cache, meta, scale))}
+    try:
+        row["varlen_contiguous_us"] = bench(lambda: flash(kc, vc))
+        if qlens != klens:
+            row["varlen_with_gather_us"] = bench(lambda: flash(k_cache[idx], v_cache[idx]))
+    except Exception as e:  # an older torch: no GQA, or no bottom-right causal mask for unequal lengths
+        row["varlen_error"] = f"{type(e).__name__}: {e}"[:200]
+    return row
+
+
 def main() -> None:
     from transformers import AutoConfig, Qwen3VLForConditionalGeneration
 
@@ -275,7 +348,8 @@ def main() -> None:
               ("host_by_batch", lambda: host_time_by_batch(engine, reader, [1, 16, 64], vocab)),
               ("engine_only", lambda: engine_only(engine, [1, 16, 64], a.ttft_prompt, vocab))]
     if a.profile:
-        phases += [("profile_b1", lambda: profile_decode(engine, reader, 1, vocab)),
+        phases += [("prefill_attention_ab", lambda: prefill_attention_ab(engine)),
+                   ("profile_b1", lambda: profile_decode(engine, reader, 1, vocab)),
                    ("profile_b64", lambda: profile_decode(engine, reader, 64, vocab))]
     for name, run in phases:  # each phase is printed and saved as it ends
         res[name] = run()

@@ -149,6 +149,7 @@ class Engine:
             if len(self._inbox) + len(self.scheduler.waiting) >= self.max_waiting:
                 raise ClientError("the server is at capacity; retry shortly", status=503, type="server_busy",
                                   code="overloaded", headers={"Retry-After": "1"})
+            seq.queued_time = time.perf_counter()
             self._inbox.append(seq)
             self._cv.notify()
         return seq
