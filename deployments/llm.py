@@ -48,3 +48,23 @@ class LLM:
 
     def load(self) -> dict:
         return self.engine.load()
+
+    # ------------------------------------------------------------ routing and autoscaling
+    def replica_load(self) -> dict:
+        """This replica's engine load with its id (`/v1/llm/load` merges every replica's)."""
+        return {"replica": serve.get_replica_context().replica_id.unique_id, **self._load()}
+
+    def record_routing_stats(self) -> dict:
+        """Ray Serve calls this every `request_routing_stats_period_s`; the routers' LeastLoadedRouter
+        (deployments/routing.py) reads it as the replica's `routing_stats`."""
+        return self._load()
+
+    def record_autoscaling_stats(self) -> dict:
+        """Custom autoscaling metrics (numbers only), pushed to the controller with the replica's
+        request counts; app.autoscaling.LLMAutoscalingPolicy reads `kv_usage`."""
+        return self._load()
+
+    def _load(self) -> dict:
+        load = self.engine.load()
+        return {"running": int(load["running"]), "waiting": int(load["waiting"]),
+                "kv_usage": float(load["kv_usage"])}
