@@ -5,9 +5,12 @@ waiting requests, the fraction of its KV cache in use) and, fresher, the number 
 calling handle knows to be in flight there (Ray Serve's queue-length cache: probes, plus one for
 every request sent, minus one for every request finished). The score:
 
-    in flight (or running + waiting when unknown) + waiting_weight * waiting + kv_weight * kv_usage
+    max(in flight, running + waiting) + waiting_weight * waiting + kv_weight * kv_usage
 
-- Requests in flight are the queue a new request joins: more of them, more decode steps shared.
+- Requests in flight are the queue a new request joins: more of them, more decode steps shared. Each
+  count errs its own way: the engine's report lags by up to a stats period, and the handle's count
+  undercounts long streams (Ray forgets an entry after 10 s, and the streams sent before then still
+  decrement it when they finish: seen at 0 in flight beside 6 running). The larger is taken.
 - A waiting request means the engine has no room (slots or KV blocks): it is counted again.
 - KV use near 1 means new prompts will wait or preempt others; `kv_weight` turns a full cache into
   that many requests' worth of load (8 by default: a replica with a full cache loses to one with up
@@ -41,7 +44,7 @@ class ReplicaLoad:
                    float(stats.get("kv_usage", 0.0)))
 
     def score(self, waiting_weight: float = DEFAULT_WAITING_WEIGHT, kv_weight: float = DEFAULT_KV_WEIGHT) -> float:
-        queued = self.in_flight if self.in_flight is not None else self.running + self.waiting
+        queued = max(self.in_flight or 0, self.running + self.waiting)
         return queued + waiting_weight * self.waiting + kv_weight * self.kv_usage
 
 

@@ -26,10 +26,13 @@ def test_waiting_requests_and_a_full_kv_cache_count_against_a_replica():
     assert rank({"full": ReplicaLoad(0, kv_usage=1.0), "busy": ReplicaLoad(9)}, kv_weight=8)[0] == "full"
 
 
-def test_without_a_queue_length_the_engine_report_counts():
+def test_the_larger_of_the_handles_count_and_the_engines_report_counts():
     loads = {"known": ReplicaLoad(3), "reported": ReplicaLoad.from_stats(None, {"running": 1, "waiting": 0}),
              "silent": ReplicaLoad.from_stats(None, {})}
     assert rank(loads) == ["silent", "reported", "known"]
+    # the handle's count fell to 0 for long streams it had forgotten, the engine still runs 6 of them
+    stale = {"busy": ReplicaLoad.from_stats(0, {"running": 6}), "new": ReplicaLoad.from_stats(2, {})}
+    assert rank(stale) == ["new", "busy"]
 
 
 def test_ties_are_broken_at_random():
