@@ -46,9 +46,6 @@ class LLM:
         finally:
             seq.cancel()
 
-    def load(self) -> dict:
-        return self.engine.load()
-
     # ------------------------------------------------------------ routing and autoscaling
     def replica_load(self) -> dict:
         """This replica's engine load with its id (`/v1/llm/load` merges every replica's)."""
@@ -68,3 +65,6 @@ class LLM:
         load = self.engine.load()
         return {"running": int(load["running"]), "waiting": int(load["waiting"]),
                 "kv_usage": float(load["kv_usage"])}
+
+    def load(self) -> dict:
+        return self.engine.load()
