@@ -58,4 +58,6 @@ class VisionEncoder:
         return await self.service.encode_async(items)
 
     def stats(self) -> dict:
-        return self.service.stats()
+        """The service's counters, with which replica and GPU they come from."""
+        return {**self.service.stats(), "replica": serve.get_replica_context().replica_id.unique_id,
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import asdict
 
 from ray import serve
@@ -48,8 +49,9 @@ class LLM:
 
     # ------------------------------------------------------------ routing and autoscaling
     def replica_load(self) -> dict:
-        """This replica's engine load with its id (`/v1/llm/load` merges every replica's)."""
-        return {"replica": serve.get_replica_context().replica_id.unique_id, **self._load()}
+        """This replica's engine load with its id and GPU (`/v1/llm/load` merges every replica's)."""
+        return {"replica": serve.get_replica_context().replica_id.unique_id,
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **self._load()}
 
     def record_routing_stats(self) -> dict:
         """Ray Serve calls this every `request_routing_stats_period_s`; the routers' LeastLoadedRouter

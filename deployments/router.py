@@ -58,8 +58,10 @@ class Router:
         route_app_logs()
         self.cfg = AppConfig(**config)
         ckpt = resolve_model(self.cfg.model, self.cfg.cache_dir)
-        # object references (not values) must cross these handles: app/media/remote.py
-        media, encoder = media.options(_by_reference=True), encoder.options(_by_reference=True)
+        # Object references, not values, must cross these handles (app/media/remote.py; the encoder's
+        # response goes to the LLM unresolved). Ray's by-value gRPC mode (RAY_SERVE_THROUGHPUT_OPTIMIZED)
+        # would otherwise pull both through this process.
+        media, encoder, llm = (h.options(_by_reference=True) for h in (media, encoder, llm))
         self.metrics = RouterMetrics()
         self.chat = ChatService(self.cfg, AutoTokenizer.from_pretrained(ckpt),
                                 RemoteMedia(media, PatchSpec.from_checkpoint(ckpt)), RayBackend(encoder, llm),

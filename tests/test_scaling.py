@@ -1,7 +1,8 @@
 """The application started the way `serve run serve_config.yaml` starts it (the repository's config file,
 deployed through Ray Serve's config path), on the CPU: the config file's deployment options are
 honoured, the LLM scales up under load and back down, requests go to the least-loaded LLM replica,
-and the official `openai` client works against it."""
+and the official `openai` client works against it. Ray is told the machine has 2 GPUs (it has none:
+replicas still run on the CPU), so that the `colocate` placement runs as on a 2-GPU node."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def scaling_config():
     app = conf["applications"][0]
     app["args"]["encoder"].update({"min_budget": 64, "max_budget": 1024})
     app["args"]["llm"].update({"max_model_len": 8192})
+    app["args"]["placement"].update({"policy": "colocate", "num_cpus": 0.25})
     deployments = {d["name"]: d for d in app["deployments"]}
     for name in ("Router", "MediaPreprocessor"):
         deployments[name]["autoscaling_config"].update({"min_replicas": 1, "max_replicas": 1})
@@ -57,7 +59,7 @@ def served(model_cache):
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     conf = scaling_config()
     conf["applications"][0]["args"]["cache_dir"] = model_cache
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
     try:
         client = serve_api.serve_start(http_options=conf["http_options"])  # what `serve run` does
         client.deploy_apps(ServeDeploySchema.model_validate(conf), _blocking=True)
@@ -101,10 +103,19 @@ def test_the_config_files_deployment_options_are_honoured(served):
     assert llm["autoscaling_config"]["policy"]["policy_function"] == "app.autoscaling:LLMAutoscalingPolicy"
     # not listed: the builder's values stay (its request router, its CPU share)
     assert llm["request_router_config"]["request_router_class"] == "deployments.routing:LeastLoadedRouter"
-    assert llm["ray_actor_options"]["num_cpus"] == 0.5 and llm["max_ongoing_requests"] == 128
+    assert llm["ray_actor_options"] == {"num_cpus": 0.25, "num_gpus": 1.0} and llm["max_ongoing_requests"] == 128
     media = deployments["MediaPreprocessor"]["deployment_config"]
     assert media["ray_actor_options"]["num_cpus"] == 0.25 and media["autoscaling_config"]["max_replicas"] == 1
     assert running_replicas("LLM") == 1
+
+
+def test_colocate_puts_an_encoder_on_every_gpu(served):
+    http, client = served
+    encoder = client.get_serve_details()["applications"]["vlm"]["deployments"]["VisionEncoder"]["deployment_config"]
+    assert encoder["num_replicas"] == 2 and encoder["ray_actor_options"]["num_gpus"] == 0
+    stats = http.get("/v1/encoder/stats").json()
+    # each encoder reserved no GPU in Ray and pinned itself to the GPU of its rank on the node
+    assert stats["num_replicas"] == 2 and {r["cuda_visible_devices"] for r in stats["replicas"]} == {"0", "1"}
 
 
 def test_openai_client_streams_and_gets_openai_errors(served):
@@ -159,6 +170,8 @@ def test_llm_scales_up_under_load_routes_to_the_idle_replica_and_scales_back_dow
         per_replica = wait_for(lambda: (lambda r: r if len(r) == 2 and all(x["running"] for x in r) else None)(
             http.get("/v1/llm/load").json()["replicas"]), 60, "streams on both LLM replicas")
         assert sum(r["running"] + r["waiting"] for r in per_replica) >= 6
+        # each LLM replica reserved a whole GPU, so Ray gave them different ones
+        assert {r["cuda_visible_devices"] for r in per_replica} == {"0", "1"}
     finally:
         stop.set()
         for t in threads:
