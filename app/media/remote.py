@@ -1,7 +1,7 @@
 """Media preparation in MediaPreprocessor replicas, asked for by the ingress.
 
-Fetching, decoding, resizing, patchifying and hashing an item costs 5-300 ms of CPU, much of it under
-the GIL; in the ingress it capped the whole service at what one process can do. Here each item is one
+Fetching, decoding, resizing, patchifying and hashing an item costs 3-200 ms of CPU (benchmarks/RESULTS.md,
+"Router media preparation"), much of it under the GIL; in the ingress it capped the whole service at what one process can do. Here each item is one
 call to the MediaPreprocessor deployment, which autoscales on its own cores.
 
 Who serialises what:
