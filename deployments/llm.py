@@ -6,6 +6,7 @@ loop in one call and turns them into (coalesced) text chunks there (app/llm/asyn
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 
 from ray import serve
@@ -33,6 +34,27 @@ class LLM:
         """Async generator of chunk dicts; `encoded` arrives resolved from the encoder's response."""
         async for chunk in self.streams.generate(request_from_dict(gen, encoded)):
             yield asdict(chunk)
+
+    # ------------------------------------------------------------ routing and autoscaling
+    def replica_load(self) -> dict:
+        """This replica's engine load with its id and GPU (`/v1/llm/load` merges every replica's)."""
+        return {"replica": serve.get_replica_context().replica_id.unique_id,
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **self._load()}
+
+    def record_routing_stats(self) -> dict:
+        """Ray Serve calls this every `request_routing_stats_period_s`; the routers' LeastLoadedRouter
+        (deployments/routing.py) reads it as the replica's `routing_stats`."""
+        return self._load()
+
+    def record_autoscaling_stats(self) -> dict:
+        """Custom autoscaling metrics (numbers only), pushed to the controller with the replica's
+        request counts; app.autoscaling.LLMAutoscalingPolicy reads `kv_usage`."""
+        return self._load()
+
+    def _load(self) -> dict:
+        load = self.engine.load()
+        return {"running": int(load["running"]), "waiting": int(load["waiting"]),
+                "kv_usage": float(load["kv_usage"])}
 
     def load(self) -> dict:
         return self.engine.load()
