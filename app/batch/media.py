@@ -1,0 +1,68 @@
+"""Media for batch rows: what serving accepts (`data:` and `http(s)` URLs, through the same
+`app.media.fetch.fetch`), plus files on local or shared storage, as a bare path or a `file://` URL.
+
+Files are read only under the configured `file_root`: the path is resolved (symlinks and `..`
+included) and must stay inside it, so an input file cannot make the job read e.g. /etc or a key.
+Everything after the bytes (decode, resize, patchify, cache key) is the serving pipeline's
+`prepare_bytes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from ..errors import ClientError
+from ..media.pipeline import MediaPipeline, PreparedItem, prepare_bytes
+from ..media.ref import MediaRef
+
+
+def resolve_file(url: str, root: str | None, param: str) -> Path:
+    """The real path a file URL or path names, refused unless it lies under `root`."""
+    if root is None:
+        raise ClientError("file media are not enabled for this job (set file_root)", param=param,
+                          code="invalid_media_url")
+    if url.startswith("file://"):
+        parsed = urlparse(url)
+        if parsed.netloc not in ("", "localhost"):
+            raise ClientError("file:// URLs must name a local path", param=param, code="invalid_media_url")
+        raw = unquote(parsed.path)
+    else:
+        raw = url
+    base = Path(root).resolve()
+    path = (base / raw).resolve()  # an absolute `raw` replaces base; then it must still be inside it
+    if not path.is_relative_to(base):
+        raise ClientError(f"{url} is outside the job's file root", param=param, code="invalid_media_url")
+    return path
+
+
+def _read(path: Path, max_bytes: int, url: str, param: str) -> bytes:
+    try:
+        size = os.stat(path).st_size
+        if size > max_bytes:
+            raise ClientError(f"media file of {size} bytes exceeds the limit of {max_bytes}", param=param,
+                              code="media_too_large", status=413)
+        data = path.read_bytes()
+    except OSError as e:
+        raise ClientError(f"could not read {url}: {e.strerror}", param=param, code="media_fetch_failed") from e
+    if not data:
+        raise ClientError("empty media payload", param=param, code="invalid_media")
+    return data
+
+
+class BatchMediaPipeline(MediaPipeline):
+    """MediaPipeline whose fetch also reads files under `root`."""
+
+    def __init__(self, *args, root: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.root = root
+
+    async def prepare(self, ref: MediaRef) -> PreparedItem:
+        if ref.url.startswith(("data:", "http://", "https://")):
+            return await super().prepare(ref)
+        path = resolve_file(ref.url, self.root, ref.param)
+        data = await asyncio.to_thread(_read, path, self.cfg.max_media_bytes, ref.url, ref.param)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, prepare_bytes, data, ref, self.cfg, self.spec)
