@@ -14,6 +14,7 @@ Retries: a row whose actor died (a lost node, a preempted instance) or whose eng
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -137,6 +138,12 @@ async def run_job(cfg: BatchConfig, input_path: str, output_dir: str, progress_s
     if progress_stream is not None:
         progress.stream = progress_stream
     rows = _todo(read_rows(input_path), writer.done, progress)
+    first = next(rows, None)
+    if first is None:  # an earlier run answered everything: no actors to start
+        report = progress.report(None, {})
+        write_json_atomic(os.path.join(output_dir, "report.json"), report)
+        return report
+    rows = itertools.chain([first], rows)
     stages = Stages(cfg)
     t_start = time.perf_counter()
     await stages.start()
