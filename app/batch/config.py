@@ -24,8 +24,8 @@ class PoolConfig(_Strict):
     min_size: int = Field(1, ge=1)
     max_size: int = Field(1, ge=1)
     num_cpus: float = Field(0.5, ge=0)
-    num_gpus: float | None = Field(None, ge=0, description="None: 1 for GPU stages when the cluster has "
-                                   "GPUs, else 0")
+    num_gpus: float | None = Field(None, ge=0, description="None on a GPU cluster: LLM actors take a whole GPU "
+                                   "each, encoder actors share them (colocated, pinned in turn); 0 without GPUs")
     max_in_flight: int = Field(8, ge=1, description="calls each actor holds at once")
     idle_s: float = Field(30.0, gt=0)
 

@@ -37,30 +37,46 @@ class _Retry(Exception):
     pass
 
 
-def _gpu_share(value: float | None, cluster_gpus: float) -> float:
-    return (1.0 if cluster_gpus > 0 else 0.0) if value is None else value
-
-
 class Stages:
     """The three pools, and one row through them."""
 
     def __init__(self, cfg: BatchConfig):
         self.cfg = cfg
         gpus = ray.cluster_resources().get("GPU", 0)
+        node_gpus = int(max((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]), default=0))
         app = cfg.app.model_dump()
         self.encoder_reports: list[dict] = []
-        self.media = ActorPool("media", MediaWorker, (app, cfg.file_root), cfg.media_pool,
+        enc, llm = cfg.encoder_pool, cfg.llm_pool
+        # GPU placement as serving's `colocate`: each LLM actor reserves a whole GPU (so Ray spreads
+        # them one per GPU), encoder actors reserve none and pin the node's GPUs in turn. Fractional
+        # shares would not do: Ray gives them the fullest GPU that fits, pairing encoders with
+        # encoders (app/placement.py). An explicit encoder num_gpus is plain Ray accounting.
+        colocate = gpus > 0 and enc.num_gpus is None
+        enc_gpus = 0.0 if colocate else (enc.num_gpus or 0.0)
+        self.media = ActorPool("media", MediaWorker, lambda i: (app, cfg.file_root), cfg.media_pool,
                                cfg.media_pool.num_gpus or 0.0)
-        self.encoder = ActorPool("encoder", EncoderWorker, (app,), cfg.encoder_pool,
-                                 _gpu_share(cfg.encoder_pool.num_gpus, gpus), on_remove=self._keep_stats)
-        self.llm = ActorPool("llm", LLMWorker, (app,), cfg.llm_pool, _gpu_share(cfg.llm_pool.num_gpus, gpus))
+        self.encoder = ActorPool("encoder", EncoderWorker,
+                                 lambda i: (app, (i, node_gpus) if colocate else None), enc, enc_gpus,
+                                 on_remove=self._keep_stats)
+        self.llm = ActorPool("llm", LLMWorker, lambda i: (app,), llm,
+                             (1.0 if gpus > 0 else 0.0) if llm.num_gpus is None else llm.num_gpus)
         self.pools = {"media": self.media, "encoder": self.encoder, "llm": self.llm}
 
     async def _keep_stats(self, m: Member) -> None:
         self.encoder_reports.append(await m.handle.stats.remote())
 
     async def start(self) -> None:
-        await asyncio.gather(*(p.start() for p in self.pools.values()))
+        """Every pool's `min_size` actors. Until they are placed, say every 30 s which pools wait and
+        what the cluster has free: a pool that asks for more than the cluster has waits for a node."""
+        tasks = {name: asyncio.ensure_future(p.start()) for name, p in self.pools.items()}
+        while True:
+            done, pending = await asyncio.wait(tasks.values(), timeout=30)
+            for t in done:
+                t.result()  # an actor that failed to start fails the job here
+            if not pending:
+                return
+            waiting = [name for name, t in tasks.items() if not t.done()]
+            log.warning("still starting pools %s; the cluster has %s free", waiting, ray.available_resources())
 
     def slots(self) -> int:
         """Rows worth keeping in flight: every pool's slots at its largest, so none starves."""

@@ -33,12 +33,13 @@ class Member:
 
 
 class ActorPool:
-    def __init__(self, name: str, cls: type, args: tuple, cfg: PoolConfig, num_gpus: float,
+    def __init__(self, name: str, cls: type, args: Callable[[int], tuple], cfg: PoolConfig, num_gpus: float,
                  on_remove: Callable[[Member], Awaitable] | None = None):
         self.name, self.cfg, self.on_remove = name, cfg, on_remove
         self.remote_cls = ray.remote(cls).options(num_cpus=cfg.num_cpus, num_gpus=num_gpus, max_concurrency=1000,
                                                   max_restarts=0)
-        self.args = args
+        self.args = args  # the constructor's arguments for the n-th actor started
+        self.started = 0
         self.members: list[Member] = []
         self.starting: asyncio.Task | None = None
         self.waiters = 0
@@ -51,7 +52,8 @@ class ActorPool:
         await asyncio.gather(*(self._add() for _ in range(self.cfg.min_size)))
 
     async def _add(self) -> None:
-        handle = self.remote_cls.remote(*self.args)
+        handle = self.remote_cls.remote(*self.args(self.started))
+        self.started += 1
         try:
             await handle.ready.remote()
             capacity = self.cfg.max_in_flight

@@ -15,6 +15,7 @@ Client errors come back as values (`Failure`), never as raised exceptions, so a 
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from ..config import AppConfig
 from ..errors import ClientError
 from ..media.preprocess import PatchSpec
 from ..model_builder import resolve_model
+from ..placement import pinned_gpu
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,14 @@ class MediaWorker:
 
 
 class EncoderWorker:
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, pin: tuple[int, int] | None = None):
+        """`pin` = (actor index, GPUs per node): colocated with the LLM actors, this actor reserved no
+        GPU in Ray and takes the node's GPU of its index in turn (as the serving encoder replicas do,
+        `app.placement.pinned_gpu`), before CUDA starts."""
+        if pin is not None:
+            device = pinned_gpu(pin[0], pin[1], os.environ.get("CUDA_VISIBLE_DEVICES"))
+            if device is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = device
         from ..vision.service import EncoderService
 
         cfg = AppConfig(**config)
