@@ -214,3 +214,40 @@ def test_sigkill_then_resume_completes_without_duplicates(cluster, full_run):
     assert all(after[name] == data for name, data in before.items())  # earlier shards untouched
     assert report["skipped"] == len(partial) and report["done"] + report["failed"] == N_ROWS - len(partial)
     assert not list(out.glob(".*.tmp"))
+
+
+def test_a_pool_grows_while_calls_wait_and_shrinks_when_idle(cluster):
+    from app.batch.config import PoolConfig
+    from app.batch.pool import ActorPool
+
+    class Sleeper:  # defined here, so Ray ships it by value
+        def ready(self) -> bool:
+            return True
+
+        async def work(self, seconds: float) -> int:
+            await asyncio.sleep(seconds)
+            return os.getpid()
+
+    async def scenario():
+        pool = ActorPool("test", Sleeper, lambda i: (), PoolConfig(min_size=1, max_size=2, num_cpus=0,
+                                                                    max_in_flight=2, idle_s=0.5), 0)
+        await pool.start()
+        assert len(pool.members) == 1
+
+        async def call():
+            m = await pool.acquire()
+            try:
+                return await m.handle.work.remote(3.0)
+            finally:
+                await pool.release(m)
+
+        pids = await asyncio.gather(*(call() for _ in range(6)))  # three times one actor's slots
+        sizes = (pool.peak, len(set(pids)))
+        await asyncio.sleep(0.6)
+        await pool.shrink()
+        after = len(pool.members)
+        await pool.close()
+        return sizes, after
+
+    (peak, actors_used), after = asyncio.run(scenario())
+    assert peak == 2 and actors_used == 2 and after == 1

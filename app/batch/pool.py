@@ -42,7 +42,6 @@ class ActorPool:
         self.started = 0
         self.members: list[Member] = []
         self.starting: asyncio.Task | None = None
-        self.waiters = 0
         self.peak = 0
         self.cond = asyncio.Condition()
         self._closed = False
@@ -91,11 +90,7 @@ class ActorPool:
                     m.in_flight += 1
                     return m
                 self._grow()  # someone waits: one more actor, if the pool may grow
-                self.waiters += 1
-                try:
-                    await self.cond.wait()
-                finally:
-                    self.waiters -= 1
+                await self.cond.wait()
 
     async def release(self, m: Member, dead: bool = False) -> None:
         async with self.cond:
