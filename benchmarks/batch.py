@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -98,15 +99,21 @@ def main() -> None:
     if a.num_gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(a.num_gpus))
     ray.init(include_dashboard=False, log_to_driver=False, num_gpus=a.num_gpus)
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     report = asyncio.run(run_job(cfg, str(requests), str(out)))
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    # the driver (this process) handles every row: if it nears one core, it is the bottleneck
+    driver_cores = (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) / max(
+        report["elapsed_s"] + report["startup_s"], 1e-9)
     images_per_s = report["media_items"] / report["elapsed_s"]
     result = {"images_per_s": round(images_per_s, 2), "requests": a.n, "num_gpus": a.num_gpus,
               "image_size": a.image_size, "output_tokens": a.output_tokens, "media": a.media,
-              "media_actors": a.media_actors, "config": cfg.model_dump(), "report": report}
+              "media_actors": a.media_actors, "driver_cores": round(driver_cores, 2), "config": cfg.model_dump(), "report": report}
     print(f"\n| GPUs | requests | images/s | rows/s | output tok/s | startup s | encoder graph hit rate | "
           f"items/batch |\n|---|---|---|---|---|---|---|---|\n| {a.num_gpus} | {a.n} | {images_per_s:.1f} | "
           f"{report['rows_per_s']:.1f} | {report['completion_tokens_per_s']:.0f} | {report['startup_s']:.0f} | "
           f"{report['encoder']['graph_hit_rate']:.2f} | {report['encoder']['items_per_batch']:.1f} |")
+    print(f"driver process: {driver_cores:.2f} cores on average (1.0 = one busy Python thread)")
     if report["failed"]:
         print(f"WARNING: {report['failed']} rows failed; see {out}", file=sys.stderr)
     if a.out:
