@@ -26,7 +26,6 @@ from app.media.preprocess import PatchSpec  # noqa: E402
 from app.model_builder import load_preset  # noqa: E402
 from app.vision.graphs import GraphManager, GraphSettings, VisionItem  # noqa: E402
 from app.vision.loading import vision_model_from_config  # noqa: E402
-from app.vision.metadata import layout  # noqa: E402
 from app.vision.timing import cuda_times_ms  # noqa: E402
 from app.vision.tower import VisionTower  # noqa: E402
 from benchmarks.stats import p99  # noqa: E402
@@ -126,7 +125,7 @@ def bench_preset(preset: str, runs: int, budgets: list[int], matmul_tflops: floa
             t_eager = time_fn(lambda it=items: mgr.encode(it, force_eager=True), runs)
             # First sight of a shape: a budget graph (or eager where auto-tune says so). Its repeats
             # queue an equal-length shape for an exact-shape graph, captured when the replica idles.
-            lay = layout(grids, mgr.geo.merge)
+            lay = mgr.tower.layout(grids)
             budget, _ = mgr.choose_budget(lay)
             before = mgr.stats.graph_hits
             t_first = time_fn(lambda it=items: mgr.encode(it), runs)
