@@ -2,9 +2,13 @@
 
 No weights or tokenizers can be downloaded here, so the project makes its own: tiny models for CPU
 tests and `make serve`, and checkpoints with real shapes for GPU benchmarks (speed does not depend on
-weight values). A preset's `model_type` picks the family: `qwen3_vl` (`tiny`, `qwen3-vl-2b`, `qwen3-vl-8b`) or
-`qwen2_5_vl` (`tiny-qwen2.5-vl`, `qwen2.5-vl-3b`, `qwen2.5-vl-7b`). transformers' own classes save the
-weights; the folder loads through `from_pretrained` exactly like a real one.
+weight values). A preset's `model_type` picks the family:
+
+- `qwen3_vl` (`tiny`, `qwen3-vl-2b`, `qwen3-vl-8b`) and `qwen2_5_vl` (`tiny-qwen2.5-vl`, `qwen2.5-vl-3b`,
+  `qwen2.5-vl-7b`): transformers' own classes save the weights; the folder loads through
+  `from_pretrained` exactly like a real one;
+- `minicpmv` (`tiny-minicpm-v-4.5`, `minicpm-v-4.5`): MiniCPM-V is remote code on the Hub, not in
+  transformers, so `minicpmv_builder.py` writes its published config keys and parameter names itself.
 """
 
 from __future__ import annotations
@@ -190,7 +194,12 @@ def build_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, w
     spec = load_preset(preset)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent if out_dir.parent.exists() else None))
     try:
-        _write_qwen(tmp, spec, preset, seed, with_weights, dtype)
+        if spec.get("model_type") == "minicpmv":
+            from .minicpmv_builder import write_minicpmv
+
+            write_minicpmv(tmp, spec, preset, seed, with_weights, dtype)
+        else:
+            _write_qwen(tmp, spec, preset, seed, with_weights, dtype)
         (tmp / "vlm_serve_builder.json").write_text(json.dumps({"preset": preset, "seed": seed,
                                                                  "version": BUILDER_VERSION}))
         out_dir.parent.mkdir(parents=True, exist_ok=True)

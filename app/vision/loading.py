@@ -1,8 +1,9 @@
 """Load only the vision tower of a checkpoint (the encoder replicas need nothing else).
 
-Supported families (the checkpoint's `model_type`): Qwen3-VL (`qwen3_vl`) and Qwen2.5-VL (`qwen2_5_vl`),
-both into transformers' own tower modules by parameter name. `build_tower` wraps the loaded module in
-the matching graph-friendly tower.
+Supported families (the checkpoint's `model_type`): Qwen3-VL (`qwen3_vl`), Qwen2.5-VL (`qwen2_5_vl`),
+both into transformers' own tower modules by parameter name, and MiniCPM-V 4.5 (`minicpmv`) into our
+modules with the published parameter names (minicpmv_tower.py). `build_tower` wraps the loaded module
+in the matching graph-friendly tower.
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ def build_tower(path: str | Path, dtype: torch.dtype, device: str | torch.device
                 pixel_norm: tuple | None = None):
     """The graph-friendly tower for a checkpoint of any supported family."""
     family = checkpoint_family(path)
+    if family == "minicpmv":
+        from .minicpmv_tower import MiniCPMVTower, load_minicpmv_vision
+
+        return MiniCPMVTower(load_minicpmv_vision(path, dtype, device), pixel_norm)
     visual = load_vision_model(path, dtype, device)
     if family == "qwen2_5_vl":
         from .qwen25_tower import Qwen25Tower
