@@ -1,21 +1,33 @@
-"""Vision encoder benchmark: transformers' reference vs our eager tower vs our CUDA graphs.
+"""Vision encoder benchmark: reference eager vs our eager tower vs our CUDA graphs, per model family.
 
-Qwen3-VL-2B/8B-shaped towers (real config shapes, random weights, bf16). Every workload is timed
-side by side in one process with CUDA events (median and p99 over --runs after warm-up), checked
-for correctness against the reference, and compared with its FLOP floor at the matmul rate
-measured in the same run.
+Real config shapes, random weights, bf16:
+- Qwen3-VL 2B/8B (`qwen3-vl-2b`, `qwen3-vl-8b`): reference = transformers' `Qwen3VLVisionModel`;
+- Qwen2.5-VL 3B/7B (`qwen2.5-vl-3b`, `qwen2.5-vl-7b`): reference = transformers'
+  `Qwen2_5_VisionTransformerPretrainedModel` (window attention, one SDPA call per window);
+- MiniCPM-V 4.5 (`minicpm-v-4.5`): reference = the published forward's batching (padded slices,
+  SigLIP with a padding mask, the resampler's MultiheadAttention with a key padding mask:
+  benchmarks/minicpmv_reference.py), on our modules' weights.
+Every workload is timed side by side in one process with CUDA events (median and p99 over --runs after
+warm-up), checked for correctness against the reference in bf16 and in float32 (the truth), and
+compared with its FLOP floor at the matmul rate measured in the same run. Rows go in as the service
+sends them: raw uint8, normalised inside the tower. The auto-tune drops every graph that is not faster
+than eager, so "ours" is never the slower path; the last column checks that on every workload.
 
-    python benchmarks/encoder.py --presets qwen3-vl-8b qwen3-vl-2b --out benchmarks/encoder_results.json
+    python benchmarks/encoder.py --presets qwen3-vl-8b qwen2.5-vl-7b minicpm-v-4.5 \
+        --out benchmarks/encoder_results.json --scoreboard benchmarks/scoreboard.json
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import datetime
 import json
 import logging
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,11 +35,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.media.preprocess import PatchSpec  # noqa: E402
-from app.model_builder import load_preset  # noqa: E402
+from app.model_builder import CLIP_MEAN, CLIP_STD, load_preset  # noqa: E402
 from app.vision.graphs import GraphManager, GraphSettings, VisionItem  # noqa: E402
 from app.vision.loading import vision_model_from_config  # noqa: E402
 from app.vision.timing import cuda_times_ms  # noqa: E402
-from app.vision.tower import VisionTower  # noqa: E402
 from benchmarks.stats import p99  # noqa: E402
 
 # name -> grids (t, h, w) in 16-px patches; a 224^2 8-frame video is 4 temporal groups of 14x14.
@@ -40,10 +51,41 @@ WORKLOADS = {
     "1x1024^2": [(1, 64, 64)],
     "mixed 2x448^2+video+2x224^2": [(1, 28, 28), (4, 14, 14), (1, 28, 28), (1, 14, 14), (1, 14, 14)],
 }
+# Qwen2.5-VL: 14-px patches, sides multiples of 28 (448 -> 32 x 32 patches, 224 -> 16, 1008 -> 72).
+WORKLOADS_QWEN25 = {
+    "1x448^2": [(1, 32, 32)],
+    "4x448^2": [(1, 32, 32)] * 4,
+    "8x224^2": [(1, 16, 16)] * 8,
+    "video 224^2 x8f": [(4, 16, 16)],
+    "4 videos 224^2 x8f": [(4, 16, 16)] * 4,
+    "1x1008^2": [(1, 72, 72)],
+    "mixed 2x448^2+video+2x224^2": [(1, 32, 32), (4, 16, 16), (1, 32, 32), (1, 16, 16), (1, 16, 16)],
+}
+# MiniCPM-V: one item per slice, 14-px patches. A 448^2 image is one 32 x 32 slice; a 1344 x 896 image
+# is a 546 x 364 thumbnail (26 x 39 patches) and 3 x 2 slices of 448^2 (app/media/slicing.py).
+WORKLOADS_MINICPMV = {
+    "1x448^2": [(1, 32, 32)],
+    "4x448^2": [(1, 32, 32)] * 4,
+    "8x224^2": [(1, 16, 16)] * 8,
+    "1344x896 (thumbnail + 6 slices)": [(1, 26, 39)] + [(1, 32, 32)] * 6,
+    "mixed 448^2+1344x896+224^2": [(1, 32, 32), (1, 26, 39)] + [(1, 32, 32)] * 6 + [(1, 16, 16)],
+}
+
+
+@dataclass
+class Family:
+    """One tower under test: ours, the reference in bf16 and the truth in float32 (both take normalised
+    float rows and grids, return [main, *extras] in item order), FLOPs of a batch, workloads."""
+
+    tower: object
+    reference: object
+    truth: object
+    flops: object
+    workloads: dict
 
 
 def tower_flops(cfg, grids) -> float:
-    """Matmul FLOPs of one forward (linear layers + attention), the dominant work."""
+    """Qwen3-VL: matmul FLOPs of one forward (linear layers + attention), the dominant work."""
     d, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.depth
     m2 = cfg.spatial_merge_size**2
     n = sum(t * h * w for t, h, w in grids)
@@ -52,6 +94,68 @@ def tower_flops(cfg, grids) -> float:
     attn = sum(t * 4 * (h * w) ** 2 * d for t, h, w in grids)
     mergers = (1 + len(cfg.deepstack_visual_indexes)) * 2 * (n // m2) * (d * m2 * d * m2 + d * m2 * cfg.out_hidden_size)
     return patch + L * (per_layer + attn) + mergers
+
+
+def qwen25_flops(cfg, grids) -> float:
+    """Qwen2.5-VL: SwiGLU MLP (three matrices); attention over windows (at most 64 patches) except
+    at the full-attention layers."""
+    d, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.depth
+    m2 = cfg.spatial_merge_size**2
+    n = sum(t * h * w for t, h, w in grids)
+    patch = 2 * n * d * cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+    per_layer = 2 * n * (4 * d * d + 3 * d * i)
+    full = sum(t * 4 * (h * w) ** 2 * d for t, h, w in grids)
+    window = 4 * n * 64 * d
+    nf = len(cfg.fullatt_block_indexes)
+    merger = 2 * (n // m2) * (d * m2 * d * m2 + d * m2 * cfg.out_hidden_size)
+    return patch + L * per_layer + nf * full + (L - nf) * window + merger
+
+
+def qwen_family(preset: str, spec_mean, spec_std, tower_cls, flops, workloads) -> Family:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(**load_preset(preset)).vision_config
+    torch.manual_seed(0)
+    visual = vision_model_from_config(cfg, torch.bfloat16, "cuda")
+    visual32 = copy.deepcopy(visual).float()  # the truth both bf16 paths are judged against
+    spec = PatchSpec(patch=cfg.patch_size, temporal=cfg.temporal_patch_size, merge=cfg.spatial_merge_size,
+                     mean=spec_mean, std=spec_std)
+
+    def run(model):
+        def f(px, grids):
+            out = model(px, grid_thw=torch.tensor(grids, device="cuda"))
+            return [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+        return f
+
+    return Family(tower_cls(visual, pixel_norm=spec.column_norm()), run(visual), run(visual32),
+                  lambda grids: flops(cfg, grids), workloads)
+
+
+def minicpmv_family(preset: str) -> Family:
+    from app.minicpmv_builder import _random_vision
+    from app.vision.minicpmv_tower import MiniCPMVTower
+    from benchmarks.minicpmv_reference import PublishedStyleMiniCPMV, minicpmv_flops
+
+    model = _random_vision(load_preset(preset), seed=0).cuda()
+    ref32 = PublishedStyleMiniCPMV(copy.deepcopy(model).float())
+    model = model.to(torch.bfloat16)
+    ref16 = PublishedStyleMiniCPMV(model)
+    spec = PatchSpec(patch=14, temporal=1, merge=1)
+    return Family(MiniCPMVTower(model, pixel_norm=spec.column_norm()), ref16, ref32,
+                  lambda grids: minicpmv_flops(model, grids), WORKLOADS_MINICPMV)
+
+
+def family_for(preset: str) -> Family:
+    model_type = load_preset(preset).get("model_type", "qwen3_vl")
+    if model_type == "qwen2_5_vl":
+        from app.vision.qwen25_tower import Qwen25Tower
+
+        return qwen_family(preset, tuple(CLIP_MEAN), tuple(CLIP_STD), Qwen25Tower, qwen25_flops, WORKLOADS_QWEN25)
+    if model_type == "minicpmv":
+        return minicpmv_family(preset)
+    from app.vision.tower import VisionTower
+
+    return qwen_family(preset, (0.5,) * 3, (0.5,) * 3, VisionTower, tower_flops, WORKLOADS)
 
 
 def measure_matmul_tflops() -> float:
@@ -82,38 +186,27 @@ def all_outputs(main, deepstack) -> list:
 
 
 def bench_preset(preset: str, runs: int, budgets: list[int], matmul_tflops: float, profile: bool) -> dict:
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.for_model(**load_preset(preset)).vision_config
-    torch.manual_seed(0)
-    visual = vision_model_from_config(cfg, torch.bfloat16, "cuda")
-    import copy
-
-    visual32 = copy.deepcopy(visual).float()  # the truth both bf16 paths are judged against
+    fam = family_for(preset)
+    tower = fam.tower
     # As the service runs it: uint8 patch rows in, the processor's normalisation inside the graph.
-    spec = PatchSpec(patch=cfg.patch_size, temporal=cfg.temporal_patch_size, merge=cfg.spatial_merge_size)
-    tower = VisionTower(visual, pixel_norm=spec.column_norm())
     mgr = GraphManager(tower, GraphSettings(budgets=budgets, max_items_per_batch=16, max_frames_per_batch=32,
                                             uniform_capture_after=2, uint8_pixels=True))
     mgr.capture()
     result = {"preset": preset, "capture_s": mgr.capture_seconds, "graph_mem_mib": mgr.capture_bytes / 2**20,
               "budgets_kept": sorted(mgr.graphs), "autotune": mgr.autotune_table, "workloads": []}
-    for name, grids in WORKLOADS.items():
+    for name, grids in fam.workloads.items():
         g = torch.Generator(device="cuda").manual_seed(1)
         items = [VisionItem(torch.randint(0, 256, (t * h * w, tower.patch_dim), device="cuda", generator=g,
                                           dtype=torch.uint8), (t, h, w)) for t, h, w in grids]
         # The reference takes the processor's normalised rows (its normalisation runs on the CPU).
         pixels32 = torch.cat([it.pixels for it in items]).float() * tower.pixel_scale + tower.pixel_offset
         pixels = pixels32.to(torch.bfloat16)
-        grid_t = torch.tensor(grids, device="cuda")
         with torch.inference_mode():
-            ref = visual(pixels, grid_thw=grid_t)
             ours = mgr.encode(items)
             ours_all = all_outputs(torch.cat([o.main for o in ours]),
                                    [torch.cat([o.deepstack[j] for o in ours]) for j in range(len(ours[0].deepstack))])
-            ref_all = all_outputs(ref.pooler_output, ref.deepstack_features)
-            r32 = visual32(pixels32, grid_thw=grid_t)
-            r32_all = all_outputs(r32.pooler_output, r32.deepstack_features)
+            ref_all = fam.reference(pixels, grids)
+            r32_all = fam.truth(pixels32, grids)
             err = max(rel_err(a, b) for a, b in zip(ours_all, ref_all))
             errs = {"ours_vs_ref_max": err,
                     "ours_vs_ref_norm": max(norm_err(a, b) for a, b in zip(ours_all, ref_all)),
@@ -121,7 +214,7 @@ def bench_preset(preset: str, runs: int, budgets: list[int], matmul_tflops: floa
                     "ref_vs_fp32_max": max(rel_err(a, b) for a, b in zip(ref_all, r32_all)),
                     "ours_vs_fp32_norm": max(norm_err(a, b) for a, b in zip(ours_all, r32_all)),
                     "ref_vs_fp32_norm": max(norm_err(a, b) for a, b in zip(ref_all, r32_all))}
-            t_ref = time_fn(lambda px=pixels, g=grid_t: visual(px, grid_thw=g), runs)
+            t_ref = time_fn(lambda px=pixels, g=grids: fam.reference(px, g), runs)
             t_eager = time_fn(lambda it=items: mgr.encode(it, force_eager=True), runs)
             # First sight of a shape: a budget graph (or eager where auto-tune says so). Its repeats
             # queue an equal-length shape for an exact-shape graph, captured when the replica idles.
@@ -146,7 +239,7 @@ def bench_preset(preset: str, runs: int, budgets: list[int], matmul_tflops: floa
                                    [torch.cat([o.deepstack[j] for o in ours]) for j in range(len(ours[0].deepstack))])
             errs["ours_vs_fp32_max"] = max(errs["ours_vs_fp32_max"],
                                            max(rel_err(a, b) for a, b in zip(ours_all, r32_all)))
-        flops = tower_flops(cfg, grids)
+        flops = fam.flops(grids)
         row = {
             "workload": name, "tokens": sum(t * h * w for t, h, w in grids), "graph": used_graph,
             "uniform": uniform, "first_ms": statistics.median(t_first), "first_p99": p99(t_first),

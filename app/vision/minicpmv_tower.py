@@ -30,7 +30,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
+from .. import sdpa_backends
 from . import attention
 from .kernels import add_bias_layernorm, linear_gelu_tanh, triton_available
 from .metadata import BatchLayout, Grid
@@ -304,13 +306,18 @@ class MiniCPMVTower(GraphTower):
         return res.ln_post(out) @ res.proj
 
     def _cross_attention(self, q, k, v, batch: TowerBatch) -> torch.Tensor:
-        """Each slot's queries against its own slice's keys -> [slots, Q, E]."""
+        """Each slot's queries against its own slice's keys -> [slots, Q, E]. cuDNN's kernel only
+        inside graphs, whose shapes are fixed (sdpa_backends says why)."""
+        with sdpa_kernel(sdpa_backends.CAPTURED if batch.static else sdpa_backends.UNCAPTURED, set_priority=True):
+            return self._cross_attention_any(q, k, v, batch)
+
+    def _cross_attention_any(self, q, k, v, batch: TowerBatch) -> torch.Tensor:
         heads, nq, d = q.shape
         meta = batch.meta
         if batch.uniform is not None:  # equal-size slices, no padding: one dense batched call
             s, length = batch.uniform
             kk, vv = (t.view(heads, s, length, d).transpose(0, 1) for t in (k, v))
-            out = F.scaled_dot_product_attention(q.expand(s, heads, nq, d), kk, vv)
+            out = F.scaled_dot_product_attention(q.expand(s, heads, nq, d).contiguous(), kk, vv)
             return out.transpose(1, 2).reshape(s, nq, heads * d)
         slots = meta["dead"].shape[0]
         if q.device.type == "cpu":  # no graph to keep static: one small attention per slice
