@@ -270,12 +270,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         warmup = 10 if a.warmup is None else a.warmup
         tflops, name = measure_matmul_tflops(), f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
     t0 = time.time()
-    results = [bench_preset(pr, runs, warmup, a.budgets, device, tflops, a.profile, a.workloads) for pr in presets]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": name, "matmul_tflops": tflops, "runs": runs, "results": results}, indent=1))
-    md = markdown(results, name, tflops)
-    out.with_suffix(".md").write_text(md)
+    results = []
+    for pr in presets:  # files rewritten after each preset: a run cut short keeps what it measured
+        results.append(bench_preset(pr, runs, warmup, a.budgets, device, tflops, a.profile, a.workloads))
+        out.write_text(json.dumps({"device": name, "matmul_tflops": tflops, "runs": runs, "results": results},
+                                  indent=1))
+        md = markdown(results, name, tflops)
+        out.with_suffix(".md").write_text(md)
     if a.scoreboard and device == "cuda":
         print("scoreboard:", update_scoreboard(a.scoreboard, results))
     for r in results:
