@@ -259,7 +259,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny presets, few runs")
     p.add_argument("--profile", action="store_true")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     if a.smoke:
         device, presets, runs, warmup = "cpu", a.presets or SMOKE_PRESETS, a.runs or 3, 1 if a.warmup is None else a.warmup
         tflops, name = None, f"CPU (torch {torch.__version__})"
@@ -292,4 +291,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the graph manager's capture and auto-tune logs
     main()
