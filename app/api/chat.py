@@ -83,6 +83,8 @@ class ChatService:
                               f"{self.cfg.llm.max_model_len}", param="messages", code="context_length_exceeded")
         gen = {"input_ids": prompt.input_ids, "mm_token_type_ids": prompt.mm_token_type_ids,
                "grids": [it.patches.grid for it in items], "media_keys": [it.key for it in items],
+               # Qwen2.5-VL's video temporal positions (None for images; other families ignore it)
+               "second_per_grid_ts": [it.seconds_per_group for it in items],
                "params": asdict(req.params),
                "image_tokens": prompt.count(IMAGE_TYPE), "video_tokens": prompt.count(VIDEO_TYPE)}
         return req, gen, to_encoder_payload(items)

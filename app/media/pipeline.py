@@ -22,7 +22,15 @@ from ..api.prompt import MediaSlot
 from ..config import MediaConfig
 from .decode import IMAGE, VIDEO, decode_video, open_rgb_image
 from .fetch import fetch
-from .preprocess import Patches, PatchSpec, frame_timestamps, image_frames, patchify, video_frames
+from .preprocess import (
+    Patches,
+    PatchSpec,
+    frame_timestamps,
+    image_frames,
+    patchify,
+    seconds_per_group,
+    video_frames,
+)
 from .ref import MediaRef
 
 
@@ -32,6 +40,7 @@ class PreparedItem:
     patches: Patches
     timestamps: list[float] = field(default_factory=list)
     key: str | None = None  # embedding-cache key
+    seconds_per_group: float | None = None  # video: Qwen2.5-VL's second_per_grid_ts (temporal positions)
     # Where the encoder gets this item when it was prepared in another process: the object-store
     # reference of the whole item (app/media/remote.py). None: the rows are here, send them.
     encoder_ref: Any = None
@@ -61,7 +70,9 @@ def prepare_bytes(data: bytes, ref: MediaRef, cfg: MediaConfig, spec: PatchSpec)
     frames = video_frames(video.frames, spec, cfg.video_min_pixels, cfg.video_max_pixels)
     return PreparedItem(VIDEO, patchify(frames, spec, normalize=False),
                         frame_timestamps(video.indices, video.fps, spec.temporal),
-                        key=cache_key(VIDEO, frames, spec))
+                        key=cache_key(VIDEO, frames, spec),
+                        seconds_per_group=seconds_per_group(len(video.indices), video.total_frames, video.fps,
+                                                            spec.temporal))
 
 
 class MediaPipeline:
