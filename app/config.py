@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -30,7 +30,34 @@ class MediaConfig(_Strict):
     max_input_pixels: int = Field(64_000_000, gt=0, description="decoded image size above which a request is refused")
     max_video_duration_s: float = Field(3600.0, gt=0)
     max_media_bytes: int = Field(256 * 1024 * 1024, gt=0)
-    fetch_timeout_s: float = Field(15.0, gt=0)
+    fetch_timeout_s: float = Field(15.0, gt=0, description="total deadline of one http(s) fetch, redirects and "
+                                   "body included")
+    max_redirects: int = Field(3, ge=0, le=10, description="redirect hops followed; each is checked again")
+    allowed_domains: list[str] = Field(default_factory=list, description="hosts that http(s) media may come from "
+                                       "('*.example.com' = its subdomains); empty = any public host")
+    allow_private_networks: bool = Field(False, description="let http(s) media reach loopback, private, link-local "
+                                         "and other non-public addresses (trusted networks only)")
+    allowed_private_endpoints: list[str] = Field(
+        default_factory=list, description="non-public addresses that stay reachable when allow_private_networks is "
+        "off: '10.0.0.5:9000', '10.1.0.0/16', '[fd00::1]:8080' (a port limits the entry to that port)")
+    allowed_local_media_path: str | None = Field(None, description="directory that file:// media may be read "
+                                                 "from; None = file:// refused")
+
+    @field_validator("allowed_private_endpoints")
+    @classmethod
+    def _check_endpoints(cls, v: list[str]) -> list[str]:
+        from .media.netpolicy import parse_endpoint
+
+        for entry in v:
+            parse_endpoint(entry)  # ValueError names the entry
+        return v
+
+    @field_validator("allowed_local_media_path")
+    @classmethod
+    def _check_local_root(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("/"):
+            raise ValueError("allowed_local_media_path must be an absolute path")
+        return v
 
     @model_validator(mode="after")
     def _check_bounds(self) -> MediaConfig:

@@ -62,8 +62,7 @@ class MediaPipeline:
         self.cfg, self.spec, self.executor = cfg, spec, executor
 
     async def prepare(self, ref: MediaRef) -> PreparedItem:
-        data = await fetch(ref.url, timeout_s=self.cfg.fetch_timeout_s, max_bytes=self.cfg.max_media_bytes,
-                           param=ref.param)
+        data = await fetch(ref.url, self.cfg, param=ref.param)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, prepare_bytes, data, ref, self.cfg, self.spec)
 
