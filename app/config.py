@@ -42,6 +42,10 @@ class MediaConfig(_Strict):
         "off: '10.0.0.5:9000', '10.1.0.0/16', '[fd00::1]:8080' (a port limits the entry to that port)")
     allowed_local_media_path: str | None = Field(None, description="directory that file:// media may be read "
                                                  "from; None = file:// refused")
+    decode_timeout_s: float = Field(30.0, gt=0, description="deadline for decoding and preparing one item")
+    max_video_streams: int = Field(16, ge=1, description="streams a video container may hold")
+    max_decoded_video_bytes: int = Field(2 << 30, gt=0, description="RGB bytes of one video's sampled frames "
+                                         "before the resize (64 frames of 4K: 1.6 GB)")
 
     @field_validator("allowed_private_endpoints")
     @classmethod
