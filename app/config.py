@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -146,6 +146,10 @@ class AppConfig(_Strict):
     encoder: EncoderConfig = EncoderConfig()
     llm: LLMConfig = LLMConfig()
     placement: PlacementConfig = PlacementConfig()
+    api_key: SecretStr | None = Field(None, description="required as 'Authorization: Bearer <key>' on every path "
+                                      "but /health; None = the env var VLM_API_KEY, if set. Never printed")
+    max_request_bytes: int = Field(384 * 1024 * 1024, gt=0, description="largest accepted request body (base64 "
+                                   "data: URLs are 4/3 of their media's size)")
 
     @property
     def model_name(self) -> str:

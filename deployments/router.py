@@ -1,6 +1,5 @@
 """Router deployment: the FastAPI ingress. Wiring only; the logic is app.api.chat.ChatService."""
 
-import json
 import logging
 import os
 import time
@@ -11,6 +10,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from app.api.auth import ApiKeyMiddleware, resolve_api_key
+from app.api.body import parse_json, read_body
 from app.api.chat import ChatService, unwrap_client_error
 from app.config import AppConfig
 from app.errors import ClientError
@@ -23,6 +24,7 @@ from .metrics import RouterMetrics
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="vlm-serve")
+api.add_middleware(ApiKeyMiddleware, get_key=lambda: getattr(api.state, "api_key", None))
 
 
 class RayBackend:
@@ -48,6 +50,7 @@ class Router:
 
         route_app_logs()
         self.cfg = AppConfig(**config)
+        api.state.api_key = resolve_api_key(self.cfg.api_key)  # None: no key required
         ckpt = resolve_model(self.cfg.model, self.cfg.cache_dir)
         pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="media")
         media = MediaPipeline(self.cfg.media, PatchSpec.from_checkpoint(ckpt), pool)
@@ -77,10 +80,8 @@ class Router:
     async def chat_completions(self, request: Request):
         t0 = time.perf_counter()
         try:
-            try:
-                body = json.loads(await request.body())
-            except (ValueError, UnicodeDecodeError) as e:
-                raise ClientError(f"request body is not valid JSON: {e}", code="invalid_json") from e
+            body = parse_json(await read_body(request.stream(), request.headers.get("content-length"),
+                                              self.cfg.max_request_bytes))
             req, gen, payload = await self.chat.prepare(body)
             if req.stream:
                 return StreamingResponse(await self.chat.open_stream(req, gen, payload, t0),
