@@ -135,6 +135,15 @@ class PlacementConfig(_Strict):
         "encoder's cross-request batching at 5 requests")
 
 
+class RetryConfig(_Strict):
+    """Router retries of encoder + LLM calls that failed because a replica died (app/api/retry.py)."""
+
+    max_attempts: int = Field(4, ge=1, description="tries per request, the first included")
+    budget_s: float = Field(90.0, gt=0, description="no new try starts after this long (a restarted replica on "
+                            "a loaded CPU machine takes tens of seconds)")
+    backoff_s: float = Field(0.5, ge=0, description="wait before the first retry; doubles on each further one")
+
+
 class AppConfig(_Strict):
     """Arguments of `deployments.app:build_app` (the `args:` block of serve_config.yaml)."""
 
@@ -146,6 +155,7 @@ class AppConfig(_Strict):
     encoder: EncoderConfig = EncoderConfig()
     llm: LLMConfig = LLMConfig()
     placement: PlacementConfig = PlacementConfig()
+    retry: RetryConfig = RetryConfig()
     api_key: SecretStr | None = Field(None, description="required as 'Authorization: Bearer <key>' on every path "
                                       "but /health; None = the env var VLM_API_KEY, if set. Never printed")
     max_request_bytes: int = Field(384 * 1024 * 1024, gt=0, description="largest accepted request body (base64 "
