@@ -42,6 +42,8 @@ class MediaConfig(_Strict):
         "off: '10.0.0.5:9000', '10.1.0.0/16', '[fd00::1]:8080' (a port limits the entry to that port)")
     allowed_local_media_path: str | None = Field(None, description="directory that file:// media may be read "
                                                  "from; None = file:// refused")
+    worker_threads: int = Field(2, ge=1, description="decode/resize/hash threads per MediaPreprocessor replica "
+                                "(Pillow, PyAV, numpy copies and blake2b release the GIL for most of an item)")
     decode_timeout_s: float = Field(30.0, gt=0, description="deadline for decoding and preparing one item")
     max_video_streams: int = Field(16, ge=1, description="streams a video container may hold")
     max_decoded_video_bytes: int = Field(2 << 30, gt=0, description="RGB bytes of one video's sampled frames "
@@ -111,28 +113,63 @@ class EncoderConfig(_Strict):
 
 
 class LLMConfig(_Strict):
-    """Text generation."""
+    """Text generation (app/llm/): a paged KV cache, chunked prefill inside decode steps, prefix caching."""
 
-    max_model_len: int = Field(8192, ge=16)
+    max_model_len: int = Field(8192, ge=16, description="prompt + completion limit per request")
     default_max_tokens: int = Field(256, ge=1)
-    max_num_seqs: int = Field(8, ge=1, description="requests decoded together (KV slots of max_model_len each)")
-    max_waiting: int = Field(256, ge=0, description="queued requests beyond the slots; more get 503")
-    cuda_graphs: bool = Field(True, description="decode steps in CUDA graphs per (batch, span) bucket")
-    max_prefill_tokens: int = Field(8192, ge=16, description="prompt tokens prefilled together between decode steps")
+    max_num_seqs: int | None = Field(None, ge=1, description="requests decoded together; default 256 on a GPU, "
+                                     "8 on the CPU. Costs no memory: the KV cache is a shared pool of blocks")
+    max_num_batched_tokens: int = Field(2048, ge=16, description="tokens per engine step (decodes + prefill "
+                                        "chunks): a long prompt is prefilled in chunks of at most this many "
+                                        "tokens, each step also decoding every running request")
+    max_waiting: int = Field(256, ge=0, description="queued requests beyond the running ones; more get 503")
+    block_size: int = Field(16, ge=1, description="tokens per KV-cache block (the prefix-caching granularity)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of the GPU memory that is free "
+                                          "after the weights and a forward at the step's token budget, given to "
+                                          "the KV cache")
+    num_kv_blocks: int | None = Field(None, ge=2, description="explicit KV pool size in blocks (overrides "
+                                      "gpu_memory_utilization; the CPU default holds max_num_seqs x max_model_len)")
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prompt prefixes; vision "
+                                        "tokens are identified by their media's content key")
+    cuda_graphs: bool = Field(True, description="decode steps replayed from CUDA graphs per batch bucket")
+    stream_interval_ms: float = Field(10.0, ge=0, description="a stream sends at most one chunk per interval "
+                                      "after its first (tokens that arrive meanwhile are merged); 0 = every step")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+
+    def resolved_max_num_seqs(self, device_type: str) -> int:
+        return self.max_num_seqs or (256 if device_type == "cuda" else 8)
 
 
 class PlacementConfig(_Strict):
-    """Where replicas go. 'auto' = one encoder replica per GPU, CPU replicas when there is none."""
+    """Where replicas go (app/placement.py turns this and the cluster's GPU count into Ray options).
 
-    encoder_replicas: int | Literal["auto"] = "auto"
-    encoder_num_gpus: float | Literal["auto"] = "auto"
-    llm_num_gpus: float | Literal["auto"] = "auto"
+    Policies: `colocate` puts one encoder and one LLM replica on every GPU; `split` gives the encoder
+    `encoder_gpus` GPUs and the LLM the others; `auto` picks (README, "Placement"). Without GPUs every
+    replica runs on the CPU, one of each unless autoscaling says otherwise."""
+
+    policy: Literal["auto", "colocate", "split"] = "auto"
+    encoder_gpus: int | Literal["auto"] = Field("auto", description="split: GPUs for the encoder (auto: 1)")
+    llm_gpus: int | Literal["auto"] = Field("auto", description="split: GPUs for the LLM (auto: the rest)")
+    encoder_replicas: int | Literal["auto"] = Field("auto", description="auto: one per encoder GPU (colocate: one "
+                                                    "per GPU); 1 without GPUs")
+    llm_replicas: int | Literal["auto"] = Field("auto", description="auto: one per LLM GPU; 1 without GPUs")
+    encoder_num_gpus: float | Literal["auto"] = Field("auto", description="explicit GPU share per encoder replica")
+    llm_num_gpus: float | Literal["auto"] = Field("auto", description="explicit GPU share per LLM replica")
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each encoder and LLM replica")
+    router_num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each Router replica")
+    media_num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each MediaPreprocessor replica")
     max_ongoing_requests: int = Field(
         1024, ge=1, description="requests each replica (router, encoder, LLM) takes at once, unless a config "
         "file's deployments section sets it. Ray Serve's default of 5 caps the LLM's continuous batching and the "
         "encoder's cross-request batching at 5 requests")
+
+    @model_validator(mode="after")
+    def _check_split(self) -> PlacementConfig:
+        for name in ("encoder_gpus", "llm_gpus", "encoder_replicas", "llm_replicas"):
+            v = getattr(self, name)
+            if v != "auto" and v < (0 if name.endswith("gpus") else 1):
+                raise ValueError(f"placement.{name} must be 'auto' or {'>= 0' if name.endswith('gpus') else '>= 1'}")
+        return self
 
 
 class RetryConfig(_Strict):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import torch
 
@@ -34,7 +36,9 @@ def make_request(world, kinds, data_seed=0, words=0, **params):
         content.append({"type": "text", "text": " more" * words})
     prompt = PromptBuilder(world["tok"]).build([{"role": "user", "content": content or "Tell me a story"}], slots)
     outs = world["mgr"].encode([VisionItem(torch.from_numpy(p.pixel_values), p.grid) for p in items])
-    vision = [VisionInput(p.grid, o.main, o.deepstack) for p, o in zip(items, outs)]
+    # the content key, as the router computes it: equal pixels, equal key (prefix caching relies on it)
+    vision = [VisionInput(p.grid, o.main, o.deepstack, hashlib.sha1(p.pixel_values.tobytes()).hexdigest())
+              for p, o in zip(items, outs)]
     return GenerationRequest(prompt.input_ids, prompt.mm_token_type_ids, vision,
                              SamplingParams(**{"max_tokens": 10, "temperature": 0, **params})), items, prompt
 

@@ -124,3 +124,19 @@ def test_bad_json_is_a_400(raw):
     with pytest.raises(ClientError) as e:
         parse_json(raw)
     assert e.value.status == 400 and e.value.code == "invalid_json"
+
+
+@pytest.mark.parametrize("depth", [600, 100_000])
+def test_deeply_nested_objects_are_refused_without_crashing_the_parser(depth):
+    """orjson crashed the process (SIGSEGV) on 100,000 nested objects; bodies with many brackets go
+    through the standard library's parser, which refuses nesting past the recursion limit."""
+    raw = b'{"a":' * depth + b"1" + b"}" * depth
+    if depth < 900:
+        value = parse_json(raw)
+        for _ in range(depth):
+            value = value["a"]
+        assert value == 1
+    else:
+        with pytest.raises(ClientError) as e:
+            parse_json(raw)
+        assert e.value.status == 400 and e.value.code == "invalid_json"

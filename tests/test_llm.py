@@ -1,11 +1,13 @@
-"""Generation on the tiny model against transformers' own `generate`, plus prompt, sampling and stops."""
+"""Generation on the tiny model against transformers: our text forward's logits, `generate` token for
+token, M-RoPE positions, the prompt, incremental text and stop strings."""
 
+import numpy as np
 import pytest
 import torch
 
 from app.llm.engine import VisionInput
 from app.llm.mrope import mrope_positions
-from app.llm.sampling import StopChecker
+from app.llm.stream import Detokenizer, OutputStream, StopChecker, TokenDelta
 from helpers import make_request, ours, reference_generate
 
 
@@ -52,12 +54,12 @@ def test_seeded_sampling_is_reproducible(world):
     assert len(runs) > 1
 
 
-def test_mismatched_embeddings_are_refused(world):
+def test_mismatched_embeddings_are_refused_at_submit(world):
     req, _, _ = make_request(world, ["image"])
     v = req.vision[0]
     req.vision[0] = VisionInput(v.grid, v.main[:-1], [d[:-1] for d in v.deepstack])
     with pytest.raises(ValueError, match="placeholders"):
-        list(world["engine"].generate(req))
+        world["engine"].submit(req)
 
 
 def test_stop_strings_are_not_emitted(world):
@@ -74,7 +76,73 @@ def test_stop_strings_are_not_emitted(world):
 def test_stop_checker_holds_back_prefixes():
     s = StopChecker(["</end>"])
     assert s.safe_length("abc</e") == 3 and s.safe_length("abc") == 3 and s.find("ab</end>c") == 2
-    assert StopChecker([]).safe_length("abc\ufffd") == 3
+    assert s.find("</end> and </end>", start=3) == 11
+
+
+def test_incremental_detokenization_equals_decoding_everything(world):
+    """Random ids (incomplete UTF-8 included) and real text, fed in uneven pieces: the concatenated
+    deltas are exactly `decode(all ids)`."""
+    tok = world["tok"]
+    rng = np.random.default_rng(0)
+    cases = [rng.integers(0, len(tok), 60).tolist() for _ in range(20)]
+    cases.append(tok.encode("Naïve café: ünïcödé — 猫 🐈 and emoji 👍🏽 end"))
+    for ids in cases:
+        d = Detokenizer(tok)
+        out, i = [], 0
+        while i < len(ids):
+            n = int(rng.integers(1, 4))
+            out.append(d.feed(ids[i:i + n], final=i + n >= len(ids)))
+            i += n
+        assert "".join(out) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_output_stream_cuts_at_a_stop_string_and_counts_the_tokens_that_made_it(world):
+    tok = world["tok"]
+    from app.llm.sampling import SamplingParams
+
+    ids = tok.encode("one two three four five six")
+    text = tok.decode(ids)
+    stop = " four"
+    want_tokens = next(n for n in range(1, len(ids) + 1) if stop in tok.decode(ids[:n]))
+    for pieces in ([ids], [[t] for t in ids], [ids[:3], ids[3:]]):  # coalesced, one by one, split
+        s = OutputStream(tok, SamplingParams(stop=[stop]), prompt_tokens=5, vision_embeddings=0)
+        chunks = [c for p in pieces if not s.finished and (c := s.push([TokenDelta(p)])) is not None]
+        assert "".join(c.text for c in chunks) == text[:text.find(stop)]
+        assert chunks[-1].finish_reason == "stop" and s.stopped
+        assert chunks[-1].completion_tokens == want_tokens
+
+
+def test_our_text_forward_equals_transformers_logits(world):
+    """Prefill logits of a prompt with an image and a video: our forward (fused qkv, paged cache,
+    deepstack, M-RoPE) against transformers' model fed the same embeddings, fp32."""
+    eng = world["engine"]
+    req, items, prompt = make_request(world, ["image", "video"], words=5)
+    ids = torch.tensor([prompt.input_ids])
+    kw = {}
+    img, vid = items
+    kw.update(pixel_values=torch.from_numpy(img.pixel_values), image_grid_thw=torch.tensor([img.grid]),
+              pixel_values_videos=torch.from_numpy(vid.pixel_values), video_grid_thw=torch.tensor([vid.grid]))
+    with torch.no_grad():
+        ref = world["ref"](input_ids=ids, mm_token_type_ids=torch.tensor([prompt.mm_token_type_ids]), **kw).logits[0]
+    from app.llm.attention import AttentionMetadata
+    from app.llm.model import VisionBatch
+    from app.llm.sequence import Sequence
+
+    seq = Sequence(req, merge=2, vision_ids=eng.vision_ids, max_model_len=4096, block_size=4,
+                   device=torch.device("cpu"), dtype=torch.float32)
+    n = len(seq)
+    s = eng.spec
+    kv = torch.zeros(s.layers, 2, 4 * (n // 4 + 1), s.kv_heads, s.head_dim)
+    table = list(reversed(range(n // 4 + 1)))  # blocks out of order: the table, not adjacency, places them
+    slots = torch.tensor([table[i // 4] * 4 + i % 4 for i in range(n)])
+    meta = AttentionMetadata(*[None] * 6, block_q=8, block_size=4, host_query_start=np.array([0, n]),
+                             host_seq_lens=np.array([n]), host_block_tables=[table])
+    offs, r0, r1 = seq.vision_rows(0, n)
+    vision = VisionBatch(torch.from_numpy(offs), seq.vision_main[r0:r1], seq.vision_deepstack[:, r0:r1])
+    with torch.no_grad():
+        h = eng.model(torch.tensor(seq.token_ids), torch.from_numpy(seq.positions(0, n)), slots, kv, meta, vision)
+        logits = eng.model.logits(h)
+    assert (logits - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
 def test_the_in_process_pipeline_equals_transformers_generate_on_the_processors_rows(world, tiny_checkpoint):
@@ -120,3 +188,28 @@ def test_the_in_process_pipeline_equals_transformers_generate_on_the_processors_
     want = [t for t in reference_generate(world, prompt, [img, vid], max_new=8) if t not in world["engine"].eos_ids]
     assert got["usage"]["completion_tokens"] == len(want)
     assert got["choices"][0]["message"]["content"] == world["tok"].decode(want, skip_special_tokens=True)
+
+
+def test_rotary_tables_come_out_row_major(world):
+    """The GPU kernels read cos/sin rows as token * (head_dim / 2): the multi-axis gather must not
+    hand them a transposed layout (it once did, and every key was rotated by other tokens' angles)."""
+    model = world["engine"].model
+    pos = torch.stack([torch.arange(9), torch.arange(9) * 2, torch.arange(9) * 3]).int()
+    cos, sin = model.rotary(pos)
+    assert cos.is_contiguous() and sin.is_contiguous()
+    axes = torch.tensor(model.spec.rope_axes)
+    want = model.cos_table[pos.long()[axes, :].t(), torch.arange(len(axes))]
+    assert torch.equal(cos, want)
+
+
+def test_detokenizing_many_tokens_at_once_equals_one_by_one(world):
+    tok = world["tok"]
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        ids = rng.integers(0, len(tok), 50).tolist()
+        d, out, i = Detokenizer(tok), [], 0
+        while i < len(ids):
+            n = int(rng.integers(1, 9))
+            out.append(d.feed_all(ids[i:i + n], final=i + n >= len(ids)))
+            i += n
+        assert "".join(out) == tok.decode(ids, skip_special_tokens=True)

@@ -1,13 +1,14 @@
 """One chat completion, end to end, independent of Ray.
 
-parse -> fetch/decode/preprocess media (worker pool) -> prompt with exact placeholders ->
+parse -> fetch/decode/preprocess media -> prompt with exact placeholders ->
 backend.stream(generation request, encoder payload) -> OpenAI JSON or server-sent events.
-The backend decides how encoding and generation run (Ray handles in production).
+The media source decides where media is prepared (a worker pool in this process, or the
+MediaPreprocessor deployment: app/media/remote.py); the backend decides how encoding and generation
+run (Ray handles in production, app/local_backend.py in one process).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -16,12 +17,23 @@ from typing import Protocol
 
 from ..config import AppConfig
 from ..errors import ClientError
-from ..media.pipeline import MediaPipeline, to_encoder_payload
+from ..media.pipeline import PreparedItem, to_encoder_payload
+from ..media.preprocess import PatchSpec
+from . import fastjson
 from .prompt import IMAGE_TYPE, VIDEO_TYPE, PromptBuilder
 from .retry import RetryPolicy, collect, first_chunk, is_replica_failure, replica_failed
 from .schemas import ChatRequest, completion_response, parse_chat_request, stream_chunk, usage
 
 log = logging.getLogger(__name__)
+
+
+class MediaSource(Protocol):
+    """app.media.pipeline.MediaPipeline (in this process) or app.media.remote.RemoteMedia (replicas)."""
+
+    spec: PatchSpec
+
+    async def prepare_all(self, refs: list) -> list[PreparedItem]:
+        """The request's items in order; ClientError for bad media."""
 
 
 class Backend(Protocol):
@@ -41,7 +53,7 @@ def unwrap_client_error(e: BaseException) -> ClientError | None:
 
 
 class ChatService:
-    def __init__(self, cfg: AppConfig, tokenizer, media: MediaPipeline, backend: Backend,
+    def __init__(self, cfg: AppConfig, tokenizer, media: MediaSource, backend: Backend,
                  observer: Callable[[dict], None] | None = None):
         """`observer(record)` receives one record per finished request (metrics)."""
         self.cfg, self.media, self.backend, self.observer = cfg, media, backend, observer
@@ -72,7 +84,8 @@ class ChatService:
             raise ClientError(f"prompt of {len(prompt.input_ids)} tokens exceeds max_model_len "
                               f"{self.cfg.llm.max_model_len}", param="messages", code="context_length_exceeded")
         gen = {"input_ids": prompt.input_ids, "mm_token_type_ids": prompt.mm_token_type_ids,
-               "grids": [it.patches.grid for it in items], "params": asdict(req.params),
+               "grids": [it.patches.grid for it in items], "media_keys": [it.key for it in items],
+               "params": asdict(req.params),
                "image_tokens": prompt.count(IMAGE_TYPE), "video_tokens": prompt.count(VIDEO_TYPE)}
         return req, gen, to_encoder_payload(items)
 
@@ -104,7 +117,7 @@ class ChatService:
         model = self.cfg.model_name
 
         def event(obj: dict) -> str:
-            return f"data: {json.dumps(obj)}\n\n"
+            return f"data: {fastjson.dumps(obj)}\n\n"
 
         async def chunks():
             yield first

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from ..errors import ClientError
@@ -124,4 +124,15 @@ async def collect(start: Callable[[], AsyncIterator[dict]], policy: RetryPolicy
             return chunks, first_at, attempt - 1
         except Exception as e:
             await _close(stream)
+            await policy._wait_or_give_up(e, attempt, t0)
+
+
+async def call_with_retries(start: Callable[[], Awaitable], policy: RetryPolicy) -> tuple[object, int]:
+    """(result, retries) of a single awaited call, sent again when its replica failed."""
+    t0, attempt = time.monotonic(), 0
+    while True:
+        attempt += 1
+        try:
+            return await start(), attempt - 1
+        except Exception as e:
             await policy._wait_or_give_up(e, attempt, t0)

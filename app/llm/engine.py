@@ -1,62 +1,56 @@
-"""Continuous-batching text generation for Qwen3-VL, fed precomputed vision embeddings.
+"""The LLM engine: requests in, token ids out, one step at a time on a thread of its own.
 
-- Prefill runs new requests together (left-padded, up to `max_prefill_tokens`) through transformers'
-  own text model: vision embeddings spliced into the placeholders, deepstack features injected into
-  the first layers, M-RoPE positions from the grids. Their keys and values are then copied into
-  slots of a preallocated KV cache. If a batched prefill fails, each request is retried alone.
-- Decode runs every running request in one batched step over the same modules. A decode token's
-  three M-RoPE axes share one position (prompt length + delta), and attention reads each slot's
-  prefix through a length mask. Finished slots are refilled by the last one, so the running batch
-  always occupies slots [0, n) and attention reads a view of the cache, not a gather.
-- A scheduler thread runs at most one (batched) prefill between decode steps, so new requests stall
-  the running ones by one prefill at most. A cancelled request leaves at the next step. When every slot
-  is busy, requests wait; past `max_waiting` they are refused with 503 and Retry-After.
+    submit() ──> inbox ──> Scheduler.schedule() ──> ModelRunner.run() ──> step outputs ──> emit()
+                          (block_manager.py)        (model.py, sampler.py)      (one call per step)
+
+A step is a plan from the scheduler (decodes plus prefill chunks under a token budget), run by the
+model runner (one host-to-device copy, a CUDA graph for pure decode steps, batched sampling, one
+device-to-host copy), then turned into one `TokenDelta` per request that advanced. `emit` gets the
+whole step's deltas in one call: by default each goes to its request's reader (`Sequence.next_chunk`
+on any thread); the LLM deployment replaces it with one hand-off to its event loop per step.
+
+What a request needs beyond the step (M-RoPE positions, prefix-cache keys, its vision embeddings on
+the device, validation) is prepared in `submit`, on the caller's thread.
 """
 
 from __future__ import annotations
 
-import collections
+import json
 import logging
+import sys
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import numpy as np
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel
 
+from ..config import LLMConfig
 from ..errors import ClientError
-from ..sdpa_backends import UNCAPTURED
-from .mrope import mrope_positions
-from .sampling import SamplingParams
-from .sequence import Chunk, Sequence
+from .block_manager import BlockManager
+from .model import TextModel, TextSpec, load_text_model
+from .model_runner import ModelRunner
+from .scheduler import Scheduler, StepPlan
+from .sequence import GenerationRequest, Sequence, VisionInput
+from .stream import Chunk, OutputStream, ThreadReader, TokenDelta
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Chunk", "Engine", "GenerationRequest", "VisionInput", "request_from_dict", "resolve_dtype"]
 
-
-@dataclass
-class VisionInput:
-    """Encoder output for one media item, in prompt order."""
-
-    grid: tuple[int, int, int]
-    main: torch.Tensor  # [n, hidden]
-    deepstack: list[torch.Tensor]
-
-
-@dataclass
-class GenerationRequest:
-    input_ids: list[int]
-    mm_token_type_ids: list[int]
-    vision: list[VisionInput] = field(default_factory=list)
-    params: SamplingParams = field(default_factory=SamplingParams)
+STEP_LOG = 8192  # steps kept for host-time statistics
+SWITCH_INTERVAL_S = 0.0002
 
 
 def request_from_dict(gen: dict, encoded: list) -> GenerationRequest:
     """The router's generation dict plus the encoder's (main, deepstack) per item, in prompt order."""
-    vision = [VisionInput(tuple(g), main, ds) for g, (main, ds) in zip(gen["grids"], encoded, strict=True)]
+    from .sampling import SamplingParams
+
+    keys = gen.get("media_keys") or [None] * len(gen["grids"])
+    vision = [VisionInput(tuple(g), main, ds, key)
+              for g, (main, ds), key in zip(gen["grids"], encoded, keys, strict=True)]
     return GenerationRequest(gen["input_ids"], gen["mm_token_type_ids"], vision, SamplingParams(**gen["params"]))
 
 
@@ -67,74 +61,102 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Engine:
-    """`Engine(path, ...)` loads a checkpoint; `Engine.from_model(model, tokenizer, ...)` wraps one in memory."""
+    """`Engine(path, device, config)` loads a checkpoint; `Engine.from_model(hf_model, tokenizer, device)`
+    takes a transformers model in memory. Keyword overrides set LLMConfig fields, e.g.
+    `Engine(path, "cuda", max_num_seqs=64)`."""
 
-    def __init__(self, path: str | None = None, device: str = "cpu", dtype: str = "auto", max_model_len: int = 8192,
-                 max_num_seqs: int = 8, max_waiting: int = 256, *, model=None, tokenizer=None,
-                 cuda_graphs: bool = True, max_prefill_tokens: int = 8192):
-        from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb
-
+    def __init__(self, path: str | None = None, device: str = "cpu", config: LLMConfig | None = None, *,
+                 model=None, tokenizer=None, **overrides):
+        cfg = (config or LLMConfig()).model_copy(update=overrides)
+        self.cfg = cfg
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = _resolve(cfg.dtype, self.device)
+        self.max_model_len = cfg.max_model_len
+        self.max_num_seqs = cfg.resolved_max_num_seqs(self.device.type)
+        self.max_waiting = cfg.max_waiting
         if model is None:
-            model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=self.dtype)
+            from transformers import AutoTokenizer
+
+            config_json = json.loads((Path(path) / "config.json").read_text())
             tokenizer = AutoTokenizer.from_pretrained(path)
-        model.model.visual = None  # the encoder deployment owns the vision tower
-        self.model = model.to(self.device, self.dtype).eval()
-        self.text = model.model.language_model
+            self.model = load_text_model(path, self.dtype, self.device, self.max_model_len + 16)
+            generation = _generation_eos(path)
+        else:  # a transformers model in memory: our modules take its tensors by name
+            config_json = model.config.to_dict()
+            self.model = TextModel(TextSpec.from_config(config_json), self.dtype, self.device, self.max_model_len + 16)
+            self.model.load_weights(model.state_dict().items())
+            eos = model.generation_config.eos_token_id
+            generation = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.tokenizer = tokenizer
-        self._rope = apply_rotary_pos_emb
-        cfg = model.config
-        tc = cfg.text_config
-        self.merge = cfg.vision_config.spatial_merge_size
-        self.image_id, self.video_id = cfg.image_token_id, cfg.video_token_id
-        eos = model.generation_config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id}
-        self.max_model_len, self.max_num_seqs, self.max_waiting = max_model_len, max_num_seqs, max_waiting
-        self.max_prefill_tokens = max_prefill_tokens
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.kv_heads = tc.num_key_value_heads
-        self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-        self._k: list[torch.Tensor] = []
-        self._v: list[torch.Tensor] = []
-        self.running: list[Sequence] = []
-        self.waiting: collections.deque[tuple[Sequence, GenerationRequest]] = collections.deque()
+        self.spec = self.model.spec
+        self.merge = (config_json.get("vision_config") or {}).get("spatial_merge_size", 2)
+        self.vision_ids = (config_json.get("image_token_id", -1), config_json.get("video_token_id", -1))
+        self.eos_ids = generation | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        self.runner = ModelRunner(self.model, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                                  max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
+                                  num_kv_blocks=cfg.num_kv_blocks,
+                                  gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=cfg.cuda_graphs)
+        self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, self.max_num_seqs, cfg.max_num_batched_tokens)
+        self.emit: Callable[[list[tuple[Sequence, TokenDelta]]], None] = self._emit_each
+        self.steps = self.graph_steps = 0
+        self.step_log: deque[tuple[int, int, bool, float, float]] = deque(maxlen=STEP_LOG)  # seqs, tokens, graph, host, wall
+        # The engine thread shares the GIL with whoever reads the outputs (the replica's event loop). When
+        # a step's device work is done it must get the GIL back at once, not after CPython's default
+        # 5 ms switch interval (which, with a busy reader, became most of a batch-64 step on an H200).
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        self._inbox: list[Sequence] = []
         self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self.steps = 0
-        self.graph_steps = 0
-        self.prefill_batches = 0
-        self.peak_running = 0
-        self.decode_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.batch_buckets, self.span_buckets = self._buckets()
-        if cuda_graphs:
-            self.capture_decode_graphs()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model(cls, model, tokenizer, device: str = "cpu", **overrides) -> Engine:
+        return cls(None, device, model=model, tokenizer=tokenizer, **overrides)
 
     # ------------------------------------------------------------------ public
-    def submit(self, req: GenerationRequest, on_chunk=None) -> Sequence:
-        """Queue a request; its chunks go to `on_chunk` if given, else to `seq.next_chunk()`."""
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
+    def kv_heads(self) -> int:
+        return self.spec.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.spec.head_dim
+
+    def submit(self, req: GenerationRequest, sink: Callable[[TokenDelta], None] | None = None) -> Sequence:
+        """Queue a request. Its token deltas go to `sink` if given (the caller makes text of them with
+        an `OutputStream`); otherwise `seq.next_chunk()` returns text chunks on any thread."""
         length = len(req.input_ids)
         if length >= self.max_model_len:
             raise ClientError(f"prompt of {length} tokens exceeds max_model_len {self.max_model_len}",
                               param="messages", code="context_length_exceeded")
-        n_rows = sum(v.main.shape[0] for v in req.vision)
-        seq = Sequence(length, req.params, min(req.params.max_tokens, self.max_model_len - length), self.tokenizer,
-                       self.eos_ids, n_rows, self.device, on_chunk)
+        capacity = self.blocks.usable_blocks * self.blocks.block_size
+        if length >= capacity:
+            raise ClientError(f"prompt of {length} tokens exceeds the KV cache ({capacity} tokens)",
+                              param="messages", code="context_length_exceeded")
+        seq = Sequence(req, merge=self.merge, vision_ids=self.vision_ids, max_model_len=min(self.max_model_len, capacity),
+                       block_size=self.blocks.block_size, device=self.device, dtype=self.dtype)
+        if sink is None:
+            reader = ThreadReader(OutputStream(self.tokenizer, req.params, length, _rows(req)), seq.cancel)
+            seq.reader, sink = reader, reader.put
+        seq.sink = sink
         with self._cv:
-            if len(self.waiting) >= self.max_waiting:
+            if len(self._inbox) + len(self.scheduler.waiting) >= self.max_waiting:
                 raise ClientError("the server is at capacity; retry shortly", status=503, type="server_busy",
                                   code="overloaded", headers={"Retry-After": "1"})
-            self.waiting.append((seq, req))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="llm-scheduler", daemon=True)
-                self._thread.start()
+            seq.queued_time = time.perf_counter()
+            self._inbox.append(seq)
             self._cv.notify()
         return seq
 
-    @classmethod
-    def from_model(cls, model, tokenizer, device: str, dtype: str = "auto", **kw) -> Engine:
-        return cls(None, device, dtype, model=model, tokenizer=tokenizer, **kw)
+    def output_stream(self, req: GenerationRequest) -> OutputStream:
+        """The text side of a request submitted with a `sink`."""
+        return OutputStream(self.tokenizer, req.params, len(req.input_ids), _rows(req))
 
     def generate(self, req: GenerationRequest) -> Iterator[Chunk]:
         """Synchronous convenience: submit and yield chunks until the last; closing it cancels."""
@@ -149,237 +171,142 @@ class Engine:
             seq.cancel()
 
     def load(self) -> dict:
+        """Queue and KV use: what routing and autoscaling look at."""
         with self._cv:
-            return {"running": len(self.running), "waiting": len(self.waiting),
-                    "kv_usage": len(self.running) / self.max_num_seqs}
+            waiting = len(self._inbox) + len(self.scheduler.waiting)
+        b = self.blocks
+        return {"running": len(self.scheduler.running), "waiting": waiting, "kv_usage": b.usage(),
+                "kv_blocks": b.usable_blocks, "kv_blocks_free": b.num_free,
+                "prefix_cache_queried_tokens": b.queried_tokens, "prefix_cache_hit_tokens": b.hit_tokens,
+                "preemptions": self.scheduler.preemptions}
 
-    # ------------------------------------------------------------------ scheduler
+    def stats(self) -> dict:
+        """load() plus step counts and host time per step (median ms by batch size) over recent steps."""
+        out = self.load() | {"steps": self.steps, "graph_steps": self.graph_steps,
+                             "kv_bytes_per_token": self.runner.bytes_per_block // self.blocks.block_size}
+        by_batch: dict[int, list[float]] = {}
+        for seqs, _, _, host, _ in list(self.step_log):
+            by_batch.setdefault(seqs, []).append(host)
+        out["host_ms_median_by_batch"] = {b: round(1e3 * float(np.median(v)), 3) for b, v in sorted(by_batch.items())}
+        return out
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ loop
     def _loop(self) -> None:
-        with torch.inference_mode():  # the KV cache is made of inference tensors
-            while True:
-                try:
-                    self._iterate()
-                except Exception as e:  # never let the scheduler die: fail what was running
-                    log.exception("scheduler iteration failed")
-                    for s in list(self.running):
-                        self.running.remove(s)
-                        s.fail(e)
-
-    def _iterate(self) -> None:
-        """Admit waiting requests into free slots (one batched prefill of at most max_prefill_tokens),
-        then one decode step for all running."""
-        with self._cv:
-            while not self.running and not self.waiting:
-                self._cv.wait()
-            admit, tokens = [], 0
-            while self.waiting and len(self.running) + len(admit) < self.max_num_seqs:
-                seq, req = self.waiting[0]
-                if seq.cancelled:
-                    self.waiting.popleft()
-                    continue
-                if admit and tokens + len(req.input_ids) > self.max_prefill_tokens:
-                    break
-                self.waiting.popleft()
-                admit.append((seq, req))
-                tokens += len(req.input_ids)
-        if admit:
-            self._admit(admit)
-        if self.running:
-            self._step()
-
-    def _admit(self, batch: list[tuple[Sequence, GenerationRequest]]) -> None:
-        try:
-            logits = self._prefill(batch)
-        except Exception as e:
-            if len(batch) > 1:  # find the bad request: each alone
-                for item in batch:
-                    self._admit([item])
-                return
-            seq = batch[0][0]
-            self._release_kv_for(seq)
-            seq.fail(e)
-            return
-        for i, (seq, _) in enumerate(batch):
-            seq.advance(seq.sample(logits[i]))
-            if seq.finished:
-                self._release_kv_for(seq)
-
-    # ------------------------------------------------------------------ KV cache
-    def _ensure_kv(self) -> None:
-        if self._k:
-            return
-        shape = (self.max_num_seqs, self.kv_heads, self.max_model_len, self.head_dim)
-        for _ in self.text.layers:
-            self._k.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
-            self._v.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
-
-    def _release_kv_for(self, seq: Sequence) -> None:
-        """Drop `seq` from the running set, moving the last running sequence into its slot."""
-        if seq not in self.running:
-            return
-        i = self.running.index(seq)
-        last = self.running[-1]
-        if last is not seq:
-            n = last.kv_len
-            for k, v in zip(self._k, self._v):
-                k[i, :, :n] = k[last.slot, :, :n]
-                v[i, :, :n] = v[last.slot, :, :n]
-            self.running[i] = last
-            last.slot = i
-        self.running.pop()
-
-    # ------------------------------------------------------------------ decode graphs
-    def _buckets(self) -> tuple[list[int], list[int]]:
-        """Batch sizes 1, 2, 4, ... up to max_num_seqs; attention spans 256, 512, ... up to max_model_len."""
-        def doubling(lo: int, hi: int) -> list[int]:
-            out, v = [], lo
-            while v < hi:
-                out.append(v)
-                v *= 2
-            return [*out, hi]
-
-        return doubling(1, self.max_num_seqs), doubling(min(256, self.max_model_len), self.max_model_len)
-
-    @torch.inference_mode()
-    def capture_decode_graphs(self) -> None:
-        """Capture one decode step per (batch bucket, span bucket) into one pool (CUDA only)."""
-        if self.device.type != "cuda":
-            return
-        self._ensure_kv()
-        t0 = time.perf_counter()
-        # tokens, positions, lengths: one buffer, so each step is a single host-to-device copy
-        self._g_in = torch.zeros(3, self.max_num_seqs, dtype=torch.long, device=self.device)
-        self._g_tok, self._g_pos, self._g_len = self._g_in.unbind(0)
-        batches, spans = self.batch_buckets, self.span_buckets
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up outside capture
-            self._decode(self._g_tok, self._g_pos, self._g_len, spans[-1])
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        pool = torch.cuda.graph_pool_handle()
-        for b in reversed(batches):
-            for span in reversed(spans):
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    out = self._decode(self._g_tok[:b], self._g_pos[:b], self._g_len[:b], span)
-                self.decode_graphs[b, span] = (g, out)
-        for k in self._k + self._v:  # the captures wrote dummy rows
-            k.zero_()
-        torch.cuda.synchronize(self.device)
-        log.info("captured %d decode graphs in %.2f s", len(self.decode_graphs), time.perf_counter() - t0)
-
-    def _run_decode(self, tokens: list[int], positions: list[int], lengths: list[int]) -> torch.Tensor:
-        n, need = len(tokens), max(lengths) + 1
-        if self.decode_graphs:
-            b = next(x for x in self.batch_buckets if x >= n)
-            span = next(x for x in self.span_buckets if x >= need)
-            pad = [0] * (b - n)  # padded rows write position 0 of free slots [n, b): never read
-            self._g_in[:, :b].copy_(torch.tensor([tokens + pad, positions + pad, lengths + pad]), non_blocking=True)
-            g, out = self.decode_graphs[b, span]
-            g.replay()
-            self.graph_steps += 1
-            return out[:n]
-        dev = self.device
-        with sdpa_kernel(UNCAPTURED):
-            return self._decode(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
-                                torch.tensor(lengths, device=dev), need)
-
-    # ------------------------------------------------------------------ model
-    @torch.inference_mode()
-    def _prefill(self, batch: list[tuple[Sequence, GenerationRequest]]) -> torch.Tensor:
-        """One forward over several prompts, left-padded; their KV goes to new slots. -> logits [n, vocab]."""
-        from transformers import DynamicCache
-
-        self._ensure_kv()
-        lens = [len(req.input_ids) for _, req in batch]
-        width, n = max(lens), len(batch)
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((n, width), dtype=torch.long)
-        position_ids = torch.zeros((4, n, width), dtype=torch.long)
-        deltas, vision = [], []
-        for i, (_, req) in enumerate(batch):
-            pad = width - lens[i]
-            ids[i, pad:] = torch.tensor(req.input_ids)
-            attn[i, pad:] = 1
-            pos, delta = mrope_positions(req.mm_token_type_ids, [v.grid for v in req.vision], self.merge)
-            position_ids[0, i, pad:] = torch.arange(lens[i])
-            position_ids[1:, i, pad:] = pos
-            deltas.append(delta)
-            rows = sum(v.main.shape[0] for v in req.vision)
-            slots = sum(1 for t in req.input_ids if t in (self.image_id, self.video_id))
-            if slots != rows:
-                raise ValueError(f"prompt has {slots} vision placeholders but the encoder produced {rows} embeddings")
-            vision.extend(req.vision)
-        ids, attn, position_ids = ids.to(self.device), attn.to(self.device), position_ids.to(self.device)
-        embeds = self.text.embed_tokens(ids)
-        mask = ((ids == self.image_id) | (ids == self.video_id)) & attn.bool()
-        deepstack = None
-        if vision:  # row-major order of the mask = request order, then position: the concatenation order
-            main = torch.cat([v.main for v in vision]).to(self.device, embeds.dtype)
-            embeds = embeds.masked_scatter(mask[..., None], main)
-            deepstack = [torch.cat([v.deepstack[j] for v in vision]).to(self.device, embeds.dtype)
-                         for j in range(len(vision[0].deepstack))]
-        cache = DynamicCache(config=self.model.config.text_config)
-        with sdpa_kernel(UNCAPTURED):  # prefill shapes change with every batch: no cuDNN plans
-            out = self.text(inputs_embeds=embeds, attention_mask=attn if n > 1 else None, position_ids=position_ids,
-                            past_key_values=cache, use_cache=True, visual_pos_masks=mask if vision else None,
-                            deepstack_visual_embeds=deepstack)
-        for i, (seq, _) in enumerate(batch):
-            seq.slot = len(self.running)
-            pad = width - lens[i]
-            for li, layer in enumerate(cache.layers):
-                self._k[li][seq.slot, :, :lens[i]] = layer.keys[i, :, pad:]
-                self._v[li][seq.slot, :, :lens[i]] = layer.values[i, :, pad:]
-            seq.kv_len, seq.rope_delta = lens[i], deltas[i]
-            self.running.append(seq)
-        self.peak_running = max(self.peak_running, len(self.running))
-        self.prefill_batches += 1
-        return self.model.lm_head(out.last_hidden_state[:, -1])
-
-    @torch.inference_mode()
-    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, span: int) -> torch.Tensor:
-        """One token for each of the first B slots: tokens/positions/lengths [B] -> logits [B, vocab].
-        Attention reads the first `span` cache positions of each slot (span > every length)."""
-        b = tokens.shape[0]
-        x = self.text.embed_tokens(tokens)[:, None, :]
-        cos, sin = self.text.rotary_emb(x, positions.view(1, b, 1).expand(3, b, 1))
-        rows = torch.arange(b, device=self.device)
-        visible = (torch.arange(span, device=self.device)[None, :] <= lengths[:, None])[:, None, None, :]
-        for li, layer in enumerate(self.text.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_norm(attn.q_proj(h).view(b, 1, -1, self.head_dim)).transpose(1, 2)
-            k = attn.k_norm(attn.k_proj(h).view(b, 1, -1, self.head_dim)).transpose(1, 2)
-            v = attn.v_proj(h).view(b, 1, -1, self.head_dim).transpose(1, 2)
-            q, k = self._rope(q, k, cos, sin)
-            self._k[li][rows, :, lengths] = k[:, :, 0]
-            self._v[li][rows, :, lengths] = v[:, :, 0]
-            o = F.scaled_dot_product_attention(q, self._k[li][:b, :, :span], self._v[li][:b, :, :span],
-                                               attn_mask=visible, scale=attn.scaling, enable_gqa=True)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, 1, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.model.lm_head(self.text.norm(x)[:, 0])
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while not self._stop and not self._inbox and not self.scheduler.has_work():
+                    self._cv.wait()
+                if self._stop:
+                    return
+                inbox, self._inbox = self._inbox, []
+            for seq in inbox:
+                self.scheduler.add(seq)
+            try:
+                self._step()
+            except Exception as e:  # never let the loop die; what was running fails, cleanly
+                log.exception("engine step failed")
+                for seq in list(self.scheduler.running):
+                    self._finish(seq)
+                    self.emit([(seq, TokenDelta([], error=e))])
 
     def _step(self) -> None:
-        for seq in [s for s in self.running if s.cancelled]:
-            self._release_kv_for(seq)
-        if not self.running:
+        t0 = time.perf_counter()
+        self._drop_cancelled()
+        plan = self.scheduler.schedule()
+        for seq in self.scheduler.preempted:
+            self.runner.release_row(seq)
+        self.scheduler.preempted.clear()
+        if not plan.seqs:
+            if self.scheduler.waiting and not self.scheduler.running:  # cannot happen with a sane pool
+                seq = self.scheduler.waiting[0]
+                self._finish(seq)
+                self.emit([(seq, TokenDelta([], error=ClientError("request does not fit the KV cache",
+                                                                  code="context_length_exceeded")))])
+            else:
+                with self._cv:
+                    self._cv.wait(0.001)
             return
-        seqs = list(self.running)
-        tokens = [s.next_token for s in seqs]
-        lengths = [s.kv_len for s in seqs]
-        positions = [n + s.rope_delta for n, s in zip(lengths, seqs)]
         try:
-            logits = self._run_decode(tokens, positions, lengths)
-        except Exception as e:  # e.g. out of memory: fail the batch, keep serving
-            for s in seqs:
-                self._release_kv_for(s)
-                s.fail(e)
+            result = self.runner.run(plan)
+        except Exception as e:
+            log.exception("step of %d requests failed", len(plan.seqs))
+            failed = []
+            for seq in plan.seqs:
+                self._finish(seq)
+                failed.append((seq, TokenDelta([], error=e)))
+            self.emit(failed)
             return
+        t_run = time.perf_counter()
+        outputs = self._advance(plan, result.tokens)
+        self.emit(outputs)
         self.steps += 1
-        for i, s in enumerate(seqs):
-            s.kv_len += 1
-            s.advance(s.sample(logits[i]))
-        for s in seqs:
-            if s.finished:
-                self._release_kv_for(s)
+        self.graph_steps += result.graph
+        now = time.perf_counter()
+        # host time: scheduling, the runner's host part (inputs, launch, reading results), the outputs
+        host = (t_run - t0 - result.wall_s) + result.host_s + (now - t_run)
+        self.step_log.append((len(plan.seqs), sum(plan.num_tokens), result.graph, host, now - t0))
+
+    def _advance(self, plan: StepPlan, tokens: list[int]) -> list[tuple[Sequence, TokenDelta]]:
+        outputs, k, now = [], 0, time.perf_counter()
+        register, eos = self.blocks.register_computed, self.eos_ids
+        for seq, n, sampled in zip(plan.seqs, plan.num_tokens, plan.sample):
+            seq.num_computed += n
+            if len(seq.block_hashes) < len(seq.block_keys):
+                register(seq)
+            if not sampled:
+                continue
+            tok = tokens[k]
+            k += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if tok in eos and not seq.params.ignore_eos:
+                delta = TokenDelta([], "stop")
+            else:
+                seq.token_ids.append(tok)
+                done = len(seq.token_ids) - seq.prompt_len >= seq.max_new
+                delta = TokenDelta([tok], "length" if done else None)
+            outputs.append((seq, delta))
+            if delta.finish_reason:
+                self._finish(seq)
+        return outputs
+
+    def _drop_cancelled(self) -> None:
+        gone = [s for s in self.scheduler.running if s.cancelled]
+        gone += [s for s in self.scheduler.waiting if s.cancelled]
+        if gone:
+            for seq in gone:
+                self._finish(seq)
+            self.emit([(s, TokenDelta([], "cancelled")) for s in gone])
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        self.runner.release_row(seq)
+        seq.release_vision()
+
+    @staticmethod
+    def _emit_each(outputs: list[tuple[Sequence, TokenDelta]]) -> None:
+        for seq, delta in outputs:
+            seq.sink(delta)
+
+
+def _rows(req: GenerationRequest) -> int:
+    return sum(v.main.shape[0] for v in req.vision)
+
+
+def _resolve(name: str, device: torch.device) -> torch.dtype:
+    return resolve_dtype(name, device)
+
+
+def _generation_eos(path: str) -> set[int]:
+    f = Path(path) / "generation_config.json"
+    if not f.is_file():
+        return set()
+    eos = json.loads(f.read_text()).get("eos_token_id")
+    return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

@@ -1,107 +1,173 @@
-"""One request's decoding state: sampling, stop strings, incremental text, finish reason."""
+"""One request inside the engine: its tokens, where its KV lives, and how far it has been computed.
+
+Everything that depends only on the request (M-RoPE positions, which prompt tokens are vision
+tokens, the keys that identify each KV block for prefix caching, the vision embeddings on the
+device) is built once, in `Sequence.__init__`, on the caller's thread, so the engine's step loop
+only moves counters and lists.
+"""
 
 from __future__ import annotations
 
-import queue
+import enum
+import itertools
+import random
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from .sampling import Sampler, SamplingParams, StopChecker
+from .mrope import mrope_positions
+from .sampling import SamplingParams
 
-
-class Cancelled(Exception):
-    """Raised to a reader of a sequence that was cancelled."""
+_ids = itertools.count()
 
 
 @dataclass
-class Chunk:
-    """One streamed step: new text, and on the last chunk the finish reason and counts."""
+class VisionInput:
+    """Encoder output for one media item, in prompt order. `key` identifies its content (the
+    router's embedding-cache key); without one, its KV blocks are never shared with another request."""
 
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    vision_embeddings: int = 0
+    grid: tuple[int, int, int]
+    main: torch.Tensor  # [n, hidden]
+    deepstack: list[torch.Tensor]
+    key: str | None = None
+
+
+@dataclass
+class GenerationRequest:
+    input_ids: list[int]
+    mm_token_type_ids: list[int]
+    vision: list[VisionInput] = field(default_factory=list)
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+class Status(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
 
 
 class Sequence:
-    """Owned by the scheduler thread; clients read `chunks` and may call `cancel()` from any thread."""
+    """Owned by the engine thread once submitted; `cancel()` may be called from any thread."""
 
-    def __init__(self, prompt_len: int, params: SamplingParams, max_new: int, tokenizer, eos_ids: set[int],
-                 vision_embeddings: int, device: torch.device,
-                 on_chunk: Callable[[Chunk | BaseException], None] | None = None):
-        """Chunks go to `on_chunk` when given (e.g. into an event loop), else to the `chunks` queue."""
-        self.prompt_len, self.params, self.max_new = prompt_len, params, max_new
-        self.tok, self.eos_ids, self.vision_embeddings = tokenizer, eos_ids, vision_embeddings
-        self.sampler = Sampler(params, device)
-        self.stops = StopChecker(params.stop)
-        self.out_ids: list[int] = []
-        self.emitted = 0
-        self.sent_ids = 0
-        self.finished = False
-        self.chunks: queue.Queue[Chunk | BaseException] = queue.Queue()
-        self._emit = on_chunk or self.chunks.put
+    def __init__(self, req: GenerationRequest, *, merge: int, vision_ids: tuple[int, int], max_model_len: int,
+                 block_size: int, device: torch.device, dtype: torch.dtype):
+        self.arrival_time = time.perf_counter()
+        self.id = next(_ids)
+        self.params = req.params
+        self.token_ids = list(req.input_ids)
+        self.prompt_len = len(self.token_ids)
+        self.max_new = max(0, min(req.params.max_tokens, max_model_len - self.prompt_len))
+        types = np.asarray(req.mm_token_type_ids, dtype=np.int8)
+        self.is_vision = types != 0
+        ids = np.asarray(self.token_ids)
+        placeholders = int(np.isin(ids, vision_ids).sum())
+        rows = sum(v.main.shape[0] for v in req.vision)
+        if placeholders != rows or int(self.is_vision.sum()) != rows:
+            raise ValueError(f"prompt has {placeholders} vision placeholders but the encoder produced {rows} embeddings")
+        pos, self.rope_delta = mrope_positions(req.mm_token_type_ids, [v.grid for v in req.vision], merge)
+        self.prompt_positions = pos.numpy().astype(np.int32)  # [3, prompt_len]
+        # rows of the vision embeddings before each prompt index: a chunk [a, b) uses rows [r[a], r[b])
+        self.vision_rows_before = np.concatenate([[0], np.cumsum(self.is_vision)]).astype(np.int64)
+        self.vision_main: torch.Tensor | None = None
+        self.vision_deepstack: torch.Tensor | None = None  # [layers, n, hidden]
+        if req.vision:
+            self.vision_main = torch.cat([v.main for v in req.vision]).to(device, dtype, non_blocking=True)
+            if req.vision[0].deepstack:
+                self.vision_deepstack = torch.stack(
+                    [torch.cat([v.deepstack[j] for v in req.vision]) for j in range(len(req.vision[0].deepstack))]
+                ).to(device, dtype, non_blocking=True)
+        self.block_keys = _block_keys(self.token_ids, self.is_vision, req.vision, block_size)
+        # counter-based sampling noise: the same seed gives the same tokens, batched or alone
+        self.seed = (req.params.seed if req.params.seed is not None else random.getrandbits(63)) & ((1 << 63) - 1)
+        # engine state
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # prefix-cache hashes of the computed full prompt blocks
+        self.num_computed = 0  # tokens whose KV is in the cache
+        self.num_cached = 0  # of those, taken from the prefix cache at admission
+        self.slot = -1  # row in the model runner's block-table tensor while running
+        self.finish_reason: str | None = None
+        # perf_counter times: built (arrival_time), queued for the engine, first scheduled, first token
+        self.queued_time: float | None = None
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
         self._cancel = threading.Event()
-        # set by the engine
-        self.slot = -1
-        self.kv_len = 0
-        self.rope_delta = 0
-        self.next_token = -1
-        self.first_token_time: float | None = None  # perf_counter at the first sampled token
+        self.sink = None  # where the engine puts this request's token deltas
+        self.reader = None  # set when the engine turns them into text chunks itself (`next_chunk`)
 
-    # ------------------------------------------------------------------ client side
+    # ------------------------------------------------------------------ views
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens to run before the next one can be sampled: the prompt (or what is left of it) while
+        prefilling, 1 while decoding. A step that runs all of them samples."""
+        return len(self.token_ids) - self.num_computed
+
+    def positions(self, start: int, end: int) -> np.ndarray:
+        """M-RoPE positions [3, end - start] of tokens [start, end): the prompt's from its grids,
+        generated tokens' on all three axes from their index plus the prompt's delta."""
+        out = np.empty((3, end - start), dtype=np.int32)
+        p_end = min(end, self.prompt_len)
+        if start < p_end:
+            out[:, :p_end - start] = self.prompt_positions[:, start:p_end]
+        if end > self.prompt_len:
+            lo = max(start, self.prompt_len)
+            out[:, lo - start:] = np.arange(lo, end, dtype=np.int32) + self.rope_delta
+        return out
+
+    def vision_rows(self, start: int, end: int) -> tuple[np.ndarray, int, int]:
+        """For prompt tokens [start, end): offsets of the vision tokens within the range, and the
+        range of embedding rows they take."""
+        end = min(end, self.prompt_len)
+        if start >= end or self.vision_main is None:
+            return np.empty(0, dtype=np.int64), 0, 0
+        offsets = np.flatnonzero(self.is_vision[start:end])
+        return offsets, int(self.vision_rows_before[start]), int(self.vision_rows_before[end])
+
+    def next_chunk(self, timeout: float | None = None):
+        """The next text chunk (for requests submitted without a sink)."""
+        return self.reader.next_chunk(timeout)
+
+    # ------------------------------------------------------------------ cancellation
     def cancel(self) -> None:
-        """Stop this request; the scheduler frees its slot at the next step. Wakes a blocked reader."""
-        if not self._cancel.is_set():
-            self._cancel.set()
-            self._emit(Cancelled("request cancelled"))
+        """Stop this request; the engine frees its blocks at its next step."""
+        self._cancel.set()
 
     @property
     def cancelled(self) -> bool:
         return self._cancel.is_set()
 
-    def next_chunk(self, timeout: float | None = None) -> Chunk:
-        item = self.chunks.get(timeout=timeout)
-        if isinstance(item, BaseException):
-            raise item
-        return item
+    def release_vision(self) -> None:
+        self.vision_main = self.vision_deepstack = None
 
-    # ------------------------------------------------------------------ scheduler side
-    def fail(self, err: BaseException) -> None:
-        self.finished = True
-        self._emit(err)
 
-    def sample(self, logits: torch.Tensor) -> int:
-        return self.sampler(logits, self.out_ids)
-
-    def advance(self, token: int) -> None:
-        """Account one sampled token; queue the text that is safe to emit; mark the end."""
-        if self.first_token_time is None:
-            self.first_token_time = time.perf_counter()
-        finish = None
-        if token in self.eos_ids and not self.params.ignore_eos:
-            finish = "stop"
-        else:
-            self.out_ids.append(token)
-        text = self.tok.decode(self.out_ids, skip_special_tokens=True)
-        cut = self.stops.find(text) if finish is None else None
-        if cut is not None:
-            text, finish = text[:cut], "stop"
-        if finish is None and len(self.out_ids) >= self.max_new:
-            finish = "length"
-        upto = len(text) if finish else self.stops.safe_length(text)
-        delta = text[self.emitted:upto]
-        self.emitted = max(self.emitted, upto)
-        if finish:
-            self.finished = True
-            self._emit(Chunk(delta, self.out_ids[self.sent_ids:], finish, self.prompt_len, len(self.out_ids),
-                             self.vision_embeddings))
-        elif delta or self.sent_ids == 0:  # the first token always goes out: it marks time to first token
-            self._emit(Chunk(delta, self.out_ids[self.sent_ids:]))
-            self.sent_ids = len(self.out_ids)
-        self.next_token = token
+def _block_keys(token_ids: list[int], is_vision: np.ndarray, vision: list[VisionInput], block_size: int
+                ) -> list[tuple]:
+    """What identifies each full block of the prompt: its token ids, with every vision token replaced
+    by (its item's content key, its index in the item). Placeholder ids are the same for every
+    image, so without the key two different pictures would share KV."""
+    keys = list(token_ids)
+    if vision:
+        i = 0
+        vis_idx = np.flatnonzero(is_vision)
+        for v in vision:
+            n = v.main.shape[0]
+            content = v.key if v.key is not None else f"unkeyed-{random.getrandbits(64)}"
+            for j, t in enumerate(vis_idx[i:i + n]):
+                keys[t] = (content, j)
+            i += n
+    full = len(keys) // block_size
+    return [tuple(keys[b * block_size:(b + 1) * block_size]) for b in range(full)]

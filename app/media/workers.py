@@ -53,3 +53,29 @@ async def run_item(executor: Executor | None, slots: asyncio.Semaphore | None, t
                               code="media_decode_timeout") from None
         finally:
             started.cancel()
+
+
+class SharedSlots:
+    """`request_slots` for a process that sees a request's items as separate calls (a
+    MediaPreprocessor replica gets one call per item): calls that carry the same request key share
+    one semaphore, dropped when its last call ends."""
+
+    def __init__(self, executor: Executor | None):
+        self.executor, self._held = executor, {}  # key -> [semaphore, calls using it]
+
+    def acquire(self, key: str | None) -> asyncio.Semaphore | None:
+        if key is None:
+            return None
+        entry = self._held.setdefault(key, [request_slots(self.executor), 0])
+        entry[1] += 1
+        return entry[0]
+
+    def release(self, key: str | None) -> None:
+        entry = self._held.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self._held[key]
+
+    def __len__(self) -> int:
+        return len(self._held)

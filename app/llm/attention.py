@@ -1,0 +1,157 @@
+"""Attention over the paged KV cache, for every kind of step: decodes, prefill chunks, and prompts
+whose first blocks came from the prefix cache, all in one call.
+
+Each sequence of the step brings `n` new query tokens at the end of its `L` cached-plus-new keys
+(its new keys are already in the cache: `kernels.qk_norm_rope_store` wrote them), and query `i`
+sees keys `0 .. L - n + i`. Decode is n = 1; a whole prompt is n = L; a chunk after earlier chunks
+or a prefix hit is anything between.
+
+On CUDA it is one Triton kernel. A program takes `BLOCK_Q` queries of one sequence for one KV head
+and all the query heads that share it (GQA), so each key tile is loaded once for the group; it
+walks the sequence's block table tile by tile up to its causal limit, with an online softmax. The
+programs are listed in a small table built on the host (sequence, first query), so a step mixing
+decodes and long chunks launches exactly the work it has; a CUDA-graph decode step lists one
+program per batch row. The CPU (and any shape the kernel does not take) uses per-sequence SDPA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's layout. Device tensors feed the kernel; the host arrays feed the CPU path."""
+
+    query_start: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32, keys per sequence after this step
+    seq_slots: torch.Tensor  # [B] int32, row of each sequence in block_tables
+    block_tables: torch.Tensor  # [rows, max_blocks] int32
+    work_seq: torch.Tensor  # [W] int32, one entry per program
+    work_q0: torch.Tensor  # [W] int32
+    block_q: int  # queries per program
+    block_size: int
+    host_query_start: np.ndarray | None = None
+    host_seq_lens: np.ndarray | None = None
+    host_block_tables: list[list[int]] | None = None
+
+
+def work_table(query_lens: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndarray]:
+    """Programs for a step: (sequence index, first query offset) per block of `block_q` queries."""
+    per_seq = -(-query_lens // block_q)
+    seq = np.repeat(np.arange(len(query_lens), dtype=np.int32), per_seq)
+    starts = np.concatenate([[0], np.cumsum(per_seq)[:-1]]) if len(per_seq) else np.zeros(0, dtype=np.int64)
+    q0 = (np.arange(len(seq)) - np.repeat(starts, per_seq)) * block_q
+    return seq, q0.astype(np.int32)
+
+
+def block_q_for(group: int, block_m: int) -> int:
+    """Queries per program so that queries x heads-per-KV-head fill `block_m` rows (at least 16 rows,
+    the smallest tensor-core tile)."""
+    return max(1, max(block_m, 16) // group)
+
+
+# ---------------------------------------------------------------------------- CPU / reference
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                          scale: float) -> torch.Tensor:
+    """q [T, H, D]; k_cache/v_cache [slots, KV, D] (flat) -> [T, H, D]. One SDPA call per sequence."""
+    out = torch.empty_like(q)
+    qs, lens, tables, bs = meta.host_query_start, meta.host_seq_lens, meta.host_block_tables, meta.block_size
+    for i in range(len(lens)):
+        a, b, length = int(qs[i]), int(qs[i + 1]), int(lens[i])
+        if b == a:
+            continue
+        blocks = torch.tensor(tables[i][:-(-length // bs)], dtype=torch.long, device=q.device)
+        idx = (blocks[:, None] * bs + torch.arange(bs, device=q.device)).flatten()[:length]
+        k, v = k_cache[idx].transpose(0, 1), v_cache[idx].transpose(0, 1)  # [KV, L, D]
+        n = b - a
+        visible = torch.arange(length, device=q.device)[None, :] <= (length - n + torch.arange(n, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k, v, attn_mask=visible, scale=scale,
+                                           enable_gqa=True)
+        out[a:b] = o.transpose(0, 1)
+    return out
+
+
+# ---------------------------------------------------------------------------- CUDA
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, table_stride, slots_ptr, qstart_ptr,
+                                lens_ptr, work_seq_ptr, work_q0_ptr, scale_log2,
+                                H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                                GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                                PAGE: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_M: tl.constexpr = BLOCK_Q * GROUP
+        w = tl.program_id(0)
+        kvh = tl.program_id(1)
+        seq = tl.load(work_seq_ptr + w)
+        q0 = tl.load(work_q0_ptr + w)
+        qs = tl.load(qstart_ptr + seq)
+        qn = tl.load(qstart_ptr + seq + 1) - qs
+        length = tl.load(lens_ptr + seq)
+        ctx = length - qn
+        table = tables_ptr + tl.load(slots_ptr + seq).to(tl.int64) * table_stride
+
+        m = tl.arange(0, BLOCK_M)
+        qi = q0 + m // GROUP
+        head = kvh * GROUP + m % GROUP
+        d = tl.arange(0, DP)
+        dmask = d < D
+        row_ok = qi < qn
+        q = tl.load(q_ptr + ((qs + qi).to(tl.int64) * H + head)[:, None] * D + d[None, :],
+                    mask=row_ok[:, None] & dmask[None, :], other=0.0)
+        qpos = ctx + qi
+        end = tl.minimum(length, ctx + q0 + BLOCK_Q)  # the block's last query sees keys below this
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DP], tl.float32)
+        for start in range(0, end, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < end
+            blk = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            kv_row = ((blk * PAGE + n % PAGE) * KV + kvh) * D
+            k = tl.load(k_ptr + kv_row[:, None] + d[None, :], mask=n_ok[:, None] & dmask[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            s = tl.where((n[None, :] <= qpos[:, None]) & n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + kv_row[:, None] + d[None, :], mask=n_ok[:, None] & dmask[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + ((qs + qi).to(tl.int64) * H + head)[:, None] * D + d[None, :], out.to(q.dtype),
+                 mask=row_ok[:, None] & dmask[None, :])
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, block_n: int = 64) -> torch.Tensor:
+    if triton is None or not q.is_cuda:
+        return paged_attention_torch(q, k_cache, v_cache, meta, scale)
+    assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    t, h, d = q.shape
+    kv = k_cache.shape[1]
+    group = h // kv
+    out = torch.empty_like(q)
+    work = meta.work_seq.shape[0]
+    if work:
+        _paged_attention_kernel[(work, kv)](
+            q, k_cache, v_cache, out, meta.block_tables, meta.block_tables.stride(0), meta.seq_slots,
+            meta.query_start, meta.seq_lens, meta.work_seq, meta.work_q0, scale * 1.4426950408889634,
+            H=h, KV=kv, D=d, DP=triton.next_power_of_2(d), GROUP=group, BLOCK_Q=meta.block_q,
+            BLOCK_N=block_n, PAGE=meta.block_size,
+            # float32 models (tests) keep full-precision dots; tf32 would round them
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+    return out

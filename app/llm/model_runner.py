@@ -1,0 +1,388 @@
+"""Runs one planned step on the device: inputs in, sampled token ids out.
+
+Host time per step is what caps a Python engine, so a step does little on the host:
+- every input of the step (token ids, positions, KV slots, attention layout, block-table changes,
+  sampling parameters) is laid out in one pinned buffer and copied to the device once;
+- decode-only steps replay a CUDA graph of the whole forward (and lm_head) for the smallest
+  captured batch bucket that holds them; mixed steps (prefill chunks) run eagerly;
+- sampling for the whole batch runs on the device, and the token ids come back in one copy.
+
+Block tables live on the device, one row per running request; a step sends only the entries that
+changed since the last. The KV cache is one tensor [layers, 2, blocks x block_size, kv_heads,
+head_dim]: sized from the free GPU memory after the weights and a forward at the step's token
+budget (`gpu_memory_utilization` of it), nothing per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention import AttentionMetadata, block_q_for, work_table
+from .model import TextModel, VisionBatch
+from .sampler import Sampler, SamplingBatch, host_sampling_arrays
+from .scheduler import StepPlan
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+DECODE_BLOCK_M = 16  # query rows per attention program in decode steps (1 token x the GQA group, padded)
+PREFILL_BLOCK_M = 64
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """Batch sizes with a decode graph: 1, 2, 4, 8, then every multiple of 8 up to max_batch."""
+    out = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
+    return sorted(set(out + [max_batch]))
+
+
+class StepInputs:
+    """Lays host arrays out in one int32 buffer, copies it to the device in one go, and returns device
+    views. On the CPU the views are the host arrays themselves.
+
+    Every array starts on a 16-byte boundary: Triton compiles a kernel per combination of its pointer
+    arguments' 16-byte alignment, so arrays at arbitrary offsets made new compilations (about 0.5 s
+    each, on an H200) appear at random while serving."""
+
+    def __init__(self, device: torch.device, capacity: int):
+        self.device = device
+        self.frozen = False  # set once CUDA graphs read from the buffer: it must not move
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        cuda = self.device.type == "cuda"
+        self.host = torch.empty(capacity, dtype=torch.int32, pin_memory=cuda)
+        self.host_np = self.host.numpy()
+        self.dev = torch.empty(capacity, dtype=torch.int32, device=self.device) if cuda else self.host
+
+    def pack(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        layout, off = [], 0
+        for name, a in arrays.items():
+            a = np.ascontiguousarray(a)
+            off = -(-off // 4) * 4  # 16 bytes
+            words = a.dtype.itemsize // 4 * a.size
+            layout.append((name, a, off, words))
+            off += words
+        if off > self.host.numel():
+            if self.frozen:
+                raise RuntimeError(f"step inputs of {off} words overflow the graph input buffer")
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the old buffer may still be in flight
+            self._alloc(max(off, 2 * self.host.numel()))
+        for _, a, o, w in layout:
+            self.host_np[o:o + w] = a.reshape(-1).view(np.int32)
+        if self.dev is not self.host:
+            self.dev[:off].copy_(self.host[:off], non_blocking=True)
+        dtypes = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
+                  np.dtype(np.float32): torch.float32}
+        return {name: self.dev[o:o + w].view(dtypes[a.dtype]).view(a.shape) for name, a, o, w in layout}
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]  # one per sampling sequence, in plan order
+    host_s: float  # host time of the step (preparing inputs, launching, reading results)
+    wall_s: float  # the whole call, waiting for the device included
+    graph: bool
+
+
+class ModelRunner:
+    def __init__(self, model: TextModel, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+                 block_size: int, num_kv_blocks: int | None, gpu_memory_utilization: float, cuda_graphs: bool):
+        self.model, self.device, self.dtype = model, model.device, model.dtype
+        s = model.spec
+        self.block_size, self.max_num_seqs = block_size, max_num_seqs
+        self.max_blocks = -(-max_model_len // block_size)
+        self.padding_row = max_num_seqs  # block-table row of padded graph rows: all zeros = block 0
+        self.block_tables = torch.zeros(max_num_seqs + 1, self.max_blocks, dtype=torch.int32, device=self.device)
+        self.written = [0] * max_num_seqs  # block-table entries already on the device, per row
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        # the largest step: every row's whole block table, the token budget's ids, positions and slots,
+        # and a dozen words per row of attention layout and sampling parameters
+        words = 2 * (max_num_seqs + 1) * self.max_blocks + 8 * max_num_batched_tokens + 32 * (max_num_seqs + 8)
+        self.inputs = StepInputs(self.device, words)
+        self.sampler = Sampler(s.vocab, max_num_seqs, self.device)
+        self.decode_block_q = block_q_for(s.heads // s.kv_heads, DECODE_BLOCK_M)
+        self.prefill_block_q = block_q_for(s.heads // s.kv_heads, PREFILL_BLOCK_M)
+        self.tokens_host = torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self.num_blocks = num_kv_blocks or self._blocks_that_fit(max_num_batched_tokens, max_model_len,
+                                                                 gpu_memory_utilization)
+        self.kv = torch.empty(s.layers, 2, self.num_blocks * block_size, s.kv_heads, s.head_dim,
+                              dtype=self.dtype, device=self.device)
+        self.kv[:, :, :block_size].zero_()  # block 0: where padded rows write; read only by them
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_buckets: list[int] = []
+        if cuda_graphs and self.device.type == "cuda":
+            self.capture_decode_graphs()
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def bytes_per_block(self) -> int:
+        s = self.model.spec
+        return s.layers * 2 * self.block_size * s.kv_heads * s.head_dim * self.dtype.itemsize
+
+    def _blocks_that_fit(self, max_tokens: int, max_model_len: int, utilization: float) -> int:
+        if self.device.type != "cuda":  # the CPU: room for max_num_seqs requests of max_model_len
+            return self.max_num_seqs * self.max_blocks + 1
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._profile_forward(max_tokens, max_model_len)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        blocks = int(utilization * (free - peak) // self.bytes_per_block)
+        log.info("KV cache: %d blocks of %d tokens (%.1f GiB; %.1f GiB free after weights, %.2f GiB peak "
+                 "activations at %d tokens)", blocks, self.block_size, blocks * self.bytes_per_block / 2**30,
+                 free / 2**30, peak / 2**30, max_tokens)
+        if blocks < 2:
+            raise RuntimeError("no GPU memory left for the KV cache")
+        return blocks
+
+    @torch.inference_mode()
+    def _profile_forward(self, tokens: int, max_model_len: int) -> None:
+        """The largest eager step, on a throw-away cache, to measure its activation memory."""
+        s = self.model.spec
+        kv = torch.zeros(s.layers, 2, self.block_size, s.kv_heads, s.head_dim, dtype=self.dtype, device=self.device)
+        lens = [min(max_model_len, tokens - i) for i in range(0, tokens, max_model_len)]
+        qstart = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        wseq, wq0 = work_table(np.array(lens), self.prefill_block_q)
+        dev = self.device
+        meta = AttentionMetadata(
+            torch.tensor(qstart, device=dev), torch.tensor(lens, dtype=torch.int32, device=dev),
+            torch.full((len(lens),), self.padding_row, dtype=torch.int32, device=dev), self.block_tables,
+            torch.tensor(wseq, device=dev), torch.tensor(wq0, device=dev), self.prefill_block_q, self.block_size)
+        ids = torch.zeros(tokens, dtype=torch.int32, device=dev)
+        pos = torch.zeros(3, tokens, dtype=torch.int32, device=dev)
+        slots = torch.zeros(tokens, dtype=torch.int32, device=dev)
+        h = self.model(ids, pos, slots, kv, meta)
+        rows = min(self.max_num_seqs, tokens)
+        logits = self.model.logits(h[:rows])
+        b = self._sampling_batch_worst_case(rows)
+        self.sampler(logits, b)
+        torch.cuda.synchronize(dev)
+
+    def _sampling_batch_worst_case(self, rows: int) -> SamplingBatch:
+        dev = self.device
+        f = torch.full((rows,), 0.5, device=dev)
+        return SamplingBatch(f, torch.full((rows,), 50, dtype=torch.int32, device=dev), f,
+                             torch.zeros(rows, dtype=torch.int64, device=dev),
+                             torch.zeros(rows, dtype=torch.int64, device=dev), f, f,
+                             torch.zeros(rows, dtype=torch.int64, device=dev), all_greedy=False, max_top_k=50,
+                             any_top_p=True, any_penalty=True)
+
+    # ------------------------------------------------------------------ rows (block tables)
+    def assign_row(self, seq: Sequence) -> None:
+        seq.slot = self.free_rows.pop()
+        self.written[seq.slot] = 0
+        p = seq.params
+        if p.frequency_penalty or p.presence_penalty:
+            self.sampler.reset_counts(seq.slot, seq.output_ids)
+
+    def release_row(self, seq: Sequence) -> None:
+        if seq.slot >= 0:
+            self.free_rows.append(seq.slot)
+            seq.slot = -1
+
+    def _table_updates(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+        idx, val = [], []
+        for s in seqs:
+            done = self.written[s.slot]
+            if len(s.block_table) > done:
+                base = s.slot * self.max_blocks
+                idx.extend(range(base + done, base + len(s.block_table)))
+                val.extend(s.block_table[done:])
+                self.written[s.slot] = len(s.block_table)
+        return np.array(idx, dtype=np.int32), np.array(val, dtype=np.int32)
+
+    def _apply_table_updates(self, dev: dict[str, torch.Tensor]) -> None:
+        if dev["table_idx"].numel():
+            self.block_tables.view(-1)[dev["table_idx"]] = dev["table_val"]
+
+    # ------------------------------------------------------------------ steps
+    def graph_ready(self, plan: StepPlan) -> bool:
+        """A decode step whose every token is generated (or plain prompt text) can replay a graph."""
+        if not plan.decode_only:
+            return False
+        for s in plan.seqs:
+            i = s.num_computed
+            if i < s.prompt_len and s.is_vision[i]:
+                return False
+        return True
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        for s in plan.seqs:
+            if s.slot < 0:
+                self.assign_row(s)
+        if self.graph_ready(plan):
+            logits, sampling, dev, graph = self._decode(plan.seqs)
+            rows = plan.seqs
+        else:
+            rows = [s for s, sampled in zip(plan.seqs, plan.sample) if sampled]
+            logits, sampling, dev = self._eager(plan, rows)
+            graph = False
+        tokens = self.sampler(logits, sampling) if rows else None
+        if tokens is not None:
+            self.sampler.count(tokens, sampling)
+            out = self.tokens_host[:len(rows)]
+            out.copy_(tokens, non_blocking=True)
+        t_launched = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        t_synced = time.perf_counter()
+        result = out.tolist() if tokens is not None else []
+        end = time.perf_counter()
+        return StepResult(result, (t_launched - t0) + (end - t_synced), end - t0, graph)
+
+    def _sampling(self, seqs: list[Sequence]) -> tuple[dict[str, np.ndarray], dict]:
+        """Host arrays for the sampler (none when every row is greedy) and the host-side flags."""
+        ps = [s.params for s in seqs]
+        flags = {"all_greedy": all(p.temperature == 0 for p in ps),
+                 "any_penalty": any(p.frequency_penalty or p.presence_penalty for p in ps)}
+        if flags["all_greedy"] and not flags["any_penalty"]:
+            return {}, flags
+        flags["max_top_k"] = max((p.top_k for p in ps), default=0)
+        flags["any_top_p"] = any(p.top_p < 1.0 for p in ps)
+        return {f"s_{k}": v for k, v in host_sampling_arrays(seqs).items()}, flags
+
+    def _sampling_batch(self, dev: dict[str, torch.Tensor], flags: dict) -> SamplingBatch:
+        if "s_temperature" not in dev:
+            empty = torch.empty(0, device=self.device)
+            return SamplingBatch(*([empty] * 8), any_penalty=False)
+        names = ["temperature", "top_k", "top_p", "seeds", "steps", "frequency_penalty", "presence_penalty", "slots"]
+        return SamplingBatch(*(dev[f"s_{n}"] for n in names), **flags)
+
+    def _decode(self, seqs: list[Sequence]):
+        n = len(seqs)
+        bucket = next((b for b in self.graph_buckets if b >= n), n) if self.graphs else n
+        bs = self.block_size
+        idx = [s.num_computed for s in seqs]
+        ids = [s.token_ids[i] for s, i in zip(seqs, idx)]
+        pos = [i + s.rope_delta for s, i in zip(seqs, idx)]
+        slots = [s.block_table[i // bs] * bs + i % bs for s, i in zip(seqs, idx)]
+        lens = [i + 1 for i in idx]
+        rows = [s.slot for s in seqs]
+        pad = bucket - n
+        if pad:
+            ids += [0] * pad
+            pos += [0] * pad
+            slots += [0] * pad
+            lens += [1] * pad
+            rows += [self.padding_row] * pad
+        table_idx, table_val = self._table_updates(seqs)
+        sampling, flags = self._sampling(seqs)
+        dev = self.inputs.pack({"graph": np.array([ids, pos, slots, lens, rows], dtype=np.int32),
+                                "table_idx": table_idx, "table_val": table_val, **sampling})
+        self._apply_table_updates(dev)
+        if bucket in self.graphs:
+            self.graphs[bucket].replay()
+            logits = self.logits_out[:n]
+            graph = True
+        else:
+            logits = self._decode_forward(dev["graph"], bucket)[:n]
+            graph = False
+        return logits, self._sampling_batch(dev, flags), dev, graph
+
+    def _decode_meta(self, lens: torch.Tensor, rows: torch.Tensor, b: int) -> AttentionMetadata:
+        ar = torch.arange(b + 1, dtype=torch.int32, device=self.device)
+        return AttentionMetadata(ar, lens, rows, self.block_tables, ar[:b], torch.zeros(b, dtype=torch.int32,
+                                 device=self.device), self.decode_block_q, self.block_size,
+                                 host_query_start=np.arange(b + 1), host_seq_lens=None, host_block_tables=None)
+
+    def _decode_forward(self, graph_in: torch.Tensor, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The decode forward on the fixed layout [ids, positions, slots, lens, rows] x b."""
+        ids, pos, slots, lens, rows = graph_in.unbind(0)
+        meta = self._decode_meta(lens, rows, b)
+        if self.device.type != "cuda":  # the CPU path reads the layout on the host
+            meta.host_seq_lens = lens.numpy()
+            meta.host_block_tables = [self.block_tables[r].tolist() for r in rows.tolist()]
+        h = self.model(ids, pos, slots, self.kv, meta)
+        if out is None:
+            return self.model.logits(h)
+        torch.mm(h, self.model.head_weight.t(), out=out)
+        return out
+
+    def _eager(self, plan: StepPlan, sampling_rows: list[Sequence]):
+        bs = self.block_size
+        ids, pos, slots, qlens, lens, rows, logit_rows, vis_idx, vis_parts = [], [], [], [], [], [], [], [], []
+        offset = 0
+        for i, (s, n) in enumerate(zip(plan.seqs, plan.num_tokens)):
+            start, end = s.num_computed, s.num_computed + n
+            ids.extend(s.token_ids[start:end])
+            pos.append(s.positions(start, end))
+            j = np.arange(start, end)
+            table = np.asarray(s.block_table, dtype=np.int64)
+            slots.append(table[j // bs] * bs + j % bs)
+            qlens.append(n)
+            lens.append(end)
+            rows.append(s.slot)
+            if plan.sample[i]:
+                logit_rows.append(offset + n - 1)
+            offs, r0, r1 = s.vision_rows(start, end)
+            if len(offs):
+                vis_idx.append(offs + offset)
+                vis_parts.append((s, r0, r1))
+            offset += n
+        qlens_np = np.array(qlens, dtype=np.int32)
+        qstart = np.concatenate([[0], np.cumsum(qlens_np)]).astype(np.int32)
+        wseq, wq0 = work_table(qlens_np, self.prefill_block_q)
+        table_idx, table_val = self._table_updates(plan.seqs)
+        sampling, flags = self._sampling(sampling_rows)
+        arrays = {"ids": np.array(ids, dtype=np.int32), "pos": np.concatenate(pos, axis=1),
+                  "slots": np.concatenate(slots).astype(np.int32), "qstart": qstart,
+                  "lens": np.array(lens, dtype=np.int32), "rows": np.array(rows, dtype=np.int32),
+                  "wseq": wseq, "wq0": wq0, "logit_rows": np.array(logit_rows, dtype=np.int32),
+                  "vis_idx": np.concatenate(vis_idx).astype(np.int32) if vis_idx else np.zeros(0, np.int32),
+                  "table_idx": table_idx, "table_val": table_val, **sampling}
+        dev = self.inputs.pack(arrays)
+        self._apply_table_updates(dev)
+        meta = AttentionMetadata(dev["qstart"], dev["lens"], dev["rows"], self.block_tables, dev["wseq"], dev["wq0"],
+                                 self.prefill_block_q, bs, host_query_start=qstart, host_seq_lens=arrays["lens"],
+                                 host_block_tables=[s.block_table for s in plan.seqs])
+        vision = None
+        if vis_parts:
+            main = torch.cat([s.vision_main[r0:r1] for s, r0, r1 in vis_parts])
+            ds = None
+            if vis_parts[0][0].vision_deepstack is not None:
+                ds = torch.cat([s.vision_deepstack[:, r0:r1] for s, r0, r1 in vis_parts], dim=1)
+            vision = VisionBatch(dev["vis_idx"].long(), main, ds)
+        h = self.model(dev["ids"], dev["pos"], dev["slots"], self.kv, meta, vision)
+        logits = self.model.logits(h[dev["logit_rows"].long()]) if logit_rows else None
+        return logits, self._sampling_batch(dev, flags), dev
+
+    # ------------------------------------------------------------------ graphs
+    @torch.inference_mode()
+    def capture_decode_graphs(self) -> None:
+        t0 = time.perf_counter()
+        s = self.model.spec
+        self.graph_buckets = decode_buckets(self.max_num_seqs)
+        top = self.graph_buckets[-1]
+        self.logits_out = torch.empty(top, s.vocab, dtype=self.dtype, device=self.device)
+        # the graphs read their inputs where `StepInputs.pack` puts the "graph" array: the buffer's start
+        graph_in = self.inputs.dev
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        for b in reversed(self.graph_buckets):
+            view = graph_in[:5 * b].view(5, b)
+            view.copy_(torch.tensor([[0] * b, [0] * b, [0] * b, [1] * b, [self.padding_row] * b],
+                                    dtype=torch.int32, device=self.device))
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up (Triton compiles and autotunes outside capture)
+                self._decode_forward(view, b, self.logits_out[:b])
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self._decode_forward(view, b, self.logits_out[:b])
+            self.graphs[b] = g
+        torch.cuda.synchronize(self.device)
+        self.inputs.frozen = True
+        self.kv[:, :, :self.block_size].zero_()
+        log.info("captured %d decode graphs (batch %s) in %.2f s", len(self.graphs), self.graph_buckets,
+                 time.perf_counter() - t0)

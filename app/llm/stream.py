@@ -1,0 +1,191 @@
+"""The consumer side of a request: token ids from the engine become text chunks.
+
+The engine thread only hands over token ids (one batch of them per step, for every request). Text
+is made where the chunks are read, by whoever reads them (the LLM replica's event loop, or a
+caller's thread), so detokenization and stop strings never lengthen a step:
+
+- `Detokenizer` turns ids into text incrementally, decoding a small window of recent ids rather
+  than the whole output each time, and holds back an incomplete UTF-8 sequence;
+- stop strings are searched in the new text only (plus the few characters before it a stop string
+  could start in), and text that may begin one is held back until it is known not to;
+- `OutputStream.push` takes everything that has arrived since the last read at once, so a reader
+  that falls behind gets one chunk for many tokens instead of one message per token.
+
+A stop string ends the request here; the reader then cancels it, and the engine frees its blocks
+at its next step (tokens it made meanwhile are dropped).
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+
+from .sampling import SamplingParams
+
+
+@dataclass
+class Chunk:
+    """New text since the last chunk; on the last one, the finish reason and counts."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    vision_embeddings: int = 0
+
+
+@dataclass
+class TokenDelta:
+    """What the engine hands over for one request after a step."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" (EOS), "length", "cancelled"
+    error: BaseException | None = None
+
+
+class Cancelled(Exception):
+    """Raised to a reader of a request that was cancelled."""
+
+
+class Detokenizer:
+    """Incremental detokenization: the concatenated deltas equal `decode(all ids)`."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tok, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # ids before this are settled text
+        self.read_offset = 0  # ids before this have been turned into text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip)
+
+    def feed(self, ids: list[int], final: bool = False) -> str:
+        out = []
+        for t in ids:
+            self.ids.append(t)
+            out.append(self._advance(force=False))
+        if final:
+            out.append(self._advance(force=True))
+        return "".join(out)
+
+    def feed_all(self, ids: list[int], final: bool = False) -> str:
+        """Like `feed`, one window decode for all of `ids` (a reader that fell behind catches up in one go)."""
+        self.ids.extend(ids)
+        return self._advance(force=final)
+
+    def _advance(self, force: bool) -> str:
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and (force or not full.endswith("\ufffd")):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix):]
+        return ""
+
+
+class StopChecker:
+    """Finds stop strings in the text as it grows and holds back text that may begin one."""
+
+    def __init__(self, stop: list[str]):
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) - 1 for s in self.stop), default=0)
+
+    def find(self, text: str, start: int = 0) -> int | None:
+        """Index where the earliest stop string starts at or after `start`, or None."""
+        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def safe_length(self, text: str) -> int:
+        """How much of `text` can be emitted without risking a stop string's prefix."""
+        n = len(text)
+        for k in range(min(self.hold, n), 0, -1):
+            if any(s.startswith(text[n - k:]) for s in self.stop):
+                return n - k
+        return n
+
+
+class OutputStream:
+    """Turns a request's token deltas into chunks: text, stop strings, the final counts."""
+
+    def __init__(self, tokenizer, params: SamplingParams, prompt_tokens: int, vision_embeddings: int):
+        self.detok = Detokenizer(tokenizer)
+        self.stops = StopChecker(params.stop)
+        self.prompt_tokens, self.vision_embeddings = prompt_tokens, vision_embeddings
+        self.text = ""
+        self.emitted = 0
+        self.ids: list[int] = []
+        self.sent_ids = 0
+        self.finished = False
+        self.stopped = False
+
+    def push(self, deltas: list[TokenDelta]) -> Chunk | None:
+        """Everything that arrived since the last call -> one chunk (None if it adds no text and does
+        not finish). Errors in `deltas` are raised. `finished` is set once a chunk ends the request;
+        `stopped` when a stop string ended it (the reader then cancels the request)."""
+        finish = None
+        new: list[int] = []
+        for d in deltas:
+            if d.error is not None:
+                self.finished = True
+                raise d.error
+            new.extend(d.token_ids)
+            if d.finish_reason:
+                finish = d.finish_reason
+                break
+        if finish == "cancelled":
+            self.finished = True
+            raise Cancelled("request cancelled")
+        first = not self.ids and bool(new)
+        if self.stops.stop:
+            for i, tok in enumerate(new):  # token by token: the token that completes a stop string ends it
+                start = max(0, len(self.text) - self.stops.hold)
+                last = finish is not None and i == len(new) - 1
+                self.text += self.detok.feed([tok], final=last)
+                self.ids.append(tok)
+                cut = self.stops.find(self.text, start)
+                if cut is not None:
+                    self.text, finish, self.stopped = self.text[:cut], "stop", True
+                    break
+            else:
+                if finish is not None and not new:
+                    self.text += self.detok.feed([], final=True)
+        else:  # no stop strings: one detokenizer step for everything that arrived
+            self.ids.extend(new)
+            self.text += self.detok.feed_all(new, final=finish is not None)
+        upto = len(self.text) if finish else self.stops.safe_length(self.text)
+        delta = self.text[self.emitted:upto]
+        self.emitted = max(self.emitted, upto)
+        if finish:
+            self.finished = True
+            return Chunk(delta, self.ids[self.sent_ids:], finish, self.prompt_tokens, len(self.ids),
+                         self.vision_embeddings)
+        if delta or first:  # the first token always goes out: it marks the time to first token
+            chunk = Chunk(delta, self.ids[self.sent_ids:])
+            self.sent_ids = len(self.ids)
+            return chunk
+        return None
+
+
+class ThreadReader:
+    """Reads a request's chunks on a caller's thread (tests, benchmarks, in-process serving)."""
+
+    def __init__(self, stream: OutputStream, cancel):
+        self.stream, self.cancel = stream, cancel
+        self.inbox: queue.SimpleQueue[TokenDelta] = queue.SimpleQueue()
+
+    def put(self, delta: TokenDelta) -> None:
+        self.inbox.put(delta)
+
+    def next_chunk(self, timeout: float | None = None) -> Chunk:
+        while True:
+            deltas = [self.inbox.get(timeout=timeout)]
+            while True:
+                try:
+                    deltas.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    break
+            chunk = self.stream.push(deltas)
+            if self.stream.stopped:
+                self.cancel()
+            if chunk is not None:
+                return chunk
