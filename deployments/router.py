@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api import fastjson
 from app.api.auth import ApiKeyMiddleware, resolve_api_key
@@ -36,6 +37,16 @@ api.add_middleware(ApiKeyMiddleware, get_key=lambda: getattr(api.state, "api_key
 class FastJSONResponse(JSONResponse):
     def render(self, content) -> bytes:
         return fastjson.dumps_bytes(content)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def http_error(request: Request, exc: StarletteHTTPException):
+    """FastAPI's own refusals (unknown path 404, wrong method 405) in OpenAI's error shape too, so
+    that every client error of this server parses the same way."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    err = ClientError(str(exc.detail), status=exc.status_code, code=code,
+                      type="invalid_request_error" if exc.status_code < 500 else "server_error")
+    return FastJSONResponse(err.to_json(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
 class RayBackend:
