@@ -71,7 +71,10 @@ DIRECT = ["http://127.0.0.1:{port}/img.png", "http://127.1:{port}/img.png", "htt
           "http://169.254.169.254/latest/meta-data/", "http://[fd00:ec2::254]/latest/meta-data/",
           "http://169.254.170.2/v2/credentials", "http://10.0.0.1/", "http://172.16.0.1/", "http://192.168.0.1/",
           "http://100.100.100.200/latest/meta-data/", "http://[fe80::1]/", "http://224.0.0.1/",
-          "http://[2002:7f00:1::]:{port}/img.png", "http://[64:ff9b::7f00:1]/"]
+          "http://[2002:7f00:1::]:{port}/img.png", "http://[64:ff9b::7f00:1]/",
+          # every class once more by name: reserved, broadcast, unspecified v6, multicast v6, mapped metadata
+          "http://240.0.0.1/", "http://255.255.255.255/", "http://[::]:{port}/img.png", "http://[ff02::1]/",
+          "http://[::ffff:169.254.169.254]/latest/meta-data/", "http://[::ffff:10.0.0.1]/", "http://100.64.0.1/"]
 
 
 @pytest.mark.parametrize("template", DIRECT)
@@ -100,7 +103,12 @@ REDIRECT_TARGETS = ["http://127.0.0.1:{port}/img.png", "http://localhost:{port}/
                     "http://metadata.google.internal/computeMetadata/v1/", "http://10.0.0.1/", "http://192.168.1.1/",
                     "http://[::ffff:127.0.0.1]:{port}/img.png", "http://2130706433:{port}/img.png",
                     "http://internal.example/img.png", "file:///etc/passwd", "data:image/png;base64,AAAA",
-                    "gopher://127.0.0.1:6379/_INFO", "ftp://example.com/x.png"]
+                    "gopher://127.0.0.1:6379/_INFO", "ftp://example.com/x.png",
+                    # one target per remaining class: link-local v6, multicast v4/v6, reserved, unspecified
+                    # v4/v6, mapped metadata, shared address space, private 172.16/12
+                    "http://[fe80::1]/", "http://224.0.0.251/", "http://[ff02::1]/", "http://240.0.0.1/",
+                    "http://0.0.0.0:{port}/img.png", "http://[::]:{port}/img.png",
+                    "http://[::ffff:169.254.169.254]/latest/meta-data/", "http://100.64.0.1/", "http://172.16.5.4/"]
 
 
 @pytest.mark.parametrize("target", REDIRECT_TARGETS)
@@ -111,7 +119,8 @@ def test_a_public_host_redirecting_to_private_addresses_is_refused(server, targe
     names = {"media.example": [PUBLIC_IP], "metadata.google.internal": ["169.254.169.254"],
              "internal.example": ["10.9.8.7"], "localhost": ["127.0.0.1"]}
     real_resolver_hosts = {"127.0.0.1", "::1", "169.254.169.254", "10.0.0.1", "192.168.1.1",
-                           "::ffff:127.0.0.1", "2130706433"}
+                           "::ffff:127.0.0.1", "2130706433", "fe80::1", "224.0.0.251", "ff02::1", "240.0.0.1",
+                           "0.0.0.0", "::", "::ffff:169.254.169.254", "100.64.0.1", "172.16.5.4"}
     net = FakeInternet(server.port, names, {PUBLIC_IP: server.port})
 
     async def resolve(host, port):  # literals as the system resolver reads them, names from the fake DNS
