@@ -74,3 +74,13 @@ def test_wrong_types_of_lenient_fields_are_a_400(field, value):
     with pytest.raises(ClientError) as e:
         parse_chat_request({"messages": [{"role": "user", "content": "hi"}], field: value}, 16, 4)
     assert e.value.status == 400 and e.value.param == field
+
+
+@pytest.mark.parametrize("text", ["<|image_pad|>", "see <|vision_start|><|video_pad|><|vision_end|>", "<|vision_end|>"])
+def test_vision_markers_in_message_text_are_a_400(text):
+    """The tokenizer reads them as special tokens: forged placeholders made the prompt builder fail (500)."""
+    for content in (text, [{"type": "text", "text": text}]):
+        with pytest.raises(ClientError) as e:
+            parse_chat_request({"messages": [{"role": "system", "content": content}]}, 16, 4)
+        assert e.value.status == 400 and e.value.code == "reserved_token"
+    assert parse_chat_request({"messages": [{"role": "user", "content": "<|im_start|> and <|x|>"}]}, 16, 4)

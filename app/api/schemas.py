@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from ..errors import ClientError
 from ..llm.sampling import SamplingParams
 from ..media.ref import MediaRef
+from .prompt import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
+
+VISION_MARKERS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 
 ROLES = ("system", "user", "assistant", "developer")
 
@@ -50,6 +53,17 @@ def _unicode(v: str, param: str) -> str:
     return v
 
 
+def _message_text(v: str, param: str) -> str:
+    """Message text, which must not contain the model's vision markers: the tokenizer reads them as
+    special tokens, so a client could forge media placeholders that no media item backs (the prompt
+    builder then failed with a 500) or vision markers that derail M-RoPE positions."""
+    _unicode(v, param)
+    if "<|" in v and any(marker in v for marker in VISION_MARKERS):
+        raise ClientError(f"{param} contains a reserved vision marker ({', '.join(VISION_MARKERS)}); send media as "
+                          "image_url or video_url parts", param=param, code="reserved_token")
+    return v
+
+
 def _url_of(part: dict, key: str, param: str) -> str:
     v = part.get(key)
     url = v.get("url") if isinstance(v, dict) else v
@@ -74,7 +88,7 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
         role = "system" if m["role"] == "developer" else m["role"]
         content = m.get("content")
         if content is None or isinstance(content, str):
-            messages.append({"role": role, "content": _unicode(content or "", f"{p}.content")})
+            messages.append({"role": role, "content": _message_text(content or "", f"{p}.content")})
             continue
         if not isinstance(content, list):
             raise ClientError(f"{p}.content must be a string or a list of parts", param=f"{p}.content")
@@ -85,7 +99,7 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
             if kind == "text":
                 if not isinstance(part.get("text"), str):
                     raise ClientError(f"{pp}.text must be a string", param=f"{pp}.text")
-                parts.append({"type": "text", "text": _unicode(part["text"], f"{pp}.text")})
+                parts.append({"type": "text", "text": _message_text(part["text"], f"{pp}.text")})
             elif kind in ("image_url", "video_url"):
                 if role != "user":
                     raise ClientError(f"media parts are only allowed in user messages ({pp})", param=f"{pp}.type")

@@ -45,6 +45,9 @@ async def run_item(executor: Executor | None, slots: asyncio.Semaphore | None, t
             return fn(*args)
 
         fut = loop.run_in_executor(executor, job)
+        # read the outcome even when nobody awaits it any more (a sibling item failed and this one was
+        # cancelled, or its deadline passed): otherwise asyncio logs "exception was never retrieved"
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             await asyncio.wait({fut, started}, return_when=asyncio.FIRST_COMPLETED)  # queued: no clock yet
             return await asyncio.wait_for(asyncio.shield(fut), timeout_s + GRACE_S)
