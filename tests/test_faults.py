@@ -1,6 +1,7 @@
-"""Replica failures lose no request: SIGKILL the encoder replica, then the LLM replica, under load.
+"""Replica failures lose no request: SIGKILL the encoder replica, then the LLM replica, then the
+MediaPreprocessor replica, under load, on the CPU application deployed from serve_config.yaml.
 
-The CPU application runs with an API key (so this module also checks the 401s of the real Ray app).
+The application runs with an API key (so this module also checks the 401s of the real Ray app).
 Load: client threads send, in a loop, non-streamed image requests and long streamed ones. Expected:
 - a request that had not produced a token when its replica died is sent again by the Router and
   succeeds (non-streamed requests: wherever they failed, since the client has seen nothing);
@@ -24,6 +25,7 @@ import pytest
 
 from helpers import png_bytes
 from replicas import replica_processes
+from served import config_from_file, deployed
 
 pytestmark = pytest.mark.integration
 PORT, METRICS_PORT = 8785, 8786
@@ -32,30 +34,20 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 # Two LLM slots and a 300 ms encoder batching window keep requests waiting inside each replica (in
 # the encoder's queue, in the engine's queue) when it is killed: those must be retried, not failed.
 ARGS = {"model": "embedded:tiny", "api_key": KEY,
-        "encoder": {"min_budget": 64, "max_budget": 1024, "batch_wait_ms": 300},
+        "encoder": {"min_budget": 64, "max_budget": 1024, "batch_wait_ms": 300, "autotune": False},
         "llm": {"max_num_seqs": 2}, "retry": {"max_attempts": 6, "budget_s": 150, "backoff_s": 0.5}}
+KILLED = ("VisionEncoder", "LLM", "MediaPreprocessor")
 RECOVERY_BOUND_S = 150  # a replica restart on 2 loaded cores: torch import and model load
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "fault_results.json"
 
 
 @pytest.fixture(scope="module")
 def app(model_cache):
-    ray = pytest.importorskip("ray")
-    from ray import serve
-
-    from deployments.app import build_app
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    serve.run(build_app(ARGS | {"cache_dir": model_cache}), name="vlm", route_prefix="/")
-    client = httpx.Client(base_url=f"http://127.0.0.1:{PORT}", timeout=120, headers=AUTH)
-    try:
+    pytest.importorskip("ray")
+    conf = config_from_file(PORT, ARGS | {"cache_dir": model_cache})
+    with deployed(conf, metrics_port=METRICS_PORT), \
+            httpx.Client(base_url=f"http://127.0.0.1:{PORT}", timeout=120, headers=AUTH) as client:
         yield client
-    finally:
-        client.close()
-        serve.shutdown()
-        ray.shutdown()
 
 
 def image_body(i: int, stream: bool = False, max_tokens: int = 8) -> dict:
@@ -175,12 +167,12 @@ def retries_metric() -> float:
 def test_killing_the_encoder_then_the_llm_loses_no_request(app):
     assert app.post("/v1/chat/completions", json=image_body(0)).status_code == 200
     before = {d: [p.pid for p in ps] for d, ps in replica_processes().items()}
-    assert set(before) >= {"Router", "VisionEncoder", "LLM"}, before
+    assert set(before) >= {"Router", *KILLED}, before
     load = Load(threads=6)
     load.start()
     recovery = {}
     try:
-        for deployment in ("VisionEncoder", "LLM"):
+        for deployment in KILLED:
             time.sleep(4)  # load running, streams under way
             t_kill = time.monotonic()
             old = kill_replica(deployment)
