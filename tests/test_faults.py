@@ -8,7 +8,8 @@ Load: client threads send, in a loop, non-streamed image requests and long strea
 - a stream cut mid-way ends with an error event and `[DONE]`;
 - nothing hangs (every client read has a timeout, and a timeout counts as lost) and nothing is lost;
 - the application answers again within a bound after each kill (Serve restarts the replica).
-The counts are printed and written to benchmarks/fault_results.json."""
+The counts are printed; with FAULT_RESULTS=path they are also written there (the committed figures
+in benchmarks/fault_results.json come from `FAULT_RESULTS=benchmarks/fault_results.json`)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ ARGS = {"model": "embedded:tiny", "api_key": KEY,
         "llm": {"max_num_seqs": 2}, "retry": {"max_attempts": 6, "budget_s": 150, "backoff_s": 0.5}}
 KILLED = ("VisionEncoder", "LLM", "MediaPreprocessor")
 RECOVERY_BOUND_S = 150  # a replica restart on 2 loaded cores: torch import and model load
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "fault_results.json"
+RESULTS = os.environ.get("FAULT_RESULTS")  # a test run leaves the working tree clean unless asked
 
 
 @pytest.fixture(scope="module")
@@ -198,8 +199,8 @@ def test_killing_the_encoder_then_the_llm_loses_no_request(app):
         "recovery_s": recovery,
     }
     print(f"\nreplica-kill test: {json.dumps(counts)}")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(counts, indent=2) + "\n")
+    if RESULTS:
+        Path(RESULTS).write_text(json.dumps(counts, indent=2) + "\n")
     problems = [r for r in records if r["outcome"] == "lost" or (r["outcome"] == "error" and not r["stream"])]
     assert counts["lost"] == 0, problems
     # not-yet-generating requests are retried and succeed: every non-streamed request succeeded, and
