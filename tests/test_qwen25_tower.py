@@ -3,7 +3,8 @@
 CPU: the tiny embedded Qwen2.5-VL tower in float32, graphs off, so the padded static-shape path runs
 (max relative error <= 1e-4 against `Qwen2_5_VisionTransformerPretrainedModel`). GPU (marker `gpu`):
 a Qwen2.5-VL-3B-shaped tower in bfloat16 with captured CUDA graphs against the reference in float32
-(<= 1e-2, and no further from it than transformers' own bf16 forward); and the same tower in float32
+(<= BF16_TOL = 2e-2, and no further from it than transformers' own bf16 forward: on the H200 ours
+measured 1.1-1.3e-2 from float32 and transformers' bf16 1.9-2.6e-2); and the same tower in float32
 with captured graphs against the reference in float32 (<= FP32_TOL = 1e-3: both round in float32, with
 GEMM algorithms that differ between padded and exact shapes, through 32 random-weight layers; a wrong
 window, position or padding row errs by O(1) on its rows). The tiny tower's windows are
@@ -25,6 +26,7 @@ from app.vision.qwen25_tower import Qwen25Tower
 
 BUDGETS = [128, 256, 512]
 FP32_TOL = 1e-3  # GPU, float32 tower and reference (module docstring)
+BF16_TOL = 2e-2  # GPU, bfloat16 tower against the float32 reference (module docstring)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,7 @@ def gpu_harness():
     torch.manual_seed(0)
     visual = vision_model_from_config(cfg.vision_config, torch.bfloat16, "cuda")
     truth = copy.deepcopy(visual).float()
-    h = TowerHarness(Qwen25Tower(visual), _reference(visual), [b * 16 for b in BUDGETS], 1e-2,
+    h = TowerHarness(Qwen25Tower(visual), _reference(visual), [b * 16 for b in BUDGETS], BF16_TOL,
                      truth=_reference(truth), max_frames=16, uniform_capture_after=2)
     h.k, h.visual = 3, visual
     return h
@@ -209,7 +211,7 @@ def test_padding_rows_are_finite_and_do_not_touch_real_rows(h):
     main, _ = h.mgr._graph_out[budget] if h.mgr.graphs else h.mgr.tower(h.mgr._static_inputs(budget))
     assert torch.isfinite(main).all()
     eager = h.mgr.encode(items, force_eager=True)[0]
-    assert rel(padded.main, eager.main) <= (1e-5 if h.truth is None else 1e-2)
+    assert rel(padded.main, eager.main) <= (1e-5 if h.truth is None else BF16_TOL)  # bf16: two kernel paths
 
 
 def test_raw_uint8_rows_give_the_embeddings_of_the_processors_float_rows(tiny_qwen25, cpu_harness):
