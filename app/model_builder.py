@@ -1,9 +1,14 @@
-"""Build random-weight Qwen3-VL checkpoints offline.
+"""Build random-weight checkpoints offline.
 
-No weights or tokenizers can be downloaded here, so the project makes its own: a tiny model
-for CPU tests and `make serve`, and checkpoints with the real Qwen3-VL-2B/8B shapes for GPU
-benchmarks (speed does not depend on weight values). The result is an ordinary checkpoint
-folder that loads through `from_pretrained`, exactly like a real one.
+No weights or tokenizers can be downloaded here, so the project makes its own: tiny models for CPU
+tests and `make serve`, and checkpoints with real shapes for GPU benchmarks (speed does not depend on
+weight values). A preset's `model_type` picks the family:
+
+- `qwen3_vl` (`tiny`, `qwen3-vl-2b`, `qwen3-vl-8b`) and `qwen2_5_vl` (`tiny-qwen2.5-vl`, `qwen2.5-vl-3b`,
+  `qwen2.5-vl-7b`): transformers' own classes save the weights; the folder loads through
+  `from_pretrained` exactly like a real one;
+- `minicpmv` (`tiny-minicpm-v-4.5`, `minicpm-v-4.5`): MiniCPM-V is remote code on the Hub, not in
+  transformers, so `minicpmv_builder.py` writes its published config keys and parameter names itself.
 """
 
 from __future__ import annotations
@@ -44,6 +49,27 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
+# Qwen2.5-VL's prompt format: a default system message when the conversation has none, then the same
+# placeholders (a video is one <|vision_start|><|video_pad|><|vision_end|>, expanded without timestamps).
+QWEN25_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] in ('image', 'image_url') -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] in ('video', 'video_url') -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+
 # A small fixed corpus so BPE training is deterministic and offline.
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -66,8 +92,9 @@ def load_preset(name: str) -> dict:
     return json.loads(path.read_text())
 
 
-def build_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE trained on a fixed corpus, with Qwen's special tokens appended."""
+def build_tokenizer(vocab_size: int = 512, template: str = CHAT_TEMPLATE, specials: list[str] | None = None):
+    """A byte-level BPE trained on a fixed corpus, with the family's special tokens appended (Qwen's by
+    default) and its chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -78,7 +105,7 @@ def build_tokenizer(vocab_size: int = 512):
         vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     tok.train_from_iterator(_CORPUS, trainer=trainer)
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(specials or SPECIAL_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -86,69 +113,93 @@ def build_tokenizer(vocab_size: int = 512):
         padding_side="left",
         extra_special_tokens={},
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = template
     return fast
 
 
-def _processor_configs(vision: dict) -> tuple[dict, dict]:
+# Per Qwen family: transformers' config and model classes, processor classes and the chat template.
+QWEN_FAMILIES = {
+    "qwen3_vl": {"config": "Qwen3VLConfig", "model": "Qwen3VLForConditionalGeneration", "processor": "Qwen3VLProcessor",
+                 "video_processor": "Qwen3VLVideoProcessor", "template": CHAT_TEMPLATE, "mean": [0.5] * 3,
+                 "std": [0.5] * 3, "image_size": {"shortest_edge": 65536, "longest_edge": 16777216},
+                 "video_size": {"shortest_edge": 4096, "longest_edge": 25165824}},
+    "qwen2_5_vl": {"config": "Qwen2_5_VLConfig", "model": "Qwen2_5_VLForConditionalGeneration",
+                   "processor": "Qwen2_5_VLProcessor", "video_processor": "Qwen2VLVideoProcessor",
+                   "template": QWEN25_CHAT_TEMPLATE, "mean": CLIP_MEAN, "std": CLIP_STD,
+                   "image_size": {"shortest_edge": 3136, "longest_edge": 12845056},
+                   "video_size": {"shortest_edge": 3136, "longest_edge": 12845056}},
+}
+
+
+def _processor_configs(vision: dict, family: str) -> tuple[dict, dict]:
+    fam = QWEN_FAMILIES[family]
     common = {
         "patch_size": vision["patch_size"],
         "temporal_patch_size": vision["temporal_patch_size"],
         "merge_size": vision["spatial_merge_size"],
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
+        "image_mean": fam["mean"],
+        "image_std": fam["std"],
         "do_rescale": True,
         "rescale_factor": 1 / 255,
         "do_normalize": True,
         "do_resize": True,
         "do_convert_rgb": True,
     }
-    image = {**common, "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
-             "size": {"shortest_edge": 65536, "longest_edge": 16777216}}
-    video = {**common, "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
-             "size": {"shortest_edge": 4096, "longest_edge": 25165824}, "fps": 2, "min_frames": 4,
-             "max_frames": 768, "do_sample_frames": True}
+    image = {**common, "image_processor_type": "Qwen2VLImageProcessor", "processor_class": fam["processor"],
+             "size": fam["image_size"]}
+    video = {**common, "video_processor_type": fam["video_processor"], "processor_class": fam["processor"],
+             "size": fam["video_size"], "fps": 2, "min_frames": 4, "max_frames": 768, "do_sample_frames": True}
     return image, video
 
 
-def build_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, with_weights: bool = True,
-                     dtype: str = "bfloat16") -> Path:
-    """Write a complete checkpoint folder for `preset` into `out_dir` (atomically)."""
+def _write_qwen(tmp: Path, spec: dict, preset: str, seed: int, with_weights: bool, dtype: str) -> None:
     import torch
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    import transformers
 
-    out_dir = Path(out_dir)
-    spec = load_preset(preset)
-    tokenizer = build_tokenizer()
+    family = spec.get("model_type", "qwen3_vl")
+    fam = QWEN_FAMILIES[family]
+    tokenizer = build_tokenizer(template=fam["template"])
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     # The config's special ids must be the tokenizer's (the prompt is built with the tokenizer). Real
-    # shapes keep their vocabulary size, which the small tokenizer's ids fit into.
-    if preset == "tiny":
-        spec["text_config"]["vocab_size"] = len(tokenizer)
+    # shapes keep their vocabulary size, which the small tokenizer's ids fit into; tiny presets leave
+    # it out and get the tokenizer's.
+    spec["text_config"].setdefault("vocab_size", len(tokenizer))
     spec.update(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                 vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     text = spec["text_config"]
     text.setdefault("bos_token_id", ids["<|endoftext|>"])
     text.setdefault("eos_token_id", ids["<|im_end|>"])
     text.setdefault("pad_token_id", ids["<|endoftext|>"])
-    config = Qwen3VLConfig(**spec)
+    config = getattr(transformers, fam["config"])(**spec)
+    if with_weights:
+        torch.manual_seed(seed)
+        torch_dtype = torch.float32 if preset.startswith("tiny") else getattr(torch, dtype)
+        model = getattr(transformers, fam["model"])(config).to(torch_dtype)
+        model.generation_config.eos_token_id = ids["<|im_end|>"]
+        model.generation_config.pad_token_id = ids["<|endoftext|>"]
+        model.save_pretrained(tmp)
+    else:
+        config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    image_cfg, video_cfg = _processor_configs(spec["vision_config"], family)
+    (tmp / "preprocessor_config.json").write_text(json.dumps(image_cfg, indent=2))
+    (tmp / "video_preprocessor_config.json").write_text(json.dumps(video_cfg, indent=2))
+    (tmp / "chat_template.jinja").write_text(fam["template"])
 
+
+def build_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, with_weights: bool = True,
+                     dtype: str = "bfloat16") -> Path:
+    """Write a complete checkpoint folder for `preset` into `out_dir` (atomically)."""
+    out_dir = Path(out_dir)
+    spec = load_preset(preset)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent if out_dir.parent.exists() else None))
     try:
-        if with_weights:
-            torch.manual_seed(seed)
-            torch_dtype = getattr(torch, dtype) if preset != "tiny" else torch.float32
-            model = Qwen3VLForConditionalGeneration(config).to(torch_dtype)
-            model.generation_config.eos_token_id = ids["<|im_end|>"]
-            model.generation_config.pad_token_id = ids["<|endoftext|>"]
-            model.save_pretrained(tmp)
+        if spec.get("model_type") == "minicpmv":
+            from .minicpmv_builder import write_minicpmv
+
+            write_minicpmv(tmp, spec, preset, seed, with_weights, dtype)
         else:
-            config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        image_cfg, video_cfg = _processor_configs(spec["vision_config"])
-        (tmp / "preprocessor_config.json").write_text(json.dumps(image_cfg, indent=2))
-        (tmp / "video_preprocessor_config.json").write_text(json.dumps(video_cfg, indent=2))
-        (tmp / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+            _write_qwen(tmp, spec, preset, seed, with_weights, dtype)
         (tmp / "vlm_serve_builder.json").write_text(json.dumps({"preset": preset, "seed": seed,
                                                                  "version": BUILDER_VERSION}))
         out_dir.parent.mkdir(parents=True, exist_ok=True)

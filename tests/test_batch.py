@@ -105,6 +105,24 @@ def test_a_file_image_prepares_like_the_same_bytes_as_a_data_url(tmp_path, tiny_
     assert e.value.code == "media_fetch_failed"
 
 
+def test_a_requests_files_prepare_together_as_the_server_prepares_its_items(tmp_path, tiny_checkpoint):
+    # ChatService.prepare goes through prepare_all, which hands each item the request's worker slots
+    from app.config import MediaConfig
+    from app.media.preprocess import PatchSpec
+    from app.media.ref import MediaRef
+
+    (tmp_path / "a.png").write_bytes(png_bytes(80, 112, seed=3))
+    (tmp_path / "b.png").write_bytes(png_bytes(64, 48, seed=4))
+    os.mkfifo(tmp_path / "pipe.png")
+    pipe = BatchMediaPipeline(MediaConfig(), PatchSpec.from_checkpoint(tiny_checkpoint), root=str(tmp_path))
+    items = asyncio.run(pipe.prepare_all([MediaRef("image", "a.png", "p0"), MediaRef("image", f"file://{tmp_path}/b.png", "p1")]))
+    single = [asyncio.run(pipe.prepare(MediaRef("image", name, "p"))) for name in ("a.png", "b.png")]
+    assert [it.key for it in items] == [it.key for it in single] and items[0].key != items[1].key
+    with pytest.raises(ClientError) as e:  # a FIFO under the root is refused, not read (it would block)
+        asyncio.run(pipe.prepare_all([MediaRef("image", "a.png", "p0"), MediaRef("image", "pipe.png", "p1")]))
+    assert e.value.status == 400 and e.value.param == "p1"
+
+
 def test_config_file_and_overrides(tmp_path):
     f = tmp_path / "b.yaml"
     f.write_text("app:\n  model: embedded:tiny\n  llm: {max_num_seqs: 4}\nllm_pool: {min_size: 1, max_size: 3}\n"

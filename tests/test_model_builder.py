@@ -73,3 +73,40 @@ def test_unknown_preset_and_bad_paths_are_clear_errors(tmp_path):
 def test_a_path_model_resolves_to_itself(tiny_checkpoint):
     assert resolve_model(str(tiny_checkpoint)) == tiny_checkpoint
     assert json.loads((tiny_checkpoint / "vlm_serve_builder.json").read_text())["preset"] == "tiny"
+
+
+def test_qwen25_presets_have_the_published_shapes(tmp_path):
+    from transformers import AutoConfig
+
+    for preset, out, text_hidden, layers, kv, tie in [("qwen2.5-vl-3b", 2048, 2048, 36, 2, True),
+                                                       ("qwen2.5-vl-7b", 3584, 3584, 28, 4, False)]:
+        cfg = AutoConfig.from_pretrained(build_checkpoint(tmp_path / preset, preset, with_weights=False))
+        v, t = cfg.vision_config, cfg.text_config
+        assert cfg.model_type == "qwen2_5_vl"
+        assert (v.depth, v.hidden_size, v.num_heads, v.intermediate_size, v.out_hidden_size) == (32, 1280, 16, 3420, out)
+        assert (v.patch_size, v.spatial_merge_size, v.temporal_patch_size, v.window_size) == (14, 2, 2, 112)
+        assert list(v.fullatt_block_indexes) == [7, 15, 23, 31] and v.tokens_per_second == 2
+        assert (t.hidden_size, t.num_hidden_layers, t.num_key_value_heads, cfg.tie_word_embeddings) == \
+            (text_hidden, layers, kv, tie)
+        assert t.rope_parameters["mrope_section"] == [16, 24, 24]
+
+
+def test_tiny_qwen25_checkpoint_loads_with_its_processor_settings_and_template(model_cache):
+    from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    from app.media.preprocess import PatchSpec
+    from app.model_builder import CLIP_MEAN, CLIP_STD, ensure_embedded
+
+    path = ensure_embedded("tiny-qwen2.5-vl", model_cache)
+    cfg, tok = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    for key, token in [("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+                       ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]:
+        assert getattr(cfg, key) == tok.convert_tokens_to_ids(token)
+    assert cfg.text_config.vocab_size == len(tok)
+    assert PatchSpec.from_checkpoint(path) == PatchSpec(14, 2, 2, tuple(CLIP_MEAN), tuple(CLIP_STD))
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path)
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+    rendered = tok.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "x"}]}],
+                                       tokenize=False, add_generation_prompt=True)
+    assert rendered == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+                        "<|vision_start|><|video_pad|><|vision_end|>x<|im_end|>\n<|im_start|>assistant\n")

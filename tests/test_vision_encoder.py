@@ -188,11 +188,11 @@ def test_layout_metadata_is_cached_and_copied_only_when_the_layout_changes(h):
     h.check(h.items(a, seed=7), expect_graph=True)
     assert (mgr.metadata.hits, mgr.metadata.misses) == (hits + 1, misses + 1)
     budget = mgr.budgets[0]
-    fresh = DeviceMetadataCache(mgr.geo, mgr.device, mgr.seq_slots, mgr._table is not None).get(
-        layout(a, mgr.geo.merge), budget, None)
-    assert torch.equal(mgr._taps[:budget], fresh.taps) and torch.equal(mgr._rot[:budget], fresh.rot)
-    assert torch.equal(mgr._weights[:budget], fresh.weights) and torch.equal(mgr._cu, fresh.cu)
-    assert not mgr._pixels[60:budget].any() and not fresh.taps[60:].any()
+    fresh = DeviceMetadataCache(lambda lay, b, u: mgr.tower.metadata(lay, b, u, mgr.seq_slots), mgr.device).get(
+        layout(a, 2), budget, None)
+    held = mgr._meta_views(budget)
+    assert held.keys() == fresh.keys() and all(torch.equal(held[k], fresh[k]) for k in fresh)
+    assert not mgr._pixels[60:budget].any() and not fresh["taps"][60:].any()
 
 
 def test_raw_uint8_rows_give_the_embeddings_of_the_processors_float_rows(h):

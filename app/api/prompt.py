@@ -1,15 +1,19 @@
 """Chat prompt -> token ids with every media placeholder expanded to its exact token count.
 
 The checkpoint's own chat template renders the messages; each image placeholder becomes
-`<|vision_start|>` + n x `<|image_pad|>` + `<|vision_end|>`, and each video becomes, per temporal
-group, `<t seconds>` + `<|vision_start|>` + n x `<|video_pad|>` + `<|vision_end|>` (Qwen3-VL's video
-format). Text between placeholders is tokenized piecewise, so the counts are exact by construction.
+`<|vision_start|>` + n x `<|image_pad|>` + `<|vision_end|>`. A video becomes, in Qwen3-VL's format, per
+temporal group `<t seconds>` + `<|vision_start|>` + n x `<|video_pad|>` + `<|vision_end|>`; in
+Qwen2.5-VL's (no timestamps: its positions carry time instead) one `<|vision_start|>` + all groups'
+`<|video_pad|>` + `<|vision_end|>`. Text between placeholders is tokenized piecewise, so the counts are
+exact by construction.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
@@ -47,9 +51,26 @@ class Prompt:
         return sum(1 for t in self.mm_token_type_ids if t == kind)
 
 
+# model_type -> whether videos are expanded with per-group timestamps
+_VIDEO_TIMESTAMPS = {"qwen3_vl": True, "qwen2_5_vl": False}
+
+
+def video_timestamps_for(checkpoint: str | Path | None) -> bool:
+    """Whether the checkpoint's family writes `<t seconds>` before each temporal group (Qwen3-VL) or
+    not (Qwen2.5-VL). Unknown or unreadable: Qwen3-VL's format."""
+    try:
+        model_type = json.loads((Path(checkpoint) / "config.json").read_text()).get("model_type", "")
+    except (OSError, TypeError, ValueError):
+        return True
+    return _VIDEO_TIMESTAMPS.get(model_type, True)
+
+
 class PromptBuilder:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, video_timestamps: bool | None = None):
+        """`video_timestamps` None: from the family of the checkpoint the tokenizer was loaded from."""
         self.tok = tokenizer
+        self.video_timestamps = (video_timestamps_for(getattr(tokenizer, "name_or_path", None))
+                                 if video_timestamps is None else video_timestamps)
         ids = tokenizer.convert_tokens_to_ids
         self.vs, self.ve = ids(VISION_START), ids(VISION_END)
         self.image_id, self.video_id = ids(IMAGE_PAD), ids(VIDEO_PAD)
@@ -82,6 +103,8 @@ class PromptBuilder:
                 raise ValueError(f"placeholder {m.group(1)} does not match a {slot.kind} item")
             if slot.kind == "image":
                 add([self.vs]); add([self.image_id] * slot.num_tokens, IMAGE_TYPE); add([self.ve])  # noqa: E702
+            elif not self.video_timestamps:
+                add([self.vs]); add([self.video_id] * slot.num_tokens, VIDEO_TYPE); add([self.ve])  # noqa: E702
             else:
                 for ts in slot.timestamps:
                     add(self._text(f"<{ts:.1f} seconds>"))

@@ -2,21 +2,24 @@
 `app.media.fetch.fetch`), plus files on local or shared storage, as a bare path or a `file://` URL.
 
 Files are read only under the configured `file_root`: the path is resolved (symlinks and `..`
-included) and must stay inside it, so an input file cannot make the job read e.g. /etc or a key.
-Everything after the bytes (decode, resize, patchify, cache key) is the serving pipeline's
-`prepare_bytes`.
+included) and must stay inside it, so an input file cannot make the job read e.g. /etc or a key. The
+read itself is the server's `file://` reader (`app.media.local_files.read_local`): the opened file is
+checked against the root again, only regular files are read (a FIFO would block), never past the byte
+cap. Everything after the bytes (decode, resize, patchify, cache key) is the serving pipeline's
+`prepare_bytes`, under the same worker slots and decode deadline as the server's items.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from urllib.parse import quote, unquote, urlparse
 
 from ..errors import ClientError
+from ..media.local_files import read_local
 from ..media.pipeline import MediaPipeline, PreparedItem, prepare_bytes
 from ..media.ref import MediaRef
+from ..media.workers import run_item
 
 
 def resolve_file(url: str, root: str | None, param: str) -> Path:
@@ -38,15 +41,8 @@ def resolve_file(url: str, root: str | None, param: str) -> Path:
     return path
 
 
-def _read(path: Path, max_bytes: int, url: str, param: str) -> bytes:
-    try:
-        size = os.stat(path).st_size
-        if size > max_bytes:
-            raise ClientError(f"media file of {size} bytes exceeds the limit of {max_bytes}", param=param,
-                              code="media_too_large", status=413)
-        data = path.read_bytes()
-    except OSError as e:
-        raise ClientError(f"could not read {url}: {e.strerror}", param=param, code="media_fetch_failed") from e
+def _read(path: Path, root: str, max_bytes: int, param: str) -> bytes:
+    data = read_local("file://" + quote(str(path)), root=root, max_bytes=max_bytes, param=param)
     if not data:
         raise ClientError("empty media payload", param=param, code="invalid_media")
     return data
@@ -59,10 +55,10 @@ class BatchMediaPipeline(MediaPipeline):
         super().__init__(*args, **kwargs)
         self.root = root
 
-    async def prepare(self, ref: MediaRef) -> PreparedItem:
+    async def prepare(self, ref: MediaRef, slots: asyncio.Semaphore | None = None) -> PreparedItem:
         if ref.url.startswith(("data:", "http://", "https://")):
-            return await super().prepare(ref)
+            return await super().prepare(ref, slots)
         path = resolve_file(ref.url, self.root, ref.param)
-        data = await asyncio.to_thread(_read, path, self.cfg.max_media_bytes, ref.url, ref.param)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, prepare_bytes, data, ref, self.cfg, self.spec)
+        data = await asyncio.to_thread(_read, path, self.root, self.cfg.max_media_bytes, ref.param)
+        return await run_item(self.executor, slots, self.cfg.decode_timeout_s, ref.param,
+                              prepare_bytes, data, ref, self.cfg, self.spec)

@@ -157,3 +157,15 @@ def frame_timestamps(indices: list[int], fps: float, temporal: int) -> list[floa
         idx += [idx[-1]] * (temporal - len(idx) % temporal)
     ts = [i / fps for i in idx]
     return [(ts[i] + ts[i + temporal - 1]) / 2 for i in range(0, len(ts), temporal)]
+
+
+def seconds_per_group(num_sampled: int, total_frames: int, fps: float, temporal: int) -> float:
+    """Seconds one temporal group of a sampled video spans, as transformers' Qwen2.5-VL processor gives
+    `second_per_grid_ts`: temporal / sampled fps, the sampled fps being num_sampled / total_frames x fps
+    (transformers' `VideoMetadata.sampled_fps`, whose fallback without timing is the fps, else 24).
+    Qwen2.5-VL's M-RoPE spaces a video's temporal positions by this x `tokens_per_second`."""
+    if num_sampled > 0 and total_frames > 0 and fps > 0:
+        sampled = num_sampled / total_frames * fps
+    else:
+        sampled = fps or 24.0
+    return temporal / sampled

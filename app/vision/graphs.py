@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import table_rows
-from .device_metadata import DeviceMetadataCache, table_layout
-from .metadata import BatchLayout, Grid, TowerGeometry, layout
+from .device_metadata import DeviceMetadataCache
+from .metadata import BatchLayout, Grid
 from .timing import cuda_times_ms
-from .tower import TowerInputs, VisionTower
+from .tower_api import GraphTower, TowerBatch
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +46,10 @@ class VisionItem:
 
 @dataclass
 class VisionEmbedding:
-    """Tower output for one item: merged tokens for the LLM and one tensor per deepstack layer."""
+    """Tower output for one item: its embedding rows for the LLM and one tensor per deepstack layer
+    (none for towers without deepstack)."""
 
-    main: torch.Tensor  # [t*h*w / merge^2, out_dim]
+    main: torch.Tensor  # [rows, out_dim]: t*h*w / merge^2 for Qwen towers, the resampler's queries for MiniCPM-V
     deepstack: list[torch.Tensor]
 
 
@@ -130,16 +130,15 @@ class EncoderStats:
 class GraphManager:
     """Owns static buffers, captured graphs and the eager fallback for one tower (one GPU)."""
 
-    def __init__(self, tower: VisionTower, settings: GraphSettings):
+    def __init__(self, tower: GraphTower, settings: GraphSettings):
         if not settings.budgets:
             raise ValueError("at least one token budget is needed")
-        unit = tower.merge_unit
+        unit = tower.budget_unit
         for b in settings.budgets:
             if b % unit:
-                raise ValueError(f"token budget {b} is not a multiple of the merge unit {unit}")
+                raise ValueError(f"token budget {b} is not a multiple of the tower's unit {unit}")
         self.tower = tower
         self.settings = settings
-        self.geo = TowerGeometry.from_config(tower.visual.config)
         self.budgets = sorted(set(settings.budgets))
         self.max_budget = self.budgets[-1]
         self.seq_slots = settings.max_frames_per_batch + 1  # + one sequence for the padding tokens
@@ -160,7 +159,8 @@ class GraphManager:
         self.capture_bytes = 0
         self.stats = EncoderStats()
         self._lock = threading.Lock()
-        self.metadata = DeviceMetadataCache(self.geo, self.device, self.seq_slots, tower.split_attention)
+        self.metadata = DeviceMetadataCache(
+            lambda lay, budget, uniform: tower.metadata(lay, budget, uniform, self.seq_slots), self.device)
         self._filled: tuple | None = None  # the metadata key the static buffers hold now
         self._alloc_static()
 
@@ -169,19 +169,15 @@ class GraphManager:
         n, dev = self.max_budget, self.device
         px_dtype = torch.uint8 if self.settings.uint8_pixels else self.tower.dtype
         self._pixels = torch.zeros(n, self.tower.patch_dim, dtype=px_dtype, device=dev)
-        self._taps = torch.zeros(n, 4, dtype=torch.long, device=dev)
-        self._weights = torch.zeros(n, 4, dtype=torch.float32, device=dev)
-        self._rot = torch.zeros(n, 2, dtype=torch.long, device=dev)
-        self._cu = torch.zeros(self.seq_slots + 1, dtype=torch.int32, device=dev)
-        self._table = (torch.zeros(table_rows(n, self.seq_slots, block_m=64), 3, dtype=torch.int32, device=dev)
-                       if self.tower.split_attention else None)
+        self._meta = self.tower.metadata_buffers(n, self.seq_slots)  # the tower's metadata, max-size
 
-    def _static_inputs(self, budget: int, uniform: tuple[int, int] | None = None) -> TowerInputs:
-        bm, rows = table_layout(budget, uniform, self.seq_slots)
-        table = self._table[:rows] if self._table is not None else None
-        return TowerInputs(self._pixels[:budget], self._taps[:budget], self._weights[:budget],
-                           self._rot[:budget], self._cu, uniform[1] if uniform else budget, uniform, table, bm,
-                           static=True)
+    def _meta_views(self, budget: int, uniform: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+        rows = self.tower.metadata_rows(budget, uniform, self.seq_slots)
+        return {k: self._meta[k][:r] for k, r in rows.items()}
+
+    def _static_inputs(self, budget: int, uniform: tuple[int, int] | None = None) -> TowerBatch:
+        return TowerBatch(self._pixels[:budget], self._meta_views(budget, uniform),
+                          uniform[1] if uniform else budget, uniform, static=True)
 
     def _fill(self, items: list[VisionItem], lay: BatchLayout, budget: int,
               uniform: tuple[int, int] | None = None) -> None:
@@ -192,12 +188,11 @@ class GraphManager:
         key = DeviceMetadataCache.key(lay, budget, uniform)
         if key != self._filled:
             meta = self.metadata.get(lay, budget, uniform)
-            self._taps[:budget].copy_(meta.taps)
-            self._weights[:budget].copy_(meta.weights)
-            self._rot[:budget].copy_(meta.rot)
-            self._cu.copy_(meta.cu)
-            if meta.table is not None:
-                self._table[:meta.table.shape[0]].copy_(meta.table)
+            views = self._meta_views(budget, uniform)
+            if meta.keys() != views.keys():
+                raise ValueError(f"tower metadata {sorted(meta)} does not match its buffers {sorted(views)}")
+            for name, t in meta.items():
+                views[name].copy_(t)
             if budget > n:
                 self._pixels[n:budget].zero_()
             self._filled = key
@@ -252,7 +247,7 @@ class GraphManager:
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         warm = self._synthetic_batch(self.max_budget)
-        self._fill(warm, layout([it.grid for it in warm], self.geo.merge), self.max_budget)
+        self._fill(warm, self._layout(warm), self.max_budget)
         self._on_side_stream(lambda: [self.tower(self._static_inputs(self.max_budget)) for _ in range(2)])
         # Growth of reserved memory over the capture, from an emptied cache (torch.cuda.graph empties
         # it on entry too): the private graph pool's segments, i.e. what the graphs hold.
@@ -285,7 +280,7 @@ class GraphManager:
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
 
-    def _capture_graph(self, inp: TowerInputs):
+    def _capture_graph(self, inp: TowerBatch):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
             out = self.tower(inp)
@@ -294,7 +289,7 @@ class GraphManager:
     def uniform_fits(self, shape: tuple[int, int]) -> bool:
         seqs, length = shape
         return (seqs * length <= self.max_budget and seqs <= self.settings.max_frames_per_batch
-                and length % self.tower.merge_unit == 0)
+                and length % self.tower.budget_unit == 0)
 
     def _capture_uniform(self, shape: tuple[int, int], tune: bool = True, reps: int = 10) -> bool:
         """Capture the exact-shape graph for `shape` = (sequences, length); with `tune`, keep it only
@@ -304,7 +299,7 @@ class GraphManager:
         seqs, length = shape
         n = seqs * length
         items = self._synthetic_uniform(shape)
-        lay = layout([it.grid for it in items], self.geo.merge)
+        lay = self._layout(items)
         self._fill(items, lay, n, shape)
         inp = self._static_inputs(n, shape)
         t0 = time.perf_counter()
@@ -318,7 +313,7 @@ class GraphManager:
 
     def _tune_budget(self, b: int) -> dict:
         mixed, same = self._synthetic_batch(b, equal=False), self._synthetic_batch(b)
-        lay_m, lay_s = (layout([it.grid for it in x], self.geo.merge) for x in (mixed, same))
+        lay_m, lay_s = self._layout(mixed), self._layout(same)
         eager_ms = self._time_ms(lambda: self._run_eager(mixed, lay_m))
         graph_ms = self._time_ms(lambda: self._run_graph(mixed, lay_m, b))
         dense_ms = self._time_ms(lambda: self._run_eager(same, lay_s)) if lay_s.uniform else eager_ms
@@ -347,9 +342,10 @@ class GraphManager:
         return torch.randn(shape, device=dev)
 
     def _synthetic_uniform(self, shape: tuple[int, int]) -> list[VisionItem]:
-        seqs, length = shape
-        m = self.geo.merge
-        return [VisionItem(self._random_pixels(seqs * length), (seqs, m, length // m))]
+        return [VisionItem(self._random_pixels(t * h * w), (t, h, w)) for t, h, w in self.tower.uniform_grids(shape)]
+
+    def _layout(self, items: list[VisionItem]) -> BatchLayout:
+        return self.tower.layout([it.grid for it in items])
 
     def _note_uniform(self, shape: tuple[int, int]) -> None:
         """Count an equal-length shape that has no graph; queue it for capture at the threshold."""
@@ -395,7 +391,7 @@ class GraphManager:
         With `equal=False` the first image is split 3:1 so the sequence lengths differ: that is what
         budget graphs serve, since equal-length batches get exact-shape graphs of their own.
         """
-        m, unit = self.geo.merge, self.tower.merge_unit
+        unit = self.tower.budget_unit
         sizes, left = [], budget
         while left > 0:
             sizes.append(min(1024, left))  # 1024 patches = a 512x512 image
@@ -404,7 +400,7 @@ class GraphManager:
         if not equal and 0 < first < sizes[0]:
             sizes[:1] = [first, sizes[0] - first]
         sizes = sizes[: self.settings.max_items_per_batch]
-        return [VisionItem(self._random_pixels(n), (1, m, n // m)) for n in sizes]
+        return [VisionItem(self._random_pixels(n), self.tower.synthetic_grid(n)) for n in sizes]
 
     def _time_ms(self, fn, reps: int = 10) -> float:
         return statistics.median(cuda_times_ms(fn, reps))
@@ -417,7 +413,7 @@ class GraphManager:
         self.autotune_table = [self._tune_budget(b) for b in sorted(self.graphs)]
         for shape in list(self.uniform_graphs):
             items = self._synthetic_uniform(shape)
-            self._tune_uniform(shape, items, layout([it.grid for it in items], self.geo.merge))
+            self._tune_uniform(shape, items, self._layout(items))
         log.info("vision graph auto-tune (budget or uniform shape, eager ms, graph ms, kept):\n%s",
                  "\n".join(f"  {str(r.get('budget', r.get('uniform'))):>10} {r['eager_ms']:>9.3f} "
                            f"{r['graph_ms']:>9.3f} {r['kept']}" for r in self.autotune_table))
@@ -428,7 +424,7 @@ class GraphManager:
         """Per-item views; with `copy` (graph outputs, which the next replay overwrites) the real rows
         of every output are copied out first, in one kernel."""
         if copy:
-            n_out = lay.num_tokens // lay.merge_unit
+            n_out = lay.num_out
             main, *deepstack = torch.stack([main[:n_out], *(d[:n_out] for d in deepstack)]).unbind(0)
         return [VisionEmbedding(main[s], [d[s] for d in deepstack]) for s in lay.item_slices()]
 
@@ -436,8 +432,7 @@ class GraphManager:
         dev = self.device
         pixels = torch.cat([it.pixels.to(dev, non_blocking=True) for it in items]) if len(items) > 1 \
             else items[0].pixels.to(dev, non_blocking=True)
-        m = self.metadata.get(lay, None, lay.uniform)
-        inp = TowerInputs(pixels, m.taps, m.weights, m.rot, m.cu, max(lay.seq_lens), lay.uniform, m.table, m.block_m)
+        inp = TowerBatch(pixels, self.metadata.get(lay, None, lay.uniform), max(lay.seq_lens), lay.uniform)
         main, deepstack = self.tower(inp)
         return self._split(main, deepstack, lay, copy=False)
 
@@ -472,7 +467,7 @@ class GraphManager:
             if (it.pixels.dtype == torch.uint8) != self.settings.uint8_pixels:
                 want = "uint8 (raw)" if self.settings.uint8_pixels else "normalised float"
                 raise ValueError(f"item pixels are {it.pixels.dtype}; this manager takes {want} rows")
-        lay = layout([it.grid for it in items], self.geo.merge)
+        lay = self.tower.layout([it.grid for it in items])
         with self._lock:
             shape = None if force_eager else self._uniform_graph_for(lay)
             budget, reason = None, "forced"

@@ -7,7 +7,9 @@ and residual adds, layer norms). Two Triton kernels remove most of them:
 - `rotary_qk`: q and k straight from the qkv GEMM output, rotated in float32, written once.
 - `add_bias_layernorm`: x + y + bias (the residual), and the next layer norm of it, in one pass.
 
-Both follow the reference's rounding points (bf16 storage, float32 math).
+Both follow the reference's rounding points (bf16 storage, float32 math). Qwen2.5-VL's tower
+(RMSNorm, SwiGLU) has two more: `add_bias_rmsnorm` (the residual add and the next RMSNorm in one pass)
+and `silu_mul` (SwiGLU's activation over one fused gate/up GEMM output).
 """
 
 from __future__ import annotations
@@ -49,7 +51,54 @@ def add_bias_layernorm_torch(x, y, bias, ln_weight, ln_bias, eps):
     return s.to(x.dtype), h.to(y.dtype)
 
 
+def add_bias_rmsnorm_torch(x, y, bias, weight, eps):
+    """(x + y + bias, rms_norm(that) * weight); y and bias may be None; no norm when weight is None.
+    The residual keeps x's dtype; the normed output takes the weight's dtype."""
+    s = x.float()
+    if y is not None:
+        s = s + y.float()
+    if bias is not None:
+        s = s + bias.float()
+    if weight is None:
+        return s.to(x.dtype), None
+    h = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return s.to(x.dtype), h.to(weight.dtype)
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] (gate, then up) -> silu(gate) * up [N, I]."""
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
 if triton is not None:
+
+    @triton.jit
+    def _add_rms_kernel(x_ptr, y_ptr, b_ptr, w_ptr, out_x_ptr, out_h_ptr, eps, C: tl.constexpr, BLOCK: tl.constexpr,
+                        HAS_Y: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < C
+        s = tl.load(x_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_Y:
+            s += tl.load(y_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            s += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_x_ptr + row * C + cols, s.to(out_x_ptr.dtype.element_ty), mask=mask)
+        if HAS_NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / C + eps)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_h_ptr + row * C + cols, (s * rstd * w).to(out_h_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < inter
+        g = tl.load(gu_ptr + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        out = g / (1.0 + tl.exp(-g)) * u
+        tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, H: tl.constexpr, D: tl.constexpr,
@@ -132,3 +181,29 @@ def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) 
     if x.is_cuda:
         return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
     return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+
+
+def add_bias_rmsnorm(x, y, bias, weight, eps: float):
+    """Fused `add_bias_rmsnorm_torch`: one pass over the row, float32 math, one rounding of each output."""
+    if not triton_available(x.device):
+        return add_bias_rmsnorm_torch(x, y, bias, weight, eps)
+    n, c = x.shape
+    out_x = torch.empty_like(x)
+    out_h = torch.empty(n, c, dtype=weight.dtype, device=x.device) if weight is not None else None
+    block = triton.next_power_of_2(c)
+    _add_rms_kernel[(n,)](x, y if y is not None else x, bias if bias is not None else x,
+                          weight if weight is not None else x, out_x, out_h if out_h is not None else out_x, eps, c,
+                          block, y is not None, bias is not None, weight is not None,
+                          num_warps=8 if block >= 2048 else 4)
+    return out_x, out_h
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if not triton_available(gate_up.device):
+        return silu_mul_torch(gate_up)
+    n, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty(n, inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(n, triton.cdiv(inter, block))](gate_up, out, inter, block, num_warps=4)
+    return out

@@ -1,4 +1,10 @@
-"""Load only the vision tower of a Qwen3-VL checkpoint (the encoder replicas need nothing else)."""
+"""Load only the vision tower of a checkpoint (the encoder replicas need nothing else).
+
+Supported families (the checkpoint's `model_type`): Qwen3-VL (`qwen3_vl`), Qwen2.5-VL (`qwen2_5_vl`),
+both into transformers' own tower modules by parameter name, and MiniCPM-V 4.5 (`minicpmv`) into our
+modules with the published parameter names (minicpmv_tower.py). `build_tower` wraps the loaded module
+in the matching graph-friendly tower.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +14,34 @@ from pathlib import Path
 import torch
 
 _PREFIXES = ("model.visual.", "visual.")
+QWEN_FAMILIES = ("qwen3_vl", "qwen2_5_vl")
+
+
+def _tower_class(model_type: str):
+    if model_type == "qwen3_vl":
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        return Qwen3VLVisionModel
+    if model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel,
+        )
+
+        return Qwen2_5_VisionTransformerPretrainedModel
+    raise ValueError(f"unsupported vision tower family {model_type!r}; known: {', '.join(QWEN_FAMILIES)}")
+
+
+def _model_type(vision_config) -> str:
+    mt = getattr(vision_config, "model_type", "")
+    return "qwen2_5_vl" if mt.startswith("qwen2_5_vl") else "qwen3_vl" if mt.startswith("qwen3_vl") else mt
 
 
 def vision_model_from_config(vision_config, dtype: torch.dtype, device: str | torch.device = "cpu"):
     """A randomly initialised transformers vision tower (benchmarks: speed ignores weight values)."""
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-
+    cls = _tower_class(_model_type(vision_config))
     vision_config._attn_implementation = "sdpa"
     with torch.device(device):
-        model = Qwen3VLVisionModel._from_config(vision_config, dtype=dtype)
+        model = cls._from_config(vision_config, dtype=dtype)
     return model.eval()
 
 
@@ -27,29 +52,65 @@ def _axial_inv_freq(cfg) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
 
 
-def load_vision_model(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu"):
-    """transformers' `Qwen3VLVisionModel` with the checkpoint's `model.visual.*` weights."""
+def checkpoint_files(path: Path) -> list[str]:
+    index = path / "model.safetensors.index.json"
+    return sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else ["model.safetensors"]
+
+
+def read_tensors(path: str | Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Tensors whose names start with one of `prefixes`, keyed by the rest of the name."""
     from safetensors import safe_open
+
+    path, state = Path(path), {}
+    for name in checkpoint_files(path):
+        with safe_open(str(path / name), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                for prefix in prefixes:
+                    if key.startswith(prefix):
+                        state[key[len(prefix):]] = f.get_tensor(key)
+    return state
+
+
+def checkpoint_family(path: str | Path) -> str:
+    """The checkpoint's model_type (config.json)."""
+    return json.loads((Path(path) / "config.json").read_text()).get("model_type", "")
+
+
+def load_vision_model(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu"):
+    """transformers' Qwen3-VL / Qwen2.5-VL vision tower with the checkpoint's `model.visual.*` weights."""
     from transformers import AutoConfig
 
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
     model = vision_model_from_config(config.vision_config, dtype, "meta")
-    index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-        else ["model.safetensors"]
-    state = {}
-    for name in files:
-        with safe_open(str(path / name), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                for prefix in _PREFIXES:
-                    if key.startswith(prefix):
-                        state[key[len(prefix):]] = f.get_tensor(key)
+    state = read_tensors(path, _PREFIXES)
     if not state:
         raise ValueError(f"no vision tower weights (model.visual.*) found in {path}")
     model = model.to_empty(device=device)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if "inv_freq" not in k]:
         raise ValueError(f"vision weights in {path} do not match the config: missing {missing}, unexpected {unexpected}")
-    model.rotary_pos_emb.inv_freq.copy_(_axial_inv_freq(config.vision_config))
+    inv_freq = _axial_inv_freq(config.vision_config)
+    model.rotary_pos_emb.inv_freq.copy_(inv_freq)
+    if hasattr(model.rotary_pos_emb, "original_inv_freq"):
+        model.rotary_pos_emb.original_inv_freq.copy_(inv_freq)
     return model.to(dtype).eval()
+
+
+def build_tower(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
+                pixel_norm: tuple | None = None):
+    """The graph-friendly tower for a checkpoint of any supported family."""
+    family = checkpoint_family(path)
+    if family == "minicpmv":
+        from .minicpmv_tower import MiniCPMVTower, load_minicpmv_vision
+
+        return MiniCPMVTower(load_minicpmv_vision(path, dtype, device), pixel_norm)
+    visual = load_vision_model(path, dtype, device)
+    if family == "qwen2_5_vl":
+        from .qwen25_tower import Qwen25Tower
+
+        return Qwen25Tower(visual, pixel_norm)
+    from .tower import VisionTower
+
+    return VisionTower(visual, pixel_norm)

@@ -65,7 +65,7 @@ class BatchLayout:
     grids: list[Grid]
     token_offsets: list[int]  # start of each item in patch tokens
     seq_lens: list[int]  # one entry per attention sequence (image, or temporal group of a video)
-    merge_unit: int
+    out_rows: list[int]  # embedding rows each item yields (its tokens / merge unit for Qwen towers)
 
     @property
     def num_tokens(self) -> int:
@@ -84,13 +84,23 @@ class BatchLayout:
         """(sequences, length) when every attention sequence is equally long: dense attention applies."""
         return (self.num_seqs, self.seq_lens[0]) if len(set(self.seq_lens)) == 1 else None
 
+    @property
+    def num_out(self) -> int:
+        """Embedding rows of the whole batch."""
+        return sum(self.out_rows)
+
     def item_slices(self) -> list[slice]:
-        """Rows of each item in the merged (output) tensors."""
-        u = self.merge_unit
-        return [slice(off // u, (off + t * h * w) // u) for off, (t, h, w) in zip(self.token_offsets, self.grids)]
+        """Rows of each item in the output tensors (items' rows follow each other in item order)."""
+        out, start = [], 0
+        for n in self.out_rows:
+            out.append(slice(start, start + n))
+            start += n
+        return out
 
 
 def layout(grids: list[Grid], merge: int) -> BatchLayout:
+    """Qwen towers: each temporal group of each item is one attention sequence; every merge x merge
+    block of patches becomes one embedding row."""
     offsets, seqs, off = [], [], 0
     for t, h, w in grids:
         if h % merge or w % merge:
@@ -98,7 +108,7 @@ def layout(grids: list[Grid], merge: int) -> BatchLayout:
         offsets.append(off)
         seqs.extend([h * w] * t)
         off += t * h * w
-    return BatchLayout(list(map(tuple, grids)), offsets, seqs, merge * merge)
+    return BatchLayout(list(map(tuple, grids)), offsets, seqs, [t * h * w // (merge * merge) for t, h, w in grids])
 
 
 def cu_seqlens(seq_lens: list[int], pad_to_tokens: int | None = None, pad_to_seqs: int | None = None) -> torch.Tensor:

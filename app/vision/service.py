@@ -13,9 +13,8 @@ from ..media.preprocess import PatchSpec
 from .batcher import EncodeBatcher
 from .cache import EmbeddingCache
 from .graphs import GraphManager, GraphSettings, VisionItem
-from .loading import load_vision_model
+from .loading import build_tower
 from .packing import Limits
-from .tower import VisionTower
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +39,8 @@ class EncoderService:
         dtype = resolve_dtype(enc.dtype, torch.device(device))
         # The router sends raw uint8 patch rows (a quarter of float32's bytes through Ray and to the GPU);
         # the tower normalises them with the checkpoint's processor settings.
-        tower = VisionTower(load_vision_model(checkpoint, dtype, device),
-                            pixel_norm=PatchSpec.from_checkpoint(checkpoint).column_norm())
+        # (the checkpoint's family picks the tower: Qwen3-VL, Qwen2.5-VL or MiniCPM-V; loading.build_tower)
+        tower = build_tower(checkpoint, dtype, device, pixel_norm=PatchSpec.from_checkpoint(checkpoint).column_norm())
         budgets = enc.token_budgets or GraphSettings.power_of_two_budgets(enc.min_budget, enc.max_budget,
                                                                                 enc.budget_steps_per_octave)
         self.manager = GraphManager(tower, GraphSettings(

@@ -1,0 +1,111 @@
+"""The contract between the graph manager and a vision tower.
+
+The graph manager (graphs.py) knows nothing about any model. It owns token budgets, static input
+buffers, CUDA graphs, padding, auto-tune and the eager fallback; a tower supplies the rest through
+`GraphTower`:
+
+- `layout(grids)`: how a batch of items splits into patch tokens, attention sequences and output rows;
+- `metadata(layout, budget, uniform, seq_slots)`: every data-dependent tensor the body needs (position
+  ids, permutations, `cu_seqlens`, attention tables), built on the host from the grids, padded to a
+  budget's static shapes when a budget is given;
+- `metadata_buffers` / `metadata_rows`: the static buffers those tensors are copied into (allocated once
+  at the largest budget) and how many rows of each one budget reads;
+- `forward(TowerBatch)`: the static-shape body, free of host synchronisation when `batch.static`.
+
+Padding rules every tower follows, so that a padded batch gives its real rows exactly the eager
+result: padding tokens are zero pixel rows that form an attention sequence of their own (never mixed
+with real tokens, always finite), unused sequence slots have zero length, and `cu_seqlens` stays
+monotonic. Real output rows come first, in item order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .metadata import BatchLayout, Grid
+
+
+@dataclass
+class TowerBatch:
+    """One packed batch on the tower's device. Shapes are static for a given budget or uniform shape."""
+
+    pixels: torch.Tensor  # [N, patch_dim]: normalised float rows, or raw uint8 rows (see GraphTower.pixel_norm)
+    meta: dict[str, torch.Tensor] = field(default_factory=dict)  # the tower's metadata, on its device
+    max_seqlen: int = 0  # host int: an upper bound of every attention sequence's length
+    uniform: tuple[int, int] | None = None  # (sequences, length) when all sequences are equally long
+    static: bool = False  # a graph's static buffers (fixed shapes), not an eager batch
+
+
+class GraphTower(nn.Module):
+    """Base class of the towers the graph manager runs. Subclasses implement the methods that raise."""
+
+    #: budgets (patch tokens) must be multiples of this; an item's tokens always are
+    budget_unit: int = 1
+
+    def __init__(self, pixel_norm: tuple | None = None):
+        """`pixel_norm` = (scale, offset) per pixel-row column (`PatchSpec.column_norm`) lets the tower take
+        uint8 patch rows and normalise them itself, in float32 as the processor does; without it, rows
+        come normalised (float)."""
+        super().__init__()
+        self.pixel_scale = self.pixel_offset = None
+        self._pixel_norm = pixel_norm
+
+    def _init_pixel_norm(self) -> None:
+        """Call at the end of a subclass's __init__, once `device` is known."""
+        if self._pixel_norm is not None:
+            self.pixel_scale, self.pixel_offset = (torch.as_tensor(t, dtype=torch.float32, device=self.device)
+                                                   for t in self._pixel_norm)
+
+    def normalized_pixels(self, px: torch.Tensor) -> torch.Tensor:
+        """Rows in the tower's dtype; uint8 rows get the processor's rescale and normalise first."""
+        if px.dtype == torch.uint8:
+            if self.pixel_scale is None:
+                raise ValueError("uint8 pixel rows need the tower's pixel_norm")
+            px = px.float() * self.pixel_scale + self.pixel_offset
+        return px.to(self.dtype)
+
+    # ------------------------------------------------------------------ what subclasses provide
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    @property
+    def patch_dim(self) -> int:
+        """Columns of one pixel row."""
+        raise NotImplementedError
+
+    def layout(self, grids: list[Grid]) -> BatchLayout:
+        raise NotImplementedError
+
+    def metadata(self, lay: BatchLayout, budget: int | None, uniform: tuple[int, int] | None,
+                 seq_slots: int) -> dict[str, torch.Tensor]:
+        """Host tensors for `lay`; padded to `budget` tokens and `seq_slots` sequences (shapes then equal
+        `metadata_rows`), or exact for an eager batch (`budget` None)."""
+        raise NotImplementedError
+
+    def metadata_buffers(self, max_budget: int, seq_slots: int) -> dict[str, torch.Tensor]:
+        """Zeroed device buffers large enough for every budget up to `max_budget` and every uniform shape."""
+        raise NotImplementedError
+
+    def metadata_rows(self, budget: int, uniform: tuple[int, int] | None, seq_slots: int) -> dict[str, int]:
+        """Rows (first dimension) of each buffer that a graph of this budget / uniform shape reads."""
+        raise NotImplementedError
+
+    def synthetic_grid(self, tokens: int) -> Grid:
+        """An image grid of exactly `tokens` patch tokens (capture and auto-tune batches)."""
+        raise NotImplementedError
+
+    def uniform_grids(self, shape: tuple[int, int]) -> list[Grid]:
+        """Items whose attention sequences are `shape[0]` sequences of `shape[1]` tokens each."""
+        raise NotImplementedError
+
+    def forward(self, batch: TowerBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """-> (main embeddings, extra per-row outputs such as deepstack features), rows in item order."""
+        raise NotImplementedError
