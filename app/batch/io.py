@@ -1,0 +1,158 @@
+"""Input rows and output shards.
+
+Input: JSONL (one chat-completion body per line, with an `id`) or Parquet with the same columns.
+A line that is not a JSON object, or has no usable id, still becomes a row: it gets the id
+`line-<n>` (its 1-based line number, stable across reruns) and an error object, so one bad line never
+stops the job and every line is answered once.
+
+Output: `part-NNNNN.jsonl` shards in the output folder, each written whole to a temporary file,
+flushed to disk and renamed into place. A kill leaves complete shards and at most a stray temporary
+file (removed on the next run), never half a line. On a rerun the ids in the existing shards are
+skipped and new shards are numbered after the last one, so earlier shards are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ClientError
+
+SHARD = re.compile(r"^part-(\d{5,})\.jsonl$")
+
+
+@dataclass
+class Row:
+    line: int  # 1-based line (JSONL) or row number (Parquet)
+    id: str
+    body: dict | None
+    error: ClientError | None = None
+
+
+def _row(line: int, body, seen: set[str]) -> Row:
+    fallback = f"line-{line}"
+    if not isinstance(body, dict):
+        return Row(line, fallback, None, ClientError("the line is not a JSON object", code="invalid_json"))
+    rid = body.get("id")
+    if isinstance(rid, bool) or not isinstance(rid, str | int) or rid == "":
+        return Row(line, fallback, None, ClientError("each request needs an 'id' (a string or an integer)",
+                                                     param="id", code="invalid_id"))
+    rid = str(rid)
+    if rid in seen:
+        return Row(line, fallback, None, ClientError(f"id {rid!r} appears on an earlier line", param="id",
+                                                     code="duplicate_id"))
+    seen.add(rid)
+    body = {k: v for k, v in body.items() if k != "id"}
+    body["stream"] = False  # a batch answer is one object
+    return Row(line, rid, body)
+
+
+def _jsonl(path: Path) -> Iterator[tuple[int, object]]:
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                yield n, json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as e:
+                yield n, ClientError(f"line {n} is not valid JSON: {e}", code="invalid_json")
+
+
+def _parquet(path: Path) -> Iterator[tuple[int, object]]:
+    """Columns as the JSONL keys. Nulls are dropped (Parquet fills absent fields with them); a column
+    of strings where an object or list belongs (e.g. `messages` stored as JSON text) is parsed."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:  # optional extra: pip install 'vlm-serve[batch]'
+        raise SystemExit("Parquet input needs pyarrow: pip install pyarrow") from e
+    n = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for rec in batch.to_pylist():
+            n += 1
+            body = {k: v for k, v in rec.items() if v is not None}
+            try:
+                if isinstance(body.get("messages"), str):
+                    body["messages"] = json.loads(body["messages"])
+            except ValueError as e:
+                yield n, ClientError(f"row {n}: 'messages' is not valid JSON: {e}", param="messages",
+                                     code="invalid_json")
+                continue
+            yield n, body
+
+
+def read_rows(path: str | os.PathLike) -> Iterator[Row]:
+    p = Path(path)
+    source = _parquet(p) if p.suffix == ".parquet" else _jsonl(p)
+    seen: set[str] = set()
+    for line, body in source:
+        if isinstance(body, ClientError):
+            yield Row(line, f"line-{line}", None, body)
+        else:
+            yield _row(line, body, seen)
+
+
+def count_rows(path: str | os.PathLike) -> int:
+    """For the ETA: non-blank lines, or the Parquet row count from its footer."""
+    p = Path(path)
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(p).metadata.num_rows
+    with p.open("rb") as f:
+        return sum(1 for raw in f if raw.strip())
+
+
+class ShardWriter:
+    """Existing shards are read once for their ids (resume), then left alone."""
+
+    def __init__(self, folder: str | os.PathLike, shard_rows: int):
+        self.folder, self.shard_rows = Path(folder), shard_rows
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for stray in self.folder.glob(".part-*.tmp"):  # a shard being written when the last run died
+            stray.unlink()
+        self.done: set[str] = set()
+        last = -1
+        for f in sorted(self.folder.iterdir()):
+            m = SHARD.match(f.name)
+            if m:
+                last = max(last, int(m.group(1)))
+                with f.open("rb") as fh:
+                    self.done.update(json.loads(line)["id"] for line in fh if line.strip())
+        self.next_index = last + 1
+        self.buffer: list[bytes] = []
+        self.shards_written = 0
+
+    def add(self, record: dict) -> None:
+        self.buffer.append(json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
+        if len(self.buffer) >= self.shard_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        name = f"part-{self.next_index:05d}.jsonl"
+        tmp = self.folder / f".{name}.tmp"
+        with tmp.open("wb") as f:
+            f.writelines(self.buffer)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.folder / name)
+        dir_fd = os.open(self.folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself survives a power cut
+        finally:
+            os.close(dir_fd)
+        self.next_index += 1
+        self.shards_written += 1
+        self.buffer = []
+
+
+def write_json_atomic(path: str | os.PathLike, obj: dict) -> None:
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, p)

@@ -1,0 +1,214 @@
+"""The batch driver: rows in, stages on actor pools, answers out.
+
+Per row: a media actor parses it and prepares its media and prompt (its patch rows stay in the
+object store); an encoder actor turns the rows into embeddings, which go straight to an LLM actor as
+an object reference; the answer comes back to this driver, which writes shards. The driver keeps
+enough rows in flight to fill every pool's slots, reading the input lazily, so memory does not grow
+with the input.
+
+Retries: a row whose actor died (a lost node, a preempted instance) or whose engine was full
+(503) is tried again, up to `max_retries`; anything else unexpected becomes that row's
+`server_error` object. Client errors are answered at once. Nothing a row does stops the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+
+import ray
+
+from ..errors import ClientError
+from ..replica_stats import merge_encoder_stats
+from .config import BatchConfig
+from .io import Row, ShardWriter, count_rows, read_rows, write_json_atomic
+from .pool import ActorPool, Member
+from .progress import Progress
+from .workers import EncoderWorker, Failure, LLMWorker, MediaWorker
+
+log = logging.getLogger(__name__)
+RETRY_DELAY_S = 1.0
+
+
+class _Retry(Exception):
+    pass
+
+
+class Stages:
+    """The three pools, and one row through them."""
+
+    def __init__(self, cfg: BatchConfig):
+        self.cfg = cfg
+        gpus = ray.cluster_resources().get("GPU", 0)
+        node_gpus = int(max((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]), default=0))
+        app = cfg.app.model_dump()
+        self.encoder_reports: list[dict] = []
+        enc, llm = cfg.encoder_pool, cfg.llm_pool
+        # GPU placement as serving's `colocate`: each LLM actor reserves a whole GPU (so Ray spreads
+        # them one per GPU), encoder actors reserve none and pin the node's GPUs in turn. Fractional
+        # shares would not do: Ray gives them the fullest GPU that fits, pairing encoders with
+        # encoders (app/placement.py). An explicit encoder num_gpus is plain Ray accounting.
+        colocate = gpus > 0 and enc.num_gpus is None
+        enc_gpus = 0.0 if colocate else (enc.num_gpus or 0.0)
+        self.media = ActorPool("media", MediaWorker, lambda i: (app, cfg.file_root), cfg.media_pool,
+                               cfg.media_pool.num_gpus or 0.0)
+        self.encoder = ActorPool("encoder", EncoderWorker,
+                                 lambda i: (app, (i, node_gpus) if colocate else None), enc, enc_gpus,
+                                 on_remove=self._keep_stats)
+        self.llm = ActorPool("llm", LLMWorker, lambda i: (app,), llm,
+                             (1.0 if gpus > 0 else 0.0) if llm.num_gpus is None else llm.num_gpus)
+        self.pools = {"media": self.media, "encoder": self.encoder, "llm": self.llm}
+
+    async def _keep_stats(self, m: Member) -> None:
+        self.encoder_reports.append(await m.handle.stats.remote())
+
+    async def start(self) -> None:
+        """Every pool's `min_size` actors. Until they are placed, say every 30 s which pools wait and
+        what the cluster has free: a pool that asks for more than the cluster has waits for a node."""
+        tasks = {name: asyncio.ensure_future(p.start()) for name, p in self.pools.items()}
+        while True:
+            done, pending = await asyncio.wait(tasks.values(), timeout=30)
+            for t in done:
+                t.result()  # an actor that failed to start fails the job here
+            if not pending:
+                return
+            waiting = [name for name, t in tasks.items() if not t.done()]
+            log.warning("still starting pools %s; the cluster has %s free", waiting, ray.available_resources())
+
+    def slots(self) -> int:
+        """Rows worth keeping in flight: every pool's slots at its largest, so none starves."""
+        return sum(p.cfg.max_size * max([p.cfg.max_in_flight, *(m.capacity for m in p.members)])
+                   for p in self.pools.values())
+
+    async def _call(self, pool: ActorPool, method: str, *args, num_returns: int = 1):
+        m = await pool.acquire()
+        dead = False
+        try:
+            call = getattr(m.handle, method)
+            if num_returns > 1:
+                refs = call.options(num_returns=num_returns).remote(*args)
+                return [await refs[0], *refs[1:]]
+            return await call.remote(*args)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            dead = isinstance(e, ray.exceptions.RayActorError)
+            raise _Retry(f"{pool.name} actor lost: {e}") from e
+        except ray.exceptions.RayTaskError as e:
+            cause = e.as_instanceof_cause()
+            if isinstance(cause, ClientError) and cause.status >= 500:
+                await asyncio.sleep(RETRY_DELAY_S)
+                raise _Retry(cause.message) from e
+            raise
+        finally:
+            await pool.release(m, dead)
+
+    async def run_row(self, row: Row) -> tuple[dict, int]:
+        """(output record, media items). Never raises for a row's own trouble."""
+        if row.error is not None:
+            return _error(row, Failure.of(row.error)), 0
+        last: Exception | None = None
+        for _ in range(self.cfg.max_retries + 1):
+            try:
+                return await self._once(row)
+            except _Retry as e:
+                last = e
+            except Exception as e:
+                log.exception("row %s (line %d) failed", row.id, row.line)
+                last = e
+                break
+        err = ClientError(f"internal error: {type(last).__name__}: {last}", status=500, type="server_error")
+        return _error(row, Failure.of(err)), 0
+
+    async def _once(self, row: Row) -> tuple[dict, int]:
+        prepared, payload = await self._call(self.media, "prepare", row.body, num_returns=2)
+        if isinstance(prepared, Failure):
+            return _error(row, prepared), 0
+        encoded = []
+        if prepared.items:
+            _, encoded = await self._call(self.encoder, "encode", payload, num_returns=2)
+        out = await self._call(self.llm, "generate", prepared, encoded)
+        if isinstance(out, Failure):
+            return _error(row, out), 0
+        return {"id": row.id, "response": out, "usage": out["usage"]}, prepared.items
+
+    async def encoder_stats(self) -> dict:
+        live = await asyncio.gather(*(m.handle.stats.remote() for m in self.encoder.members),
+                                    return_exceptions=True)
+        return merge_encoder_stats(self.encoder_reports + [r for r in live if isinstance(r, dict)])
+
+    async def close(self) -> None:
+        await asyncio.gather(*(p.close() for p in self.pools.values()))
+
+
+def _error(row: Row, f: Failure) -> dict:
+    return {"id": row.id, "line": row.line, "status": f.status, "error": f.error}
+
+
+async def run_job(cfg: BatchConfig, input_path: str, output_dir: str, progress_stream=None) -> dict:
+    """Runs the job on the Ray cluster this process is connected to; returns the report (also written
+    to `<output>/report.json`)."""
+    writer = ShardWriter(output_dir, cfg.shard_rows)
+    progress = Progress(total=count_rows(input_path))
+    if progress_stream is not None:
+        progress.stream = progress_stream
+    rows = _todo(read_rows(input_path), writer.done, progress)
+    first = next(rows, None)
+    if first is None:  # an earlier run answered everything: no actors to start
+        report = progress.report(None, {})
+        write_json_atomic(os.path.join(output_dir, "report.json"), report)
+        return report
+    rows = itertools.chain([first], rows)
+    stages = Stages(cfg)
+    t_start = time.perf_counter()
+    await stages.start()
+    log.info("pools ready in %.1f s", time.perf_counter() - t_start)
+    progress.start = time.perf_counter()
+    in_flight: set[asyncio.Task] = set()
+    last_flush = last_show = time.monotonic()
+    exhausted = False
+    try:
+        while True:
+            while not exhausted and len(in_flight) < stages.slots():
+                row = next(rows, None)
+                if row is None:
+                    exhausted = True
+                    break
+                in_flight.add(asyncio.create_task(stages.run_row(row)))
+            if not in_flight:
+                break
+            done, in_flight = await asyncio.wait(in_flight, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                record, items = task.result()
+                writer.add(record)
+                progress.record(record, items)
+            now = time.monotonic()
+            if now - last_flush >= cfg.flush_interval_s:
+                writer.flush()
+                last_flush = now
+            if now - last_show >= cfg.progress_interval_s:
+                progress.show()
+                last_show = now
+                for pool in stages.pools.values():
+                    await pool.shrink()
+        writer.flush()
+        progress.show()
+        report = progress.report(await stages.encoder_stats(),
+                                 {name: {"peak_size": p.peak, "min_size": p.cfg.min_size, "max_size": p.cfg.max_size}
+                                  for name, p in stages.pools.items()})
+    finally:
+        await stages.close()
+    report["startup_s"] = round(progress.start - t_start, 3)
+    report["shards_written"] = writer.shards_written
+    write_json_atomic(os.path.join(output_dir, "report.json"), report)
+    return report
+
+
+def _todo(rows, done: set[str], progress: Progress):
+    """Rows that no earlier run answered; the others are counted as skipped."""
+    for row in rows:
+        if row.id in done:
+            progress.skipped += 1
+            continue
+        yield row

@@ -1,0 +1,130 @@
+"""An autoscaled pool of Ray core actors for one stage.
+
+Calls go to the actor with the fewest calls in flight, at most `max_in_flight` each; a caller with no
+free slot waits. While callers wait and the pool is below `max_size`, one more actor is started (one
+at a time: it joins when its `ready()` returns, and until the cluster has room for it, it stays
+pending, which is what makes a Ray autoscaler add a node). An actor idle for `idle_s` is removed
+while the pool is above `min_size`. A dead actor (node lost, preempted) leaves the pool; the caller
+retries on another (job.py) and the pool refills to `min_size`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import ray
+
+from .config import PoolConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Member:
+    handle: object
+    capacity: int
+    in_flight: int = 0
+    idle_since: float = field(default_factory=time.monotonic)
+
+
+class ActorPool:
+    def __init__(self, name: str, cls: type, args: Callable[[int], tuple], cfg: PoolConfig, num_gpus: float,
+                 on_remove: Callable[[Member], Awaitable] | None = None):
+        self.name, self.cfg, self.on_remove = name, cfg, on_remove
+        self.remote_cls = ray.remote(cls).options(num_cpus=cfg.num_cpus, num_gpus=num_gpus, max_concurrency=1000,
+                                                  max_restarts=0)
+        self.args = args  # the constructor's arguments for the n-th actor started
+        self.started = 0
+        self.members: list[Member] = []
+        self.starting: asyncio.Task | None = None
+        self.peak = 0
+        self.cond = asyncio.Condition()
+        self._closed = False
+
+    async def start(self) -> None:
+        """`min_size` actors, all ready."""
+        await asyncio.gather(*(self._add() for _ in range(self.cfg.min_size)))
+
+    async def _add(self) -> None:
+        handle = self.remote_cls.remote(*self.args(self.started))
+        self.started += 1
+        try:
+            await handle.ready.remote()
+            capacity = self.cfg.max_in_flight
+            if hasattr(handle, "capacity"):
+                capacity = max(capacity, await handle.capacity.remote())
+        except BaseException:  # failed, or cancelled by close(): a pending actor must not linger
+            with contextlib.suppress(Exception):
+                ray.kill(handle)
+            raise
+        async with self.cond:
+            if self._closed:
+                ray.kill(handle)
+                return
+            self.members.append(Member(handle, capacity))
+            self.peak = max(self.peak, len(self.members))
+            self.cond.notify_all()
+        log.info("%s pool: %d actor(s)", self.name, len(self.members))
+
+    def _grow(self) -> None:
+        if self.starting is None and len(self.members) < self.cfg.max_size and not self._closed:
+            self.starting = asyncio.get_running_loop().create_task(self._add())
+            self.starting.add_done_callback(self._started)
+
+    def _started(self, task: asyncio.Task) -> None:
+        self.starting = None
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("%s pool: an actor failed to start: %s", self.name, task.exception())
+
+    async def acquire(self) -> Member:
+        async with self.cond:
+            while True:
+                free = [m for m in self.members if m.in_flight < m.capacity]
+                if free:
+                    m = min(free, key=lambda m: m.in_flight)
+                    m.in_flight += 1
+                    return m
+                self._grow()  # someone waits: one more actor, if the pool may grow
+                await self.cond.wait()
+
+    async def release(self, m: Member, dead: bool = False) -> None:
+        async with self.cond:
+            m.in_flight -= 1
+            if m.in_flight == 0:
+                m.idle_since = time.monotonic()
+            if dead and m in self.members:
+                self.members.remove(m)
+                log.warning("%s pool: an actor died; %d left", self.name, len(self.members))
+            self.cond.notify_all()
+
+    async def shrink(self) -> None:
+        """Remove actors idle past `idle_s`, keeping `min_size`."""
+        now = time.monotonic()
+        async with self.cond:
+            for m in list(self.members):
+                if len(self.members) <= self.cfg.min_size:
+                    break
+                if m.in_flight == 0 and now - m.idle_since > self.cfg.idle_s:
+                    self.members.remove(m)
+                    await self._remove(m)
+                    log.info("%s pool: idle actor removed; %d left", self.name, len(self.members))
+
+    async def _remove(self, m: Member) -> None:
+        if self.on_remove is not None:
+            with contextlib.suppress(Exception):
+                await self.on_remove(m)
+        ray.kill(m.handle)
+
+    async def close(self) -> None:
+        async with self.cond:
+            self._closed = True
+            members, self.members = self.members, []
+        if self.starting is not None:
+            self.starting.cancel()
+        for m in members:
+            await self._remove(m)

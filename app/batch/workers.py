@@ -1,0 +1,144 @@
+"""The three stages' work, one class each, with no Ray in them: `pool.py` runs each class as Ray core
+actors. They are the serving code, not copies of it:
+
+- `MediaWorker`: `ChatService.prepare` (request parsing, media fetch/decode/patchify, the prompt with
+  exact placeholder counts) over a `BatchMediaPipeline`; returns the small part (request, generation
+  dict) and the patch rows separately, so the driver never holds pixels.
+- `EncoderWorker`: `EncoderService.encode_async` (graph manager, cross-request batcher, embedding
+  cache); many calls in flight per actor let the batcher fill its token budgets.
+- `LLMWorker`: the `Engine` behind `AsyncEngine`, each call one request, many calls in flight, so the
+  engine's continuous batching always has sequences to run.
+
+Client errors come back as values (`Failure`), never as raised exceptions, so a bad row costs one row.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ..api.chat import ChatService
+from ..api.schemas import ChatRequest, completion_response, usage
+from ..config import AppConfig
+from ..errors import ClientError
+from ..media.preprocess import PatchSpec
+from ..model_builder import resolve_model
+from ..placement import pinned_gpu
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Failure:
+    status: int
+    error: dict  # OpenAI's {"message", "type", "param", "code"}
+
+    @classmethod
+    def of(cls, e: ClientError) -> Failure:
+        return cls(e.status, e.to_json()["error"])
+
+
+@dataclass
+class Prepared:
+    req: ChatRequest
+    gen: dict
+    items: int  # media items (the payload's length)
+
+
+def _checkpoint(cfg: AppConfig) -> str:
+    return str(resolve_model(cfg.model, cfg.cache_dir))
+
+
+class MediaWorker:
+    def __init__(self, config: dict, file_root: str | None = None):
+        from transformers import AutoTokenizer
+
+        from .media import BatchMediaPipeline
+
+        cfg = AppConfig(**config)
+        ckpt = _checkpoint(cfg)
+        pool = ThreadPoolExecutor(max_workers=cfg.media.worker_threads, thread_name_prefix="media")
+        media = BatchMediaPipeline(cfg.media, PatchSpec.from_checkpoint(ckpt), pool, root=file_root)
+        self.chat = ChatService(cfg, AutoTokenizer.from_pretrained(ckpt), media, backend=None)
+
+    def ready(self) -> bool:
+        return True
+
+    async def prepare(self, body: dict) -> tuple[Prepared | Failure, list]:
+        """(Prepared or Failure, encoder payload: per item (uint8 rows, grid, cache key))."""
+        try:
+            req, gen, payload = await self.chat.prepare(body)
+        except ClientError as e:
+            return Failure.of(e), []
+        except ValueError as e:  # the chat template and the media disagree: the request's fault
+            return Failure.of(ClientError(str(e), param="messages")), []
+        return Prepared(req, gen, len(payload)), payload
+
+
+class EncoderWorker:
+    def __init__(self, config: dict, pin: tuple[int, int] | None = None):
+        """`pin` = (actor index, GPUs per node): colocated with the LLM actors, this actor reserved no
+        GPU in Ray and takes the node's GPU of its index in turn (as the serving encoder replicas do,
+        `app.placement.pinned_gpu`), before CUDA starts."""
+        if pin is not None:
+            device = pinned_gpu(pin[0], pin[1], os.environ.get("CUDA_VISIBLE_DEVICES"))
+            if device is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = device
+        from ..vision.service import EncoderService
+
+        cfg = AppConfig(**config)
+        self.service = EncoderService(cfg, _checkpoint(cfg))
+
+    def ready(self) -> bool:
+        return True
+
+    async def encode(self, payload: list) -> tuple[int, list]:
+        """(item count, per item (main, deepstack)); the count is what the driver waits on, the
+        embeddings go to an LLM actor without passing through the driver."""
+        return len(payload), await self.service.encode_async(payload)
+
+    def stats(self) -> dict:
+        return self.service.stats()
+
+
+class LLMWorker:
+    def __init__(self, config: dict):
+        from ..llm.async_engine import AsyncEngine
+        from ..llm.engine import Engine
+        from ..vision.service import pick_device
+
+        cfg = AppConfig(**config)
+        self.engine = Engine(_checkpoint(cfg), pick_device(cfg.device), cfg.llm)
+        # Nothing streams here: wake each request for its first and last chunk, rarely between.
+        self.streams = AsyncEngine(self.engine, 0.5)
+        self.model_name = cfg.model_name
+
+    def ready(self) -> bool:
+        return True
+
+    def capacity(self) -> int:
+        """Requests worth keeping in flight here: a full decode batch and as many again waiting,
+        within what the engine accepts before refusing (max_waiting)."""
+        return self.engine.max_num_seqs + min(self.engine.max_num_seqs, self.engine.max_waiting)
+
+    async def generate(self, prepared: Prepared, encoded: list) -> dict | Failure:
+        """The OpenAI chat.completion object, built as the server builds it (`completion_response`)."""
+        from ..llm.engine import request_from_dict
+
+        gen, text, last = prepared.gen, [], None
+        try:
+            async for chunk in self.streams.generate(request_from_dict(gen, encoded)):
+                text.append(chunk.text)
+                last = chunk
+        except ClientError as e:
+            if e.status >= 500:
+                raise  # overloaded: the driver retries it
+            return Failure.of(e)
+        u = usage(last.prompt_tokens, last.completion_tokens, gen["image_tokens"], gen["video_tokens"],
+                  last.vision_embeddings)
+        return completion_response(prepared.req, self.model_name, "".join(text), last.finish_reason, u)
+
+    def stats(self) -> dict:
+        return self.engine.stats()

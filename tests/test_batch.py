@@ -1,0 +1,137 @@
+"""Batch job pieces without Ray: input rows, shards and resume, file media under a root, config."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+
+from app.batch.config import BatchConfig
+from app.batch.io import ShardWriter, read_rows
+from app.batch.media import BatchMediaPipeline, resolve_file
+from app.errors import ClientError
+from helpers import png_bytes
+
+
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_rows_keep_their_id_and_bad_lines_get_a_stable_id_and_an_error(tmp_path):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+    p = write_lines(tmp_path / "in.jsonl", [
+        json.dumps({"id": "a", **body}), "", "{oops", json.dumps({"id": 7, **body}), json.dumps(body),
+        json.dumps({"id": "a", **body}), "[1, 2]"])
+    rows = list(read_rows(p))
+    assert [(r.line, r.id) for r in rows] == [(1, "a"), (3, "line-3"), (4, "7"), (5, "line-5"), (6, "line-6"),
+                                             (7, "line-7")]
+    ok = rows[0]
+    assert ok.error is None and "id" not in ok.body and ok.body["stream"] is False and ok.body["max_tokens"] == 3
+    assert [r.error and r.error.code for r in rows[1:]] == ["invalid_json", None, "invalid_id", "duplicate_id", "invalid_json"]
+    assert rows[2].error is None and rows[2].body["messages"] == body["messages"]
+
+
+def test_parquet_rows_equal_the_jsonl_rows(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    bodies = [{"id": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+              {"id": "y", "messages": [{"role": "user", "content": "yo"}], "temperature": 0.0}]
+    jl = write_lines(tmp_path / "in.jsonl", [json.dumps(b) for b in bodies])
+    # messages as JSON text (content may be a string or a list of parts, which Parquet cannot mix)
+    table = pa.table({"id": [b["id"] for b in bodies], "messages": [json.dumps(b["messages"]) for b in bodies],
+                      "max_tokens": [2, None], "temperature": [None, 0.0]})
+    pq.write_table(table, tmp_path / "in.parquet")
+    assert [(r.id, r.body) for r in read_rows(tmp_path / "in.parquet")] == [(r.id, r.body) for r in read_rows(jl)]
+
+
+def test_shards_are_whole_files_and_a_rerun_resumes_after_them(tmp_path):
+    out = tmp_path / "out"
+    w = ShardWriter(out, shard_rows=2)
+    for i in range(5):
+        w.add({"id": f"r{i}", "response": {"n": i}})
+    assert sorted(os.listdir(out)) == ["part-00000.jsonl", "part-00001.jsonl"]  # r4 still buffered
+    first = (out / "part-00000.jsonl").read_bytes()
+    assert [json.loads(x)["id"] for x in first.splitlines()] == ["r0", "r1"]
+    (out / ".part-00002.jsonl.tmp").write_bytes(b'{"id": "r4", "resp')  # a shard being written at a kill
+    w2 = ShardWriter(out, shard_rows=2)
+    assert w2.done == {"r0", "r1", "r2", "r3"} and w2.next_index == 2
+    assert not (out / ".part-00002.jsonl.tmp").exists()
+    w2.add({"id": "r4"})
+    w2.flush()
+    assert (out / "part-00000.jsonl").read_bytes() == first
+    assert json.loads((out / "part-00002.jsonl").read_text()) == {"id": "r4"}
+
+
+def test_file_media_are_read_only_under_the_root(tmp_path):
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "a.png").write_bytes(png_bytes(64, 64))
+    (tmp_path / "secret.png").write_bytes(png_bytes(64, 64))
+    os.symlink(tmp_path / "secret.png", root / "link.png")
+    r = str(root)
+    assert resolve_file("sub/a.png", r, "p") == root / "sub" / "a.png"
+    assert resolve_file(f"file://{root}/sub/a.png", r, "p") == root / "sub" / "a.png"
+    assert resolve_file(str(root / "sub" / "a.png"), r, "p") == root / "sub" / "a.png"
+    for bad in ("../secret.png", str(tmp_path / "secret.png"), "link.png", "file:///etc/passwd",
+                "file://host/x.png"):
+        with pytest.raises(ClientError) as e:
+            resolve_file(bad, r, "p")
+        assert e.value.status == 400 and e.value.code == "invalid_media_url"
+    with pytest.raises(ClientError):
+        resolve_file("sub/a.png", None, "p")
+
+
+def test_a_file_image_prepares_like_the_same_bytes_as_a_data_url(tmp_path, tiny_checkpoint):
+    import base64
+
+    from app.config import MediaConfig
+    from app.media.preprocess import PatchSpec
+    from app.media.ref import MediaRef
+
+    data = png_bytes(80, 112, seed=3)
+    (tmp_path / "a.png").write_bytes(data)
+    pipe = BatchMediaPipeline(MediaConfig(), PatchSpec.from_checkpoint(tiny_checkpoint), root=str(tmp_path))
+    by_file = asyncio.run(pipe.prepare(MediaRef("image", "a.png", "p")))
+    by_url = asyncio.run(pipe.prepare(MediaRef("image", "data:image/png;base64," + base64.b64encode(data).decode(),
+                                               "p")))
+    assert by_file.key == by_url.key and by_file.patches.grid == by_url.patches.grid
+    assert (by_file.patches.pixel_values == by_url.patches.pixel_values).all()
+    with pytest.raises(ClientError) as e:
+        asyncio.run(pipe.prepare(MediaRef("image", "missing.png", "p")))
+    assert e.value.code == "media_fetch_failed"
+
+
+def test_a_requests_files_prepare_together_as_the_server_prepares_its_items(tmp_path, tiny_checkpoint):
+    # ChatService.prepare goes through prepare_all, which hands each item the request's worker slots
+    from app.config import MediaConfig
+    from app.media.preprocess import PatchSpec
+    from app.media.ref import MediaRef
+
+    (tmp_path / "a.png").write_bytes(png_bytes(80, 112, seed=3))
+    (tmp_path / "b.png").write_bytes(png_bytes(64, 48, seed=4))
+    os.mkfifo(tmp_path / "pipe.png")
+    pipe = BatchMediaPipeline(MediaConfig(), PatchSpec.from_checkpoint(tiny_checkpoint), root=str(tmp_path))
+    items = asyncio.run(pipe.prepare_all([MediaRef("image", "a.png", "p0"), MediaRef("image", f"file://{tmp_path}/b.png", "p1")]))
+    single = [asyncio.run(pipe.prepare(MediaRef("image", name, "p"))) for name in ("a.png", "b.png")]
+    assert [it.key for it in items] == [it.key for it in single] and items[0].key != items[1].key
+    with pytest.raises(ClientError) as e:  # a FIFO under the root is refused, not read (it would block)
+        asyncio.run(pipe.prepare_all([MediaRef("image", "a.png", "p0"), MediaRef("image", "pipe.png", "p1")]))
+    assert e.value.status == 400 and e.value.param == "p1"
+
+
+def test_config_file_and_overrides(tmp_path):
+    f = tmp_path / "b.yaml"
+    f.write_text("app:\n  model: embedded:tiny\n  llm: {max_num_seqs: 4}\nllm_pool: {min_size: 1, max_size: 3}\n"
+                 "shard_rows: 50\n")
+    cfg = BatchConfig.load(str(f), model="embedded:other", file_root="/data")
+    assert cfg.app.model == "embedded:other" and cfg.app.llm.max_num_seqs == 4
+    assert cfg.app.encoder.batch_wait_ms == 20.0  # the batch default: a deep queue fills budgets
+    assert cfg.llm_pool.max_size == 3 and cfg.shard_rows == 50 and cfg.file_root == "/data"
+    with pytest.raises(ValueError):
+        BatchConfig(llm_pool={"min_size": 3, "max_size": 2})
+    with pytest.raises(ValueError):
+        BatchConfig(shards=3)
