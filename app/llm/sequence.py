@@ -71,14 +71,20 @@ class Sequence:
         self.prompt_positions = pos.numpy().astype(np.int32)  # [3, prompt_len]
         # rows of the vision embeddings before each prompt index: a chunk [a, b) uses rows [r[a], r[b])
         self.vision_rows_before = np.concatenate([[0], np.cumsum(self.is_vision)]).astype(np.int64)
+        # The embeddings stay on the host here: this runs on the submitting thread (the LLM replica's
+        # event loop), and a copy to the GPU from there would wait for the engine's queued step (a
+        # pageable copy synchronises the stream), stalling every other request's stream on that loop.
+        # They are pinned, and the engine thread copies them asynchronously at admission (`to_device`).
+        self.device = device
         self.vision_main: torch.Tensor | None = None
         self.vision_deepstack: torch.Tensor | None = None  # [layers, n, hidden]
+        self._host_vision: tuple | None = None  # the pinned sources, kept until the copies are done
         if req.vision:
-            self.vision_main = torch.cat([v.main for v in req.vision]).to(device, dtype, non_blocking=True)
+            self.vision_main = _host(torch.cat([v.main for v in req.vision]), dtype, device)
             if req.vision[0].deepstack:
-                self.vision_deepstack = torch.stack(
+                self.vision_deepstack = _host(torch.stack(
                     [torch.cat([v.deepstack[j] for v in req.vision]) for j in range(len(req.vision[0].deepstack))]
-                ).to(device, dtype, non_blocking=True)
+                ), dtype, device)
         self.block_keys = _block_keys(self.token_ids, self.is_vision, req.vision, block_size)
         # counter-based sampling noise: the same seed gives the same tokens, batched or alone
         self.seed = (req.params.seed if req.params.seed is not None else random.getrandbits(63)) & ((1 << 63) - 1)
@@ -150,8 +156,24 @@ class Sequence:
     def cancelled(self) -> bool:
         return self._cancel.is_set()
 
+    def vision_to_device(self) -> None:
+        """Engine thread, at admission: start the embeddings' copies to the device on the engine's
+        stream (ordered before the steps that read them; no host wait from pinned memory)."""
+        if self.vision_main is None or self.vision_main.device.type == self.device.type:
+            return
+        self._host_vision = (self.vision_main, self.vision_deepstack)
+        self.vision_main = self.vision_main.to(self.device, non_blocking=True)
+        if self.vision_deepstack is not None:
+            self.vision_deepstack = self.vision_deepstack.to(self.device, non_blocking=True)
+
     def release_vision(self) -> None:
-        self.vision_main = self.vision_deepstack = None
+        self.vision_main = self.vision_deepstack = self._host_vision = None
+
+
+def _host(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`t` on the host in `dtype`, pinned when it is bound for a CUDA device."""
+    t = t.to("cpu", dtype)
+    return t.pin_memory() if device.type == "cuda" else t
 
 
 def _block_keys(token_ids: list[int], is_vision: np.ndarray, vision: list[VisionInput], block_size: int
