@@ -7,6 +7,7 @@ loop in one call and turns them into (coalesced) text chunks there (app/llm/asyn
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import asdict
 
 from ray import serve
@@ -26,8 +27,11 @@ class LLM:
     def __init__(self, config: dict):
         route_app_logs()
         cfg = AppConfig(**config)
+        if cfg.llm.switch_interval_ms:  # the event loop and the engine thread share the GIL (app/config.py)
+            sys.setswitchinterval(cfg.llm.switch_interval_ms / 1e3)
         self.engine = Engine(str(resolve_model(cfg.model, cfg.cache_dir)), pick_device(cfg.device), cfg.llm)
-        self.streams = AsyncEngine(self.engine, cfg.llm.stream_interval_ms / 1e3)
+        self.streams = AsyncEngine(self.engine, cfg.llm.stream_interval_ms / 1e3,
+                                   cfg.llm.stream_interval_per_stream_ms / 1e3)
         self.metrics = LLMMetrics(self.engine.load)
 
     async def generate(self, gen: dict, encoded: list):

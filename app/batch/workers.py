@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -110,6 +111,8 @@ class LLMWorker:
         from ..vision.service import pick_device
 
         cfg = AppConfig(**config)
+        if cfg.llm.switch_interval_ms:  # the actor's event loop and the engine thread share the GIL
+            sys.setswitchinterval(cfg.llm.switch_interval_ms / 1e3)
         self.engine = Engine(_checkpoint(cfg), pick_device(cfg.device), cfg.llm)
         # Nothing streams here: wake each request for its first and last chunk, rarely between.
         self.streams = AsyncEngine(self.engine, 0.5)
