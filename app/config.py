@@ -31,6 +31,8 @@ class MediaConfig(_Strict):
     max_video_duration_s: float = Field(3600.0, gt=0)
     max_media_bytes: int = Field(256 * 1024 * 1024, gt=0)
     fetch_timeout_s: float = Field(15.0, gt=0)
+    worker_threads: int = Field(2, ge=1, description="decode/resize/hash threads per MediaPreprocessor replica "
+                                "(Pillow, PyAV, numpy copies and blake2b release the GIL for most of an item)")
 
     @model_validator(mode="after")
     def _check_bounds(self) -> MediaConfig:
@@ -108,16 +110,35 @@ class LLMConfig(_Strict):
 
 
 class PlacementConfig(_Strict):
-    """Where replicas go. 'auto' = one encoder replica per GPU, CPU replicas when there is none."""
+    """Where replicas go (app/placement.py turns this and the cluster's GPU count into Ray options).
 
-    encoder_replicas: int | Literal["auto"] = "auto"
-    encoder_num_gpus: float | Literal["auto"] = "auto"
-    llm_num_gpus: float | Literal["auto"] = "auto"
+    Policies: `colocate` puts one encoder and one LLM replica on every GPU; `split` gives the encoder
+    `encoder_gpus` GPUs and the LLM the others; `auto` picks (README, "Placement"). Without GPUs every
+    replica runs on the CPU, one of each unless autoscaling says otherwise."""
+
+    policy: Literal["auto", "colocate", "split"] = "auto"
+    encoder_gpus: int | Literal["auto"] = Field("auto", description="split: GPUs for the encoder (auto: 1)")
+    llm_gpus: int | Literal["auto"] = Field("auto", description="split: GPUs for the LLM (auto: the rest)")
+    encoder_replicas: int | Literal["auto"] = Field("auto", description="auto: one per encoder GPU (colocate: one "
+                                                    "per GPU); 1 without GPUs")
+    llm_replicas: int | Literal["auto"] = Field("auto", description="auto: one per LLM GPU; 1 without GPUs")
+    encoder_num_gpus: float | Literal["auto"] = Field("auto", description="explicit GPU share per encoder replica")
+    llm_num_gpus: float | Literal["auto"] = Field("auto", description="explicit GPU share per LLM replica")
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each encoder and LLM replica")
+    router_num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each Router replica")
+    media_num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each MediaPreprocessor replica")
     max_ongoing_requests: int = Field(
         1024, ge=1, description="requests each replica (router, encoder, LLM) takes at once, unless a config "
         "file's deployments section sets it. Ray Serve's default of 5 caps the LLM's continuous batching and the "
         "encoder's cross-request batching at 5 requests")
+
+    @model_validator(mode="after")
+    def _check_split(self) -> PlacementConfig:
+        for name in ("encoder_gpus", "llm_gpus", "encoder_replicas", "llm_replicas"):
+            v = getattr(self, name)
+            if v != "auto" and v < (0 if name.endswith("gpus") else 1):
+                raise ValueError(f"placement.{name} must be 'auto' or {'>= 0' if name.endswith('gpus') else '>= 1'}")
+        return self
 
 
 class AppConfig(_Strict):

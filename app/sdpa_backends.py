@@ -3,8 +3,8 @@
 cuDNN's attention is the fastest on Hopper at these head sizes, but it builds an execution plan for
 every new shape: about 1 s for a process's first ones, 40-65 ms later (measured on an H200,
 `benchmarks/prefill_shapes.py`). A CUDA graph's shape is fixed, so its plan is built once, at
-capture. Uncaptured forwards (LLM prefill, eager decode, eager encoder batches) see new shapes all
-the time, so they leave cuDNN out.
+capture. Uncaptured forwards (the tower's eager batches) see new shapes all the time, so they leave
+cuDNN out. (The LLM engine calls no SDPA: it runs its own paged-attention kernel.)
 """
 
 from __future__ import annotations

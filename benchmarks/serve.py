@@ -8,9 +8,17 @@ Graphs on vs off, side by side (starts the application itself, twice):
     python benchmarks/serve.py --compare --model embedded:qwen3-vl-2b --workload image video \
         --concurrency 1 8 32 --num-requests 96 --out-dir benchmarks/serve_results
 
-Every request carries distinct random media (seeded by its index), so the embedding cache does
-not flatter the numbers; the same seeds are used for both sides of --compare. Requests stream,
-with `ignore_eos` so each generates exactly --output-tokens.
+Find the bottleneck: raise concurrency 1, 2, 4, ... until throughput stops growing, sampling each
+GPU's utilisation (NVML) and CPU per process (psutil, grouped by deployment) at every point, and
+print which stage saturates (benchmarks/monitor.py). Starting the application itself:
+    python benchmarks/serve.py --start --serve-config configs/qwen3-vl-2b-gpu.yaml --placement colocate \
+        --sweep --workload image image@1024 video --out-dir benchmarks/serve_results/sweep_1gpu
+or against a running server (`--url`; per-process CPU only when it runs on this host).
+
+Workloads: `image` (--image-size, default 448), `image@1024` (an image of that size), `video`
+(--video-size, --video-frames), `mixed`. Every request carries distinct random media (seeded by its
+index), so the embedding cache does not flatter the numbers; the same seeds are used for both sides
+of --compare. Requests stream, with `ignore_eos` so each generates exactly --output-tokens.
 """
 
 from __future__ import annotations
@@ -36,13 +44,18 @@ from benchmarks.stats import pct  # noqa: E402
 
 @dataclass
 class Workload:
-    kind: str  # image | video | mixed
+    kind: str  # image | video | mixed (as a spec: image@<size> sets image_size)
     image_size: int = 448
     video_size: int = 224
     video_frames: int = 8
     video_fps: int = 2  # of the generated mp4; at the server's 2 fps sampling every frame is kept
     prompt_words: int = 32
-    output_tokens: int = 32
+    output_tokens: int = 16
+
+    @property
+    def label(self) -> str:
+        return {"image": f"image {self.image_size}^2",
+                "video": f"video {self.video_size}^2 x{self.video_frames}f"}.get(self.kind, self.kind)
 
     def body(self, i: int) -> dict:
         kind = self.kind if self.kind != "mixed" else ("image" if i % 2 == 0 else "video")
@@ -115,6 +128,7 @@ class Report:
     encoder: dict = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     slowest: list[dict] = field(default_factory=list)  # the 8 longest TTFTs and when they were sent: a tail's when
+    resources: dict = field(default_factory=dict)  # benchmarks/monitor.py's summary of the timed part
 
 
 def summarize(xs: list[float]) -> dict:
@@ -137,9 +151,11 @@ def encoder_delta(before: dict, after: dict) -> dict:
 
 async def run_load(url: str, workload: Workload, num_requests: int, concurrency: int | None = None,
                    request_rate: float | None = None, warmup: int = 2, progress: bool = True,
-                   timeout_s: float = 600, seed_offset: int = 0) -> Report:
+                   timeout_s: float = 600, seed_offset: int = 0, monitor_t0: float | None = None,
+                   monitor: bool = False) -> Report:
     """Warm up, then send `num_requests` at a fixed concurrency or a Poisson request rate. Media seeds
-    start at `seed_offset`: give every run its own range, or later runs hit the embedding cache."""
+    start at `seed_offset`: give every run its own range, or later runs hit the embedding cache.
+    With `monitor`, GPUs and processes are sampled over the timed part (timeline from `monitor_t0`)."""
     bodies = [workload.body(seed_offset + i) for i in range(num_requests + warmup)]
     limits = httpx.Limits(max_connections=max(64, (concurrency or 0) * 2))
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
@@ -162,28 +178,38 @@ async def run_load(url: str, workload: Workload, num_requests: int, concurrency:
                 bar.update(1)
             return r
 
+        mon = None
+        if monitor:
+            from benchmarks.monitor import Monitor
+
+            mon = Monitor(t0=monitor_t0).__enter__()
         t0 = time.perf_counter()
         tasks = []
         rng = random.Random(0)
-        for b in bodies[warmup:]:
-            tasks.append(asyncio.create_task(task(b)))
-            if request_rate:
-                await asyncio.sleep(rng.expovariate(request_rate))
-        results = await asyncio.gather(*tasks)
+        try:
+            for b in bodies[warmup:]:
+                tasks.append(asyncio.create_task(task(b)))
+                if request_rate:
+                    await asyncio.sleep(rng.expovariate(request_rate))
+            results = await asyncio.gather(*tasks)
+        finally:
+            if mon is not None:
+                mon.__exit__(None, None, None)
         duration = time.perf_counter() - t0
         after = (await client.get("/v1/encoder/stats")).json()
         if bar is not None:
             bar.close()
     ok = [r for r in results if r.ok]
     return Report(
-        workload=workload.kind, concurrency=concurrency, request_rate=request_rate, successful=len(ok),
+        workload=workload.label, concurrency=concurrency, request_rate=request_rate, successful=len(ok),
         failed=len(results) - len(ok), duration_s=duration, request_throughput=len(ok) / duration,
         input_token_throughput=sum(r.prompt_tokens for r in ok) / duration,
         output_token_throughput=sum(r.completion_tokens for r in ok) / duration,
         ttft_ms=summarize([r.ttft_s for r in ok]), e2e_ms=summarize([r.e2e_s for r in ok]),
         encoder=encoder_delta(before, after), errors=sorted({r.error for r in results if not r.ok})[:5],
         slowest=[{"sent_s": round(r.start_s, 3), "ttft_ms": round(1e3 * r.ttft_s, 1)}
-                 for r in sorted(ok, key=lambda r: -r.ttft_s)[:8]])
+                 for r in sorted(ok, key=lambda r: -r.ttft_s)[:8]],
+        resources=asdict(mon.summary()) if mon is not None else {})
 
 
 def print_report(r: Report, label: str = "") -> None:
@@ -201,21 +227,52 @@ def print_report(r: Report, label: str = "") -> None:
     print("slowest TTFTs (sent at s: ms):", ", ".join(f"{s['sent_s']:.2f}: {s['ttft_ms']:.0f}" for s in r.slowest))
     for err in r.errors:
         print("error:", err)
+    if r.resources:
+        from benchmarks.monitor import MonitorSummary, print_summary
+
+        print_summary(MonitorSummary(**r.resources))
 
 
 # ---------------------------------------------------------------------------- --compare
 GRAPHS_OFF = '{"encoder": {"cuda_graphs": false}}'  # what --compare's second side changes by default
-def start_app(args: dict, port: int):
+
+
+def deep_merge(base: dict, change: dict) -> dict:
+    out = dict(base)
+    for k, v in change.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def start_app(args: dict, port: int, serve_config: str | None = None, num_gpus: int | None = None) -> None:
+    """Start Ray and the application on this machine. With `serve_config`, deploy that file as
+    `serve run FILE` does (its `deployments:` options apply), its args deep-merged with `args`;
+    otherwise build from Python with `args`. `num_gpus` limits Ray (and CUDA_VISIBLE_DEVICES) to the
+    first N GPUs."""
     import os
 
     import ray
     from ray import serve
 
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if num_gpus is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(num_gpus))
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False, num_gpus=num_gpus)
+    if serve_config:
+        import yaml
+        from ray.serve._private import api as serve_api
+        from ray.serve.schema import ServeDeploySchema
+
+        conf = yaml.safe_load(Path(serve_config).read_text())
+        conf["http_options"] = {**conf.get("http_options", {}), "host": "127.0.0.1", "port": port}
+        app = conf["applications"][0]
+        app["args"] = deep_merge(app.get("args") or {}, args)
+        client = serve_api.serve_start(http_options=conf["http_options"])
+        client.deploy_apps(ServeDeploySchema.model_validate(conf), _blocking=True)
+        return
     from deployments.app import build_app
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="vlm", route_prefix="/")
 
@@ -224,6 +281,99 @@ def stop_app() -> None:
     from ray import serve
 
     serve.delete("vlm")
+
+
+# ---------------------------------------------------------------------------- --sweep
+def concurrency_ladder(max_concurrency: int) -> list[int]:
+    """1, 2, 4, ... up to max_concurrency (included)."""
+    out, c = [], 1
+    while c < max_concurrency:
+        out.append(c)
+        c *= 2
+    return out + [max_concurrency]
+
+
+def plateaued(throughputs: list[float], min_gain: float = 0.05, patience: int = 2) -> bool:
+    """True once each of the last `patience` points gained less than `min_gain` over the best before it."""
+    if len(throughputs) <= patience:
+        return False
+    for i in range(len(throughputs) - patience, len(throughputs)):
+        if throughputs[i] >= (1 + min_gain) * max(throughputs[:i]):
+            return False
+    return True
+
+
+def sweep_workload(url: str, wl: Workload, a, seed_offset: int, t0: float) -> list[Report]:
+    """Concurrency ladder for one workload until throughput stops growing."""
+    reports: list[Report] = []
+    for i, c in enumerate(concurrency_ladder(a.max_concurrency)):
+        n = max(a.num_requests, a.rounds * c)
+        r = asyncio.run(run_load(url, wl, n, c, None, a.warmup, not a.no_progress, seed_offset=seed_offset + 100_000 * i,
+                                 monitor_t0=t0, monitor=not a.no_monitor))
+        print_report(r, "sweep")
+        reports.append(r)
+        if plateaued([x.request_throughput for x in reports], a.min_gain, a.patience):
+            print(f"throughput stopped growing at concurrency {c} (< {100 * a.min_gain:.0f}% gain {a.patience} times)")
+            break
+    return reports
+
+
+def sweep_table(results: dict[str, list[dict]]) -> str:
+    lines = ["| workload | concurrency | req/s | TTFT p50 ms | TTFT p99 ms | GPU busy % | busiest processes (cores, "
+             "busiest thread) | bottleneck |", "|---|---|---|---|---|---|---|---|"]
+    for wl, rs in results.items():
+        for r in rs:
+            res = r.get("resources") or {}
+            gpus = " / ".join(f"{u:.0f}" for u in res.get("gpu_mean", [])) or "-"
+            groups = sorted((res.get("groups") or {}).items(), key=lambda kv: -kv[1]["cores"])[:3]
+            procs = "; ".join(f"{g} {v['cores']:.2f} ({v['busiest_thread']:.2f})" for g, v in groups) or "-"
+            lines.append(f"| {wl} | {r['concurrency']} | {r['request_throughput']:.2f} | {r['ttft_ms']['median']:.1f} | "
+                         f"{r['ttft_ms']['p99']:.1f} | {gpus} | {procs} | {'; '.join(res.get('verdict', [])) or '-'} |")
+    return "\n".join(lines)
+
+
+def plot_sweep(results: dict[str, list[dict]], out_dir: Path) -> list[Path]:
+    """Throughput against concurrency, and every GPU's utilisation against time over the sweep."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for wl, rs in results.items():
+        ax.plot([r["concurrency"] for r in rs], [r["request_throughput"] for r in rs], "o-", label=wl)
+    ax.set(xscale="log", xlabel="concurrency", ylabel="requests/s", title="throughput against concurrency")
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths = [out_dir / "sweep_throughput.png"]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    gpus: dict[int, list[tuple[float, float]]] = {}
+    for wl, rs in results.items():
+        for r in rs:
+            res = r.get("resources") or {}
+            timeline = res.get("gpu_timeline") or []
+            for t, utils in timeline:
+                for idx, u in zip(res.get("gpu_indices", []), utils):
+                    gpus.setdefault(idx, []).append((t, u))
+            if timeline:
+                ax.axvline(timeline[0][0], color="0.85", lw=0.8)
+                ax.text(timeline[0][0], 101, f"{wl[:5]} c{r['concurrency']}", fontsize=6, rotation=90, va="bottom")
+    for idx, pts in sorted(gpus.items()):
+        ax.plot([t for t, _ in pts], [u for _, u in pts], lw=1, label=f"GPU {idx}")
+    ax.set(xlabel="seconds", ylabel="GPU busy %", ylim=(0, 115), title="GPU utilisation over the sweep")
+    if gpus:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no GPU sampled", transform=ax.transAxes, ha="center")
+    fig.tight_layout()
+    paths.append(out_dir / "sweep_gpu_util.png")
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths
 
 
 def plot(results: dict, path: Path) -> None:
@@ -250,57 +400,81 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def workload_from_spec(spec: str, a) -> Workload:
+    """`image`, `image@1024`, `video`, `mixed` with the command line's sizes."""
+    kind, _, size = spec.partition("@")
+    if kind not in ("image", "video", "mixed"):
+        raise SystemExit(f"unknown workload {spec!r}: image, image@<size>, video, mixed")
+    return Workload(kind, int(size) if size and kind == "image" else a.image_size, a.video_size, a.video_frames,
+                    a.video_fps, a.prompt_words, a.output_tokens)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--workload", nargs="+", default=["image"], choices=["image", "video", "mixed"])
+    p.add_argument("--workload", nargs="+", default=["image"], help="image, image@<size>, video, mixed")
     p.add_argument("--image-size", type=int, default=448)
     p.add_argument("--video-size", type=int, default=224)
     p.add_argument("--video-frames", type=int, default=8)
     p.add_argument("--video-fps", type=int, default=2, help="with the server's 2 fps sampling, all frames are kept")
     p.add_argument("--prompt-words", type=int, default=32)
-    p.add_argument("--output-tokens", type=int, default=32)
-    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--num-requests", type=int, default=32, help="per point (--sweep: at least --rounds x concurrency)")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--concurrency", type=int, nargs="+", default=[8])
     p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals instead of fixed concurrency")
+    p.add_argument("--sweep", action="store_true", help="concurrency 1, 2, 4, ... until throughput stops growing")
+    p.add_argument("--max-concurrency", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=4, help="--sweep: requests per point >= rounds x concurrency")
+    p.add_argument("--min-gain", type=float, default=0.05, help="--sweep: a point must beat the best by this much")
+    p.add_argument("--patience", type=int, default=2, help="--sweep: stop after this many points without gain")
+    p.add_argument("--no-monitor", action="store_true", help="do not sample GPUs and processes")
+    p.add_argument("--start", action="store_true", help="start Ray and the application here, then measure it")
+    p.add_argument("--serve-config", default=None, help="with --start: deploy this file as `serve run FILE` does")
+    p.add_argument("--num-gpus", type=int, default=None, help="with --start: give Ray the first N GPUs only")
+    p.add_argument("--placement", default=None, choices=["auto", "colocate", "split"], help="args.placement.policy")
+    p.add_argument("--encoder-gpus", type=int, default=None, help="split: GPUs for the encoder")
+    p.add_argument("--llm-gpus", type=int, default=None, help="split: GPUs for the LLM")
     p.add_argument("--compare", action="store_true", help="start the app with graphs on, then off; same workload")
     p.add_argument("--compare-to", default=GRAPHS_OFF,
                    help="with --compare: JSON of encoder/llm settings the second side changes (default: graphs off)")
-    p.add_argument("--model", default="embedded:tiny", help="with --compare")
-    p.add_argument("--app-args", default="{}", help="with --compare: JSON merged into the application args")
+    p.add_argument("--model", default=None, help="with --start/--compare (default: the config file's, else embedded:tiny)")
+    p.add_argument("--app-args", default="{}", help="with --start/--compare: JSON deep-merged into the application args")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--out-dir", default="benchmarks/serve_results")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args()
 
-    def workload(kind):
-        return Workload(kind, a.image_size, a.video_size, a.video_frames, a.video_fps, a.prompt_words, a.output_tokens)
+    app_args = json.loads(a.app_args)
+    if a.model or not a.serve_config:
+        app_args["model"] = a.model or "embedded:tiny"
+    placement = {k: v for k, v in (("policy", a.placement), ("encoder_gpus", a.encoder_gpus),
+                                   ("llm_gpus", a.llm_gpus)) if v is not None}
+    if placement:
+        app_args = deep_merge(app_args, {"placement": placement})
+    workloads = [workload_from_spec(w, a) for w in a.workload]
 
-    def sweep(url: str, label: str) -> list[dict]:
+    def fixed(url: str, label: str) -> list[dict]:
         out = []
-        for kind in a.workload:
+        for wl in workloads:
             for c in a.concurrency:
                 offset = 100_000 * len(out)  # the same ranges on both sides of --compare
-                r = asyncio.run(run_load(url, workload(kind), a.num_requests, None if a.request_rate else c,
-                                         a.request_rate, a.warmup, not a.no_progress, seed_offset=offset))
+                r = asyncio.run(run_load(url, wl, a.num_requests, None if a.request_rate else c, a.request_rate,
+                                         a.warmup, not a.no_progress, seed_offset=offset, monitor=not a.no_monitor))
                 print_report(r, label)
                 out.append(asdict(r))
         return out
 
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if not a.compare:
-        results = {"server": sweep(a.url, "")}
-    else:
-        base = {"model": a.model, **json.loads(a.app_args)}
+    if a.compare:
+        base = app_args
         results = {}
         other = json.loads(a.compare_to)
         second = "graphs off" if other == json.loads(GRAPHS_OFF) else f"with {a.compare_to}"
         for mode, change in (("graphs on", {}), (second, other)):
-            args = {**base, **{k: {**base.get(k, {}), **v} for k, v in change.items()}}
-            start_app(args, a.port)
-            results[mode] = sweep(f"http://127.0.0.1:{a.port}", mode)
+            start_app(deep_merge(base, change), a.port, a.serve_config, a.num_gpus)
+            results[mode] = fixed(f"http://127.0.0.1:{a.port}", mode)
             stop_app()
         print("\n| workload | concurrency | TTFT p50 on / off ms | TTFT p99 on / off ms | p99 ratio (off/on) "
               "| req/s on / off |")
@@ -311,8 +485,30 @@ def main() -> None:
                   f"{off['ttft_ms']['p99'] / on['ttft_ms']['p99']:.2f}x | {on['request_throughput']:.2f} / "
                   f"{off['request_throughput']:.2f} |")
         plot(results, out_dir / "serve_compare.png")
-    (out_dir / "serve_results.json").write_text(json.dumps(results, indent=1))
-    print(f"wrote {out_dir / 'serve_results.json'}")
+        (out_dir / "serve_results.json").write_text(json.dumps(results, indent=1))
+        print(f"wrote {out_dir / 'serve_results.json'}")
+        return
+
+    url = a.url
+    if a.start:
+        t = time.perf_counter()
+        start_app(app_args, a.port, a.serve_config, a.num_gpus)
+        url = f"http://127.0.0.1:{a.port}"
+        print(f"application ready in {time.perf_counter() - t:.1f} s")
+    if not a.sweep:
+        results = {"server": fixed(url, "")}
+        (out_dir / "serve_results.json").write_text(json.dumps(results, indent=1))
+        print(f"wrote {out_dir / 'serve_results.json'}")
+        return
+    t0 = time.perf_counter()
+    results = {}
+    for i, wl in enumerate(workloads):
+        results[wl.label] = [asdict(r) for r in sweep_workload(url, wl, a, 10_000_000 * (i + 1), t0)]
+    print("\n" + sweep_table(results))
+    meta = {"app_args": app_args, "serve_config": a.serve_config, "num_gpus": a.num_gpus, "url": url}
+    (out_dir / "sweep_results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    paths = plot_sweep(results, out_dir)
+    print(f"wrote {out_dir / 'sweep_results.json'}, " + ", ".join(str(p) for p in paths))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,16 @@
-"""Application builder imported by serve_config.yaml: validates args, places replicas, wires handles."""
+"""Application builder imported by serve_config.yaml: validates args, places replicas, wires handles.
+
+The options set here are defaults. A config file's `deployments:` entry replaces them key by key
+(Ray 2.60, `override_deployment_info`): a listed `autoscaling_config`, `ray_actor_options` or
+`request_router_config` replaces the builder's whole value (no field-by-field merge), and an
+`autoscaling_config` wins over the builder's `num_replicas`. So:
+- Router and MediaPreprocessor get an `autoscaling_config` here (applications built from Python
+  autoscale too); pin their count from a config file with `min_replicas` = `max_replicas` (a bare
+  `num_replicas` there is ignored while an `autoscaling_config` exists).
+- VisionEncoder and LLM get `num_replicas` and GPU shares from the placement policy
+  (app/placement.py); a config file may give either an `autoscaling_config` or a `num_replicas`.
+  Listing `ray_actor_options` for them drops the builder's GPU shares.
+"""
 
 from __future__ import annotations
 
@@ -6,39 +18,59 @@ import logging
 
 from pydantic import ValidationError
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from app.config import AppConfig
 from app.model_builder import resolve_model
+from app.placement import Plan, plan
 
 from .encoder import VisionEncoder
 from .llm import LLM
+from .media import MediaPreprocessor
 from .router import Router
 
 log = logging.getLogger("ray.serve")
 
+LLM_REQUEST_ROUTER = "deployments.routing:LeastLoadedRouter"
+ROUTING_STATS_PERIOD_S = 1.0  # how fresh the LLM replicas' load reports are (Ray's default: 10 s)
 
-def cluster_gpus() -> int:
+
+def cluster_resources() -> tuple[int, float]:
+    """(GPUs, CPUs) of the Ray cluster this builder runs in; (0, 0) outside Ray."""
     import ray
 
-    return int(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0
+    if not ray.is_initialized():
+        return 0, 0.0
+    res = ray.cluster_resources()
+    return int(res.get("GPU", 0)), float(res.get("CPU", 0))
 
 
-def placement(cfg: AppConfig, gpus: int) -> tuple[dict, dict]:
-    """Options for (VisionEncoder, LLM). Auto: one encoder replica per GPU; with one GPU the two share it."""
+def llm_request_router() -> RequestRouterConfig:
+    return RequestRouterConfig(request_router_class=LLM_REQUEST_ROUTER,
+                               request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+                               request_routing_stats_timeout_s=5 * ROUTING_STATS_PERIOD_S)
+
+
+def deployment_options(cfg: AppConfig, gpus: int, cpus: float) -> tuple[dict[str, dict], Plan]:
+    """`.options()` per deployment name, and the placement plan behind them."""
     p = cfg.placement
-    if gpus == 0:
-        enc_gpus, llm_gpus, replicas = 0.0, 0.0, 1
-    elif gpus == 1:
-        enc_gpus, llm_gpus, replicas = 0.5, 0.5, 1
-    else:  # the LLM takes one GPU, every other GPU gets one encoder replica
-        enc_gpus, llm_gpus, replicas = 1.0, 1.0, gpus - 1
-    enc_gpus = enc_gpus if p.encoder_num_gpus == "auto" else p.encoder_num_gpus
-    llm_gpus = llm_gpus if p.llm_num_gpus == "auto" else p.llm_num_gpus
-    replicas = replicas if p.encoder_replicas == "auto" else p.encoder_replicas
+    pl = plan(p, gpus)
     ongoing = p.max_ongoing_requests
-    return ({"num_replicas": replicas, "max_ongoing_requests": ongoing,
-             "ray_actor_options": {"num_gpus": enc_gpus, "num_cpus": p.num_cpus}},
-            {"max_ongoing_requests": ongoing, "ray_actor_options": {"num_gpus": llm_gpus, "num_cpus": p.num_cpus}})
+    media_max = max(1, int(cpus // 2))  # half the cluster's cores at most, one replica each
+    return {
+        "Router": {"max_ongoing_requests": ongoing, "ray_actor_options": {"num_cpus": p.router_num_cpus},
+                   "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 64,
+                                          "upscale_delay_s": 5, "downscale_delay_s": 60}},
+        "MediaPreprocessor": {"max_ongoing_requests": 16, "ray_actor_options": {"num_cpus": p.media_num_cpus},
+                              "autoscaling_config": {"min_replicas": 1, "max_replicas": media_max,
+                                                     "target_ongoing_requests": 2, "look_back_period_s": 15,
+                                                     "upscale_delay_s": 3, "downscale_delay_s": 60}},
+        "VisionEncoder": {"num_replicas": pl.encoder_replicas, "max_ongoing_requests": ongoing,
+                          "ray_actor_options": {"num_gpus": pl.encoder_num_gpus, "num_cpus": p.num_cpus}},
+        "LLM": {"num_replicas": pl.llm_replicas, "max_ongoing_requests": ongoing,
+                "ray_actor_options": {"num_gpus": pl.llm_num_gpus, "num_cpus": p.num_cpus},
+                "request_router_config": llm_request_router()},
+    }, pl
 
 
 def build_app(args: dict):
@@ -47,12 +79,14 @@ def build_app(args: dict):
     except ValidationError as e:
         raise ValueError(f"invalid application config:\n{e}") from None
     resolve_model(cfg.model, cfg.cache_dir)  # fail fast, and build an embedded checkpoint once, here
-    enc_opts, llm_opts = placement(cfg, cluster_gpus())
-    log.info("placement: encoder %s, llm %s", enc_opts, llm_opts)
+    gpus, cpus = cluster_resources()
+    opts, pl = deployment_options(cfg, gpus, cpus)
+    log.info("placement on %d GPUs: %s", gpus, pl.describe())
     config = cfg.model_dump()
-    encoder = VisionEncoder.options(**enc_opts).bind(config)
-    llm = LLM.options(**llm_opts).bind(config)
-    return Router.options(max_ongoing_requests=cfg.placement.max_ongoing_requests).bind(config, encoder, llm)
+    media = MediaPreprocessor.options(**opts["MediaPreprocessor"]).bind(config)
+    encoder = VisionEncoder.options(**opts["VisionEncoder"]).bind(config, pl.encoder_pins_gpu)
+    llm = LLM.options(**opts["LLM"]).bind(config)
+    return Router.options(**opts["Router"]).bind(config, media, encoder, llm)
 
 
 def build(args: dict | None = None):

@@ -2,28 +2,62 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+
+import ray
 from ray import serve
 
 from app.config import AppConfig
 from app.model_builder import resolve_model
-from app.vision.service import EncoderService
+from app.placement import pinned_gpu
 
 from .logs import route_app_logs
 from .metrics import EncoderMetrics
 
+log = logging.getLogger("ray.serve")
+
+
+def pin_to_gpu_by_rank() -> None:
+    """`colocate` placement: this replica reserved no GPU in Ray (so Ray did not set
+    CUDA_VISIBLE_DEVICES); take the node's GPU of this replica's rank on the node, before CUDA starts."""
+    ctx = serve.get_replica_context()
+    node = ray.get_runtime_context().get_node_id()
+    node_gpus = next((int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["NodeID"] == node), 0)
+    device = pinned_gpu(ctx.rank.local_rank, node_gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if device is None:
+        log.warning("encoder replica asked to pin a GPU, but the node has none visible; running as configured")
+        return
+    os.environ["CUDA_VISIBLE_DEVICES"] = device
+    log.info("encoder replica of node rank %d pinned to GPU %s", ctx.rank.local_rank, device)
+
 
 @serve.deployment(name="VisionEncoder", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=2)
 class VisionEncoder:
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, pin_gpu_by_rank: bool = False):
         route_app_logs()
+        if pin_gpu_by_rank:
+            pin_to_gpu_by_rank()
+        from app.vision.service import EncoderService  # after pinning: importing it may touch CUDA
+
         cfg = AppConfig(**config)
         self.service = EncoderService(cfg, str(resolve_model(cfg.model, cfg.cache_dir)))
         self.metrics = EncoderMetrics(self.service.stats)
         self.service.batcher.on_batch = self.metrics.on_batch
 
     async def encode(self, items: list) -> list:
-        """Items (pixels, grid, cache key) of one request; batched with other requests' items."""
+        """One request's items, batched with other requests' items. Each item is an object-store
+        reference of a PreparedItem (from a MediaPreprocessor replica; read here, zero-copy on the same
+        node) or a (uint8 rows, grid, cache key) tuple."""
+        refs = [i for i, it in enumerate(items) if isinstance(it, ray.ObjectRef)]
+        if refs:
+            items = list(items)
+            for i, prepared in zip(refs, await asyncio.gather(*(items[i] for i in refs))):
+                items[i] = (prepared.patches.pixel_values, prepared.patches.grid, prepared.key)
         return await self.service.encode_async(items)
 
     def stats(self) -> dict:
-        return self.service.stats()
+        """The service's counters, with which replica and GPU they come from."""
+        return {**self.service.stats(), "replica": serve.get_replica_context().replica_id.unique_id,
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}

@@ -1,21 +1,18 @@
 """LLM deployment: generation from the prompt plus the encoder's embeddings, streamed.
 
-The engine runs on its own thread. After each step it hands the step's token ids for every request
-to this replica's event loop in one call; each request's async generator then makes text of
-everything that has arrived for it (detokenization and stop strings happen here, never in the
-step) and yields at most one chunk per `stream_interval_ms`, so a stream's Ray messages stay
-bounded however fast tokens come.
+The engine runs on its own thread; `AsyncEngine` hands each step's tokens to this replica's event
+loop in one call and turns them into (coalesced) text chunks there (app/llm/async_engine.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
+import os
 from dataclasses import asdict
 
 from ray import serve
 
 from app.config import AppConfig
+from app.llm.async_engine import AsyncEngine
 from app.llm.engine import Engine, request_from_dict
 from app.model_builder import resolve_model
 from app.vision.service import pick_device
@@ -30,42 +27,34 @@ class LLM:
         route_app_logs()
         cfg = AppConfig(**config)
         self.engine = Engine(str(resolve_model(cfg.model, cfg.cache_dir)), pick_device(cfg.device), cfg.llm)
-        self.interval = cfg.llm.stream_interval_ms / 1e3
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.engine.emit = self._emit
+        self.streams = AsyncEngine(self.engine, cfg.llm.stream_interval_ms / 1e3)
         self.metrics = LLMMetrics(self.engine.load)
 
-    def _emit(self, outputs) -> None:
-        """Engine thread: one hand-off to the event loop per step, for all requests."""
-        self.loop.call_soon_threadsafe(self.engine._emit_each, outputs)
-
     async def generate(self, gen: dict, encoded: list):
-        """Async generator of engine chunks; `encoded` arrives resolved from the encoder's response.
-        A client that goes away cancels the request, which frees its blocks at the next step."""
-        self.loop = asyncio.get_running_loop()
-        req = request_from_dict(gen, encoded)
-        inbox: asyncio.Queue = asyncio.Queue()
-        stream = self.engine.output_stream(req)
-        seq = self.engine.submit(req, sink=inbox.put_nowait)
-        last = 0.0
-        try:
-            while True:
-                deltas = [await inbox.get()]
-                wait = last + self.interval - time.monotonic()
-                if wait > 0 and last:  # merge what arrives until the interval is up
-                    await asyncio.sleep(wait)
-                while not inbox.empty():
-                    deltas.append(inbox.get_nowait())
-                chunk = stream.push(deltas)
-                if stream.stopped:
-                    seq.cancel()
-                if chunk is not None:
-                    last = time.monotonic()
-                    yield asdict(chunk)
-                if stream.finished:
-                    return
-        finally:
-            seq.cancel()
+        """Async generator of chunk dicts; `encoded` arrives resolved from the encoder's response."""
+        async for chunk in self.streams.generate(request_from_dict(gen, encoded)):
+            yield asdict(chunk)
+
+    # ------------------------------------------------------------ routing and autoscaling
+    def replica_load(self) -> dict:
+        """This replica's engine load with its id and GPU (`/v1/llm/load` merges every replica's)."""
+        return {"replica": serve.get_replica_context().replica_id.unique_id,
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **self._load()}
+
+    def record_routing_stats(self) -> dict:
+        """Ray Serve calls this every `request_routing_stats_period_s`; the routers' LeastLoadedRouter
+        (deployments/routing.py) reads it as the replica's `routing_stats`."""
+        return self._load()
+
+    def record_autoscaling_stats(self) -> dict:
+        """Custom autoscaling metrics (numbers only), pushed to the controller with the replica's
+        request counts; app.autoscaling.LLMAutoscalingPolicy reads `kv_usage`."""
+        return self._load()
+
+    def _load(self) -> dict:
+        load = self.engine.load()
+        return {"running": int(load["running"]), "waiting": int(load["waiting"]),
+                "kv_usage": float(load["kv_usage"])}
 
     def load(self) -> dict:
         return self.engine.load()

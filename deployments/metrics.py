@@ -35,6 +35,13 @@ class RouterMetrics:
         self.e2e.observe(1e3 * record["e2e_s"])
 
 
+def _add_delta(counter: Counter, now: dict, last: dict, key: str, tags: dict | None = None) -> None:
+    """Increment `counter` by how much the cumulative stat `key` grew since the last sync."""
+    delta = now.get(key, 0) - last.get(key, 0)
+    if delta > 0:
+        counter.inc(delta, tags=tags) if tags else counter.inc(delta)
+
+
 class _Syncer:
     """Turns cumulative counters from a stats() dict into Counter increments, once a second."""
 
@@ -82,19 +89,13 @@ class EncoderMetrics:
             self.queue_wait.observe(1e3 * w)
 
     def _apply(self, now: dict, last: dict) -> None:
-        def inc(counter, key, tags=None, src_now=now, src_last=last):
-            delta = src_now.get(key, 0) - src_last.get(key, 0)
-            if delta > 0:
-                counter.inc(delta, tags=tags) if tags else counter.inc(delta)
-
-        inc(self.graph_hits, "graph_hits")
-        inc(self.uniform_hits, "uniform_hits")
-        inc(self.idle_captures, "idle_captures")
-        inc(self.idle_capture_ms, "idle_capture_ms")
-        inc(self.cache_hits, "cache_hits")
-        inc(self.cache_misses, "cache_misses")
-        for reason in now.get("eager_reasons", {}):
-            inc(self.fallbacks, reason, {"reason": reason}, now["eager_reasons"], last.get("eager_reasons", {}))
+        for counter, key in ((self.graph_hits, "graph_hits"), (self.uniform_hits, "uniform_hits"),
+                             (self.idle_captures, "idle_captures"), (self.idle_capture_ms, "idle_capture_ms"),
+                             (self.cache_hits, "cache_hits"), (self.cache_misses, "cache_misses")):
+            _add_delta(counter, now, last, key)
+        reasons_now, reasons_last = now.get("eager_reasons", {}), last.get("eager_reasons", {})
+        for reason in reasons_now:
+            _add_delta(self.fallbacks, reasons_now, reasons_last, reason, {"reason": reason})
         self.padding.set(now.get("padding_ratio", 0.0))
 
 
@@ -117,6 +118,4 @@ class LLMMetrics:
         self.kv_usage.set(now["kv_usage"])
         for counter, key in ((self.prefix_queried, "prefix_cache_queried_tokens"),
                              (self.prefix_hits, "prefix_cache_hit_tokens"), (self.preemptions, "preemptions")):
-            delta = now.get(key, 0) - last.get(key, 0)
-            if delta > 0:
-                counter.inc(delta)
+            _add_delta(counter, now, last, key)

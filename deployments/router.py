@@ -1,28 +1,37 @@
-"""Router deployment: the FastAPI ingress. Wiring only; the logic is app.api.chat.ChatService."""
+"""Router deployment: the FastAPI ingress. Wiring only; the logic is app.api.chat.ChatService.
 
-import json
+It keeps HTTP, JSON parsing, prompt building and orchestration. Media preparation runs in
+MediaPreprocessor replicas (app/media/remote.py), encoding in VisionEncoder replicas and generation in
+LLM replicas; the router passes object references between them and never re-serialises patch rows or
+embeddings. Several Router replicas run behind Ray Serve's HTTP proxy (autoscaled)."""
+
 import logging
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from app.api import fastjson
 from app.api.chat import ChatService, unwrap_client_error
 from app.config import AppConfig
 from app.errors import ClientError
-from app.media.pipeline import MediaPipeline
 from app.media.preprocess import PatchSpec
+from app.media.remote import RemoteMedia
 from app.model_builder import resolve_model
+from app.replica_stats import merge_encoder_stats, merge_llm_loads
 
 from .logs import route_app_logs
 from .metrics import RouterMetrics
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="vlm-serve")
+
+
+class FastJSONResponse(JSONResponse):
+    def render(self, content) -> bytes:
+        return fastjson.dumps_bytes(content)
 
 
 class RayBackend:
@@ -37,22 +46,25 @@ class RayBackend:
 
 
 def error_response(e: ClientError) -> JSONResponse:
-    return JSONResponse(e.to_json(), status_code=e.status, headers=e.headers)
+    return FastJSONResponse(e.to_json(), status_code=e.status, headers=e.headers)
 
 
 @serve.deployment(name="Router", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=2)
 @serve.ingress(api)
 class Router:
-    def __init__(self, config: dict, encoder: DeploymentHandle, llm: DeploymentHandle):
+    def __init__(self, config: dict, media: DeploymentHandle, encoder: DeploymentHandle, llm: DeploymentHandle):
         from transformers import AutoTokenizer
 
         route_app_logs()
         self.cfg = AppConfig(**config)
         ckpt = resolve_model(self.cfg.model, self.cfg.cache_dir)
-        pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="media")
-        media = MediaPipeline(self.cfg.media, PatchSpec.from_checkpoint(ckpt), pool)
+        # Object references, not values, must cross these handles (app/media/remote.py; the encoder's
+        # response goes to the LLM unresolved). Ray's by-value gRPC mode (RAY_SERVE_THROUGHPUT_OPTIMIZED)
+        # would otherwise pull both through this process.
+        media, encoder, llm = (h.options(_by_reference=True) for h in (media, encoder, llm))
         self.metrics = RouterMetrics()
-        self.chat = ChatService(self.cfg, AutoTokenizer.from_pretrained(ckpt), media, RayBackend(encoder, llm),
+        self.chat = ChatService(self.cfg, AutoTokenizer.from_pretrained(ckpt),
+                                RemoteMedia(media, PatchSpec.from_checkpoint(ckpt)), RayBackend(encoder, llm),
                                 observer=self.metrics.observe)
         self.encoder, self.llm = encoder, llm
 
@@ -67,25 +79,27 @@ class Router:
 
     @api.get("/v1/encoder/stats")
     async def encoder_stats(self) -> dict:
-        return await self.encoder.stats.remote()
+        """Every encoder replica's counters, summed (per replica under "replicas")."""
+        return merge_encoder_stats(await self.encoder.broadcast("stats").results_async())
 
     @api.get("/v1/llm/load")
     async def llm_load(self) -> dict:
-        return await self.llm.load.remote()
+        """Every LLM replica's engine load: requests summed, per replica under "replicas"."""
+        return merge_llm_loads(await self.llm.broadcast("replica_load").results_async())
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         t0 = time.perf_counter()
         try:
             try:
-                body = json.loads(await request.body())
+                body = fastjson.loads(await request.body())
             except (ValueError, UnicodeDecodeError) as e:
                 raise ClientError(f"request body is not valid JSON: {e}", code="invalid_json") from e
             req, gen, payload = await self.chat.prepare(body)
             if req.stream:
                 return StreamingResponse(await self.chat.open_stream(req, gen, payload, t0),
                                          media_type="text/event-stream")
-            return JSONResponse(await self.chat.complete(req, gen, payload, t0))
+            return FastJSONResponse(await self.chat.complete(req, gen, payload, t0))
         except Exception as e:
             err = unwrap_client_error(e)
             if err is None:

@@ -32,18 +32,63 @@ def test_builder_reports_invalid_args():
         build_app({"model": "/no/such/checkpoint"})
 
 
-def test_placement():
-    from deployments.app import placement
+def test_builder_options_follow_the_placement_policy():
+    from deployments.app import deployment_options
 
-    cfg = AppConfig()
-    enc, llm = placement(cfg, 0)
-    assert enc["num_replicas"] == 1 and enc["ray_actor_options"]["num_gpus"] == 0
-    enc, llm = placement(cfg, 4)
-    assert enc["num_replicas"] == 3 and enc["ray_actor_options"]["num_gpus"] == 1
-    assert llm["ray_actor_options"]["num_gpus"] == 1
-    enc, _ = placement(AppConfig(placement={"encoder_replicas": 2, "encoder_num_gpus": 0.25}), 1)
-    assert enc["num_replicas"] == 2 and enc["ray_actor_options"]["num_gpus"] == 0.25
-    assert enc["max_ongoing_requests"] == llm["max_ongoing_requests"] == 1024  # not Ray Serve's 5
+    opts, pl = deployment_options(AppConfig(), 0, 2)
+    assert pl.policy == "cpu" and opts["VisionEncoder"]["num_replicas"] == opts["LLM"]["num_replicas"] == 1
+    assert opts["VisionEncoder"]["ray_actor_options"]["num_gpus"] == opts["LLM"]["ray_actor_options"]["num_gpus"] == 0
+    # replica counts of the GPU deployments are num_replicas, so a config file can give an autoscaling_config
+    assert "autoscaling_config" not in opts["VisionEncoder"] and "autoscaling_config" not in opts["LLM"]
+    assert opts["Router"]["autoscaling_config"]["min_replicas"] == 1
+    assert opts["MediaPreprocessor"]["autoscaling_config"]["max_replicas"] == 1  # half of 2 CPUs
+    assert opts["LLM"]["request_router_config"].request_router_class == "deployments.routing:LeastLoadedRouter"
+    assert opts["VisionEncoder"]["max_ongoing_requests"] == opts["LLM"]["max_ongoing_requests"] == 1024  # not 5
+    sum_cpus = sum(o["ray_actor_options"]["num_cpus"] for o in opts.values())
+    assert sum_cpus <= 2  # `make serve` and the tests fit a 2-core machine
+
+    opts, pl = deployment_options(AppConfig(), 4, 64)
+    assert pl.policy == "colocate" and pl.encoder_pins_gpu
+    assert opts["LLM"]["num_replicas"] == opts["VisionEncoder"]["num_replicas"] == 4
+    assert opts["LLM"]["ray_actor_options"]["num_gpus"] == 1 and opts["VisionEncoder"]["ray_actor_options"]["num_gpus"] == 0
+
+
+@pytest.mark.parametrize("placement,gpus,want", [
+    ({}, 1, ("colocate", 1, 0.0, 1, 1.0, True)),
+    ({"policy": "colocate"}, 2, ("colocate", 2, 0.0, 2, 1.0, True)),
+    ({"policy": "colocate", "llm_replicas": 4}, 2, ("colocate", 2, 0.0, 4, 0.5, True)),
+    ({"policy": "split"}, 4, ("split", 1, 1.0, 3, 1.0, False)),
+    ({"policy": "split", "encoder_gpus": 2, "llm_gpus": 1}, 4, ("split", 2, 1.0, 1, 1.0, False)),
+    ({"policy": "split", "encoder_gpus": 1, "encoder_replicas": 3}, 2, ("split", 3, 1 / 3, 1, 1.0, False)),
+    ({"encoder_replicas": 2, "encoder_num_gpus": 0.25}, 1, ("colocate", 2, 0.25, 1, 1.0, False)),
+    ({"policy": "split"}, 0, ("cpu", 1, 0.0, 1, 0.0, False)),
+])
+def test_placement_plans(placement, gpus, want):
+    from app.placement import plan
+
+    p = plan(AppConfig(placement=placement).placement, gpus)
+    assert (p.policy, p.encoder_replicas, p.encoder_num_gpus, p.llm_replicas, p.llm_num_gpus,
+            p.encoder_pins_gpu) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("placement,gpus,match", [
+    ({"policy": "split"}, 1, "at least 2 GPUs"),
+    ({"policy": "split", "encoder_gpus": 2, "llm_gpus": 1}, 2, "fit"),
+    ({"policy": "split", "llm_gpus": 0}, 2, "llm_gpus"),
+])
+def test_impossible_placements_name_themselves(placement, gpus, match):
+    from app.placement import plan
+
+    with pytest.raises(ValueError, match=match):
+        plan(AppConfig(placement=placement).placement, gpus)
+
+
+def test_pinned_gpu_takes_the_node_gpus_in_turn_by_rank():
+    from app.placement import pinned_gpu
+
+    assert [pinned_gpu(r, 2, None) for r in range(4)] == ["0", "1", "0", "1"]
+    assert [pinned_gpu(r, 4, "2,3") for r in range(3)] == ["2", "3", "2"]  # what the process was given
+    assert pinned_gpu(0, 0, None) is None and pinned_gpu(1, 2, "") is None
 
 
 def test_serve_config_args_validate():
@@ -56,7 +101,7 @@ def test_serve_config_args_validate():
     assert app["import_path"] == "deployments.app:build_app"
     AppConfig(**app["args"])
     names = {d["name"] for d in app["deployments"]}
-    assert names == {"Router", "VisionEncoder", "LLM"}
+    assert names == {"Router", "MediaPreprocessor", "VisionEncoder", "LLM"}
 
 
 @pytest.mark.parametrize("name", ["qwen3-vl-2b-gpu.yaml", "qwen3-vl-8b-gpu.yaml"])

@@ -270,17 +270,25 @@ METRIC_NAMES = [
 ]
 
 
-def test_serving_benchmark_report_and_metrics_endpoint(server):
+def test_serving_benchmark_report_and_metrics_endpoint(server, tmp_path):
     import asyncio
     import time
+    from dataclasses import asdict
 
-    from benchmarks.serve import Workload, run_load
+    from benchmarks.serve import Workload, plot_sweep, run_load
 
+    reports = {}
     for kind in ("image", "video"):
         rep = asyncio.run(run_load(f"http://127.0.0.1:{PORT}", Workload(kind, image_size=64, video_size=64,
                                                                         video_frames=4, output_tokens=4),
-                                   num_requests=4, concurrency=2, warmup=1, progress=False))
+                                   num_requests=4, concurrency=2, warmup=1, progress=False, monitor=True))
+        reports[rep.workload] = [asdict(rep)]
         assert rep.successful == 4 and rep.failed == 0, rep.errors
+        # CPU per deployment from the replicas' process titles; no GPU here, so none sampled
+        res = rep.resources
+        assert {"Router", "MediaPreprocessor", "VisionEncoder", "LLM", "load generator"} <= set(res["groups"])
+        assert sum(g["cores"] for g in res["groups"].values()) > 0 and res["verdict"]
+        assert res["gpu_mean"] == [] or res["gpu_source"] != "none"
         assert rep.request_throughput > 0 and rep.output_token_throughput > 0
         assert set(rep.ttft_ms) == set(rep.e2e_ms) == {"mean", "median", "p99"}
         assert 0 < rep.ttft_ms["median"] <= rep.e2e_ms["p99"]
@@ -297,6 +305,7 @@ def test_serving_benchmark_report_and_metrics_endpoint(server):
         time.sleep(1)
     assert not missing, missing
     assert 'reason="tokens"' in text
+    assert all(p.stat().st_size > 0 for p in plot_sweep(reports, tmp_path))
 
 
 def test_more_streams_than_ray_serves_default_replica_limit_reach_the_llm_together(server):

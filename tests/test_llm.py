@@ -188,3 +188,28 @@ def test_the_in_process_pipeline_equals_transformers_generate_on_the_processors_
     want = [t for t in reference_generate(world, prompt, [img, vid], max_new=8) if t not in world["engine"].eos_ids]
     assert got["usage"]["completion_tokens"] == len(want)
     assert got["choices"][0]["message"]["content"] == world["tok"].decode(want, skip_special_tokens=True)
+
+
+def test_rotary_tables_come_out_row_major(world):
+    """The GPU kernels read cos/sin rows as token * (head_dim / 2): the multi-axis gather must not
+    hand them a transposed layout (it once did, and every key was rotated by other tokens' angles)."""
+    model = world["engine"].model
+    pos = torch.stack([torch.arange(9), torch.arange(9) * 2, torch.arange(9) * 3]).int()
+    cos, sin = model.rotary(pos)
+    assert cos.is_contiguous() and sin.is_contiguous()
+    axes = torch.tensor(model.spec.rope_axes)
+    want = model.cos_table[pos.long()[axes, :].t(), torch.arange(len(axes))]
+    assert torch.equal(cos, want)
+
+
+def test_detokenizing_many_tokens_at_once_equals_one_by_one(world):
+    tok = world["tok"]
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        ids = rng.integers(0, len(tok), 50).tolist()
+        d, out, i = Detokenizer(tok), [], 0
+        while i < len(ids):
+            n = int(rng.integers(1, 9))
+            out.append(d.feed_all(ids[i:i + n], final=i + n >= len(ids)))
+            i += n
+        assert "".join(out) == tok.decode(ids, skip_special_tokens=True)

@@ -296,6 +296,11 @@ def test_triton_kernels_equal_their_torch_versions():
     q0 = K.qk_norm_rope_store_torch(qkv, qn, kn, cos, sin, caches[2], caches[3], slots.long(), heads, kv, 1e-6)
     for a, b in ((q1, q0), (caches[0], caches[2]), (caches[1], caches[3])):
         assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max()
+    # cos/sin as the multi-axis rotary can produce them: a [T, D/2] view of a transposed tensor
+    cos_t, sin_t = cos.t().contiguous().t(), sin.t().contiguous().t()
+    assert not cos_t.is_contiguous()
+    q2 = K.qk_norm_rope_store(qkv, qn, kn, cos_t, sin_t, caches[0], caches[1], slots, heads, kv, 1e-6)
+    assert torch.equal(q2, q1)
     gu = rnd(t, 2 * 6144)
     a, b = K.silu_mul(gu), K.silu_mul_torch(gu)
     assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max()
@@ -372,12 +377,44 @@ def test_engine_steps_run_no_sdpa_and_no_cudnn_attention(tiny_checkpoint, world)
                                                                 for s in seqs)
 
 
+def forward_logits(eng, ids):
+    """Our forward's logits at every position of one sequence, on a throw-away cache (GPU)."""
+    from app.llm.attention import AttentionMetadata, block_q_for, work_table
+
+    dev, s, bs, n = eng.device, eng.spec, 16, len(ids)
+    blocks = -(-n // bs)
+    kv = torch.zeros(s.layers, 2, (blocks + 1) * bs, s.kv_heads, s.head_dim, dtype=eng.dtype, device=dev)
+    table = torch.zeros(2, blocks, dtype=torch.int32, device=dev)
+    table[0] = torch.arange(1, blocks + 1)
+
+    def i32(a):
+        return torch.tensor(a, dtype=torch.int32, device=dev)
+
+    bq = block_q_for(s.heads // s.kv_heads, 64)
+    ws, w0 = work_table(np.array([n], dtype=np.int32), bq)
+    meta = AttentionMetadata(i32([0, n]), i32([n]), i32([0]), table, i32(ws), i32(w0), bq, bs)
+    with torch.inference_mode():
+        h = eng.model(i32(ids), torch.arange(n, dtype=torch.int32, device=dev), torch.arange(n, device=dev,
+                      dtype=torch.int32) + bs, kv, meta)
+        return eng.model.logits(h).float()
+
+
 @pytest.mark.gpu
 def test_2b_shape_greedy_equals_transformers_generate_in_bf16():
     """The Qwen3-VL-2B shape with random weights in bf16: our engine (Triton kernels, paged KV, CUDA
-    graphs) against transformers' generate, token for token, for text prompts."""
+    graphs) against transformers' generate.
+
+    Two bf16 forwards with different kernels cannot agree on near-ties: here transformers' bf16 logits
+    are 0.10-0.15 from its own fp32 logits, and one bf16 step at 4.0 is 0.03 (measured on an H200:
+    five prompts left transformers' output at tokens 2-12, each where its top two logits were 0-0.03
+    apart, and its fp32 model preferred our token in three). So:
+    - the tokens are equal until transformers' top two logits come within 0.05;
+    - on transformers' output, teacher-forced, our logits are no further from the fp32 model's than
+      transformers' bf16 logits are (within 20%)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    import copy
+
     from transformers import AutoConfig, Qwen3VLForConditionalGeneration
 
     from app.llm.sampling import SamplingParams
@@ -389,18 +426,33 @@ def test_2b_shape_greedy_equals_transformers_generate_in_bf16():
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen3VLForConditionalGeneration._from_config(cfg, dtype=torch.bfloat16).eval()
-    tok = build_tokenizer()
-    eng = Engine.from_model(model, tok, "cuda", max_model_len=1024, max_num_seqs=8, num_kv_blocks=512)
+    model.model.visual = None
+    truth = copy.deepcopy(model).float()
+    eng = Engine.from_model(model, build_tokenizer(), "cuda", max_model_len=1024, max_num_seqs=8, num_kv_blocks=512)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, cfg.text_config.vocab_size, n).tolist() for n in (7, 64, 333)]
+    prompts = [rng.integers(0, 150000, n).tolist() for n in (7, 64, 333, 20, 100)]  # below the vision ids
     seqs = [eng.submit(GenerationRequest(p, [0] * len(p), [], SamplingParams(max_tokens=16, temperature=0,
                                                                              ignore_eos=True))) for p in prompts]
+    matched = 0
     for p, s in zip(prompts, seqs):
         got = collect(s)[0]
         ids = torch.tensor([p], device="cuda")
-        want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                              min_new_tokens=16, do_sample=False)[0, len(p):].tolist()
-        assert got == want
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                             min_new_tokens=16, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        want = out.sequences[0, len(p):].tolist()
+        for i, (a, b) in enumerate(zip(got, want)):
+            top2 = out.logits[i][0].float().topk(2).values
+            if top2[0] - top2[1] < 0.05:
+                break
+            assert a == b, (len(p), i)
+            matched += 1
+        full = p + want
+        with torch.no_grad():
+            ref = truth(input_ids=torch.tensor([full], device="cuda")).logits[0, len(p) - 1:-1].float()
+            theirs = model(input_ids=torch.tensor([full], device="cuda")).logits[0, len(p) - 1:-1].float()
+        ours = forward_logits(eng, full)[len(p) - 1:-1]
+        assert (ours - ref).abs().max() <= 1.2 * (theirs - ref).abs().max(), len(p)
+    assert matched >= 5  # well-conditioned steps were compared
 
 
 def test_engine_thread_survives_a_failing_step(world, tiny_checkpoint, monkeypatch):

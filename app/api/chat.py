@@ -1,13 +1,14 @@
 """One chat completion, end to end, independent of Ray.
 
-parse -> fetch/decode/preprocess media (worker pool) -> prompt with exact placeholders ->
+parse -> fetch/decode/preprocess media -> prompt with exact placeholders ->
 backend.stream(generation request, encoder payload) -> OpenAI JSON or server-sent events.
-The backend decides how encoding and generation run (Ray handles in production).
+The media source decides where media is prepared (a worker pool in this process, or the
+MediaPreprocessor deployment: app/media/remote.py); the backend decides how encoding and generation
+run (Ray handles in production, app/local_backend.py in one process).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -16,11 +17,22 @@ from typing import Protocol
 
 from ..config import AppConfig
 from ..errors import ClientError
-from ..media.pipeline import MediaPipeline, to_encoder_payload
+from ..media.pipeline import PreparedItem, to_encoder_payload
+from ..media.preprocess import PatchSpec
+from . import fastjson
 from .prompt import IMAGE_TYPE, VIDEO_TYPE, PromptBuilder
 from .schemas import ChatRequest, completion_response, parse_chat_request, stream_chunk, usage
 
 log = logging.getLogger(__name__)
+
+
+class MediaSource(Protocol):
+    """app.media.pipeline.MediaPipeline (in this process) or app.media.remote.RemoteMedia (replicas)."""
+
+    spec: PatchSpec
+
+    async def prepare_all(self, refs: list) -> list[PreparedItem]:
+        """The request's items in order; ClientError for bad media."""
 
 
 class Backend(Protocol):
@@ -40,7 +52,7 @@ def unwrap_client_error(e: BaseException) -> ClientError | None:
 
 
 class ChatService:
-    def __init__(self, cfg: AppConfig, tokenizer, media: MediaPipeline, backend: Backend,
+    def __init__(self, cfg: AppConfig, tokenizer, media: MediaSource, backend: Backend,
                  observer: Callable[[dict], None] | None = None):
         """`observer(record)` receives one record per finished request (metrics)."""
         self.cfg, self.media, self.backend, self.observer = cfg, media, backend, observer
@@ -108,7 +120,7 @@ class ChatService:
         model = self.cfg.model_name
 
         def event(obj: dict) -> str:
-            return f"data: {json.dumps(obj)}\n\n"
+            return f"data: {fastjson.dumps(obj)}\n\n"
 
         async def chunks():
             yield first

@@ -12,15 +12,9 @@ from dataclasses import dataclass, field
 
 from ..errors import ClientError
 from ..llm.sampling import SamplingParams
+from ..media.ref import MediaRef
 
 ROLES = ("system", "user", "assistant", "developer")
-
-
-@dataclass
-class MediaRef:
-    kind: str  # what the client said: "image" | "video"
-    url: str
-    param: str
 
 
 @dataclass

@@ -140,6 +140,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float, block_n: int = 64) -> torch.Tensor:
     if triton is None or not q.is_cuda:
         return paged_attention_torch(q, k_cache, v_cache, meta, scale)
+    assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
     t, h, d = q.shape
     kv = k_cache.shape[1]
     group = h // kv

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Chunk", "Engine", "GenerationRequest", "VisionInput", "request_from_dict", "resolve_dtype"]
 
 STEP_LOG = 8192  # steps kept for host-time statistics
+SWITCH_INTERVAL_S = 0.0002
 
 
 def request_from_dict(gen: dict, encoded: list) -> GenerationRequest:
@@ -99,6 +101,10 @@ class Engine:
         self.emit: Callable[[list[tuple[Sequence, TokenDelta]]], None] = self._emit_each
         self.steps = self.graph_steps = 0
         self.step_log: deque[tuple[int, int, bool, float, float]] = deque(maxlen=STEP_LOG)  # seqs, tokens, graph, host, wall
+        # The engine thread shares the GIL with whoever reads the outputs (the replica's event loop). When
+        # a step's device work is done it must get the GIL back at once, not after CPython's default
+        # 5 ms switch interval (which, with a busy reader, became most of a batch-64 step on an H200).
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._inbox: list[Sequence] = []
         self._cv = threading.Condition()
         self._stop = False
@@ -143,6 +149,7 @@ class Engine:
             if len(self._inbox) + len(self.scheduler.waiting) >= self.max_waiting:
                 raise ClientError("the server is at capacity; retry shortly", status=503, type="server_busy",
                                   code="overloaded", headers={"Retry-After": "1"})
+            seq.queued_time = time.perf_counter()
             self._inbox.append(seq)
             self._cv.notify()
         return seq

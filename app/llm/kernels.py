@@ -151,6 +151,7 @@ def add_rmsnorm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Te
     if not use_triton(residual):
         return add_rmsnorm_torch(residual, x, weight, eps)
     t, n = residual.shape
+    assert residual.is_contiguous() and (x is None or x.is_contiguous())  # summed in place, rows as t * n
     out = torch.empty_like(residual)
     _add_rmsnorm_kernel[(t,)](residual, x if x is not None else residual, weight, out, n, eps,
                               HAS_X=x is not None, BLOCK=triton.next_power_of_2(n), num_warps=8 if n > 2048 else 4)
@@ -162,6 +163,7 @@ def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, h
         return qk_norm_rope_store_torch(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, heads, kv_heads, eps)
     t = qkv.shape[0]
     d = k_cache.shape[-1]
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()  # the kernel indexes rows as t * width
     q = torch.empty(t, heads, d, dtype=qkv.dtype, device=qkv.device)
     if t:
         _qk_norm_rope_store_kernel[(t, heads + kv_heads)](
@@ -174,6 +176,7 @@ def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, h
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if not use_triton(gate_up):
         return silu_mul_torch(gate_up)
+    gate_up = gate_up.contiguous()
     t, two_i = gate_up.shape
     inter = two_i // 2
     out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)

@@ -137,8 +137,10 @@ class TextModel(nn.Module):
         if positions.dim() == 1 or not self.multi_axis:
             p = positions if positions.dim() == 1 else positions[0]
             return self.cos_table[p], self.sin_table[p]
-        per_freq = positions.long().index_select(0, self.rope_axes)  # [half, T]
-        flat = per_freq.t() * self.cos_table.shape[1] + self.rope_cols
+        # [T, half], row-major: the kernels index cos/sin as t * half + j (a transposed index would make
+        # a transposed gather, whose rows are not the tokens' rows)
+        per_freq = positions.long().t().index_select(1, self.rope_axes).contiguous()
+        flat = per_freq * self.cos_table.shape[1] + self.rope_cols
         return self.cos_table.view(-1)[flat], self.sin_table.view(-1)[flat]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

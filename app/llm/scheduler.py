@@ -15,6 +15,7 @@ come back from the prefix cache). Nothing it produced is lost: its tokens stay i
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -91,6 +92,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = running
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.perf_counter()
             self.running.append(seq)
             n = min(seq.num_remaining, budget)
             plan.add(seq, n)

@@ -12,6 +12,7 @@ import enum
 import itertools
 import random
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +54,7 @@ class Sequence:
 
     def __init__(self, req: GenerationRequest, *, merge: int, vision_ids: tuple[int, int], max_model_len: int,
                  block_size: int, device: torch.device, dtype: torch.dtype):
+        self.arrival_time = time.perf_counter()
         self.id = next(_ids)
         self.params = req.params
         self.token_ids = list(req.input_ids)
@@ -88,6 +90,9 @@ class Sequence:
         self.num_cached = 0  # of those, taken from the prefix cache at admission
         self.slot = -1  # row in the model runner's block-table tensor while running
         self.finish_reason: str | None = None
+        # perf_counter times: built (arrival_time), queued for the engine, first scheduled, first token
+        self.queued_time: float | None = None
+        self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self._cancel = threading.Event()
         self.sink = None  # where the engine puts this request's token deltas

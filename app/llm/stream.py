@@ -69,6 +69,11 @@ class Detokenizer:
             out.append(self._advance(force=True))
         return "".join(out)
 
+    def feed_all(self, ids: list[int], final: bool = False) -> str:
+        """Like `feed`, one window decode for all of `ids` (a reader that fell behind catches up in one go)."""
+        self.ids.extend(ids)
+        return self._advance(force=final)
+
     def _advance(self, force: bool) -> str:
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
@@ -144,9 +149,9 @@ class OutputStream:
             else:
                 if finish is not None and not new:
                     self.text += self.detok.feed([], final=True)
-        else:
+        else:  # no stop strings: one detokenizer step for everything that arrived
             self.ids.extend(new)
-            self.text += self.detok.feed(new, final=finish is not None)
+            self.text += self.detok.feed_all(new, final=finish is not None)
         upto = len(self.text) if finish else self.stops.safe_length(self.text)
         delta = self.text[self.emitted:upto]
         self.emitted = max(self.emitted, upto)

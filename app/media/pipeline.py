@@ -3,6 +3,9 @@
 Decoding and resizing are CPU-bound; they never run on the asyncio loop. Items leave as raw uint8
 patch rows: the encoder normalises them on its device, so a quarter of float32's bytes crosses Ray
 (one 448^2 image: 1.2 instead of 4.8 MB, a Ray call 2.1-2.3x faster on 2 cores; benchmarks/payload.py).
+
+`MediaPipeline` runs in one process (the MediaPreprocessor replicas, and the in-process path without
+Ray); `app/media/remote.py` asks MediaPreprocessor replicas for the same items from the ingress.
 """
 
 from __future__ import annotations
@@ -11,11 +14,11 @@ import asyncio
 import hashlib
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ..api.prompt import MediaSlot
-from ..api.schemas import MediaRef
 from ..config import MediaConfig
 from .decode import IMAGE, VIDEO, decode_video, open_rgb_image
 from .fetch import fetch
@@ -28,6 +31,7 @@ from .preprocess import (
     seconds_per_group,
     video_frames,
 )
+from .ref import MediaRef
 
 
 @dataclass
@@ -37,6 +41,9 @@ class PreparedItem:
     timestamps: list[float] = field(default_factory=list)
     key: str | None = None  # embedding-cache key
     seconds_per_group: float | None = None  # video: Qwen2.5-VL's second_per_grid_ts (temporal positions)
+    # Where the encoder gets this item when it was prepared in another process: the object-store
+    # reference of the whole item (app/media/remote.py). None: the rows are here, send them.
+    encoder_ref: Any = None
 
     def slot(self, merge: int) -> MediaSlot:
         return MediaSlot(self.kind, self.patches.grid, self.timestamps, merge)
@@ -82,5 +89,8 @@ class MediaPipeline:
         return list(await asyncio.gather(*(self.prepare(r) for r in refs)))
 
 
-def to_encoder_payload(items: list[PreparedItem]) -> list[tuple[np.ndarray, tuple[int, int, int], str | None]]:
-    return [(it.patches.pixel_values, it.patches.grid, it.key) for it in items]
+def to_encoder_payload(items: list[PreparedItem]) -> list:
+    """Per item, (uint8 rows, grid, cache key), or the object-store reference of an item prepared
+    elsewhere (the encoder resolves it; its rows are never serialised again on the way)."""
+    return [it.encoder_ref if it.encoder_ref is not None else (it.patches.pixel_values, it.patches.grid, it.key)
+            for it in items]

@@ -1,0 +1,91 @@
+"""The engine for an asyncio program (the LLM replica): requests as async generators of chunks.
+
+The engine thread hands each step's token ids, for every request at once, to the event loop in one
+`call_soon_threadsafe`. There they are only appended to each request's pending list; a request's
+generator is woken for its first token (time to first token), for its last, and otherwise by one
+timer per `stream_interval_s` that wakes every request with something pending. It then makes text
+of all of it at once (detokenizer, stop strings: never on the step path) and yields one chunk. So a
+stream sends a bounded number of messages however fast it decodes, and the loop's work per step
+does not grow with wake-ups of every stream: the engine thread, which shares the GIL with this
+loop, keeps its steps short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+from .engine import Engine
+from .sequence import GenerationRequest, Sequence
+from .stream import Chunk, TokenDelta
+
+
+class _Pending:
+    __slots__ = ("deltas", "event", "started")
+
+    def __init__(self):
+        self.deltas: list[TokenDelta] = []
+        self.event = asyncio.Event()
+        self.started = False
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, stream_interval_s: float = 0.01):
+        self.engine, self.interval = engine, stream_interval_s
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._due: set[_Pending] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        engine.emit = self._emit
+
+    def _emit(self, outputs) -> None:
+        """Engine thread: one hand-off per step."""
+        self.loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[tuple[Sequence, TokenDelta]]) -> None:
+        for seq, delta in outputs:
+            p = seq.sink
+            if not isinstance(p, _Pending):  # submitted by other code with a plain callable sink
+                p(delta)
+                continue
+            p.deltas.append(delta)
+            if not p.started or delta.finish_reason or delta.error is not None or not self.interval:
+                p.event.set()
+            else:
+                self._due.add(p)
+        if self._due and self._timer is None:
+            self._timer = self.loop.call_later(self.interval, self._flush)
+
+    def _flush(self) -> None:
+        self._timer = None
+        for p in self._due:
+            p.event.set()
+        self._due.clear()
+
+    async def generate(self, req: GenerationRequest, on_submit: Callable[[Sequence], None] | None = None
+                       ) -> AsyncIterator[Chunk]:
+        """Chunks of one request. Closing the generator (a client that went away) cancels the request;
+        the engine frees its blocks at its next step. `on_submit` sees the engine's sequence."""
+        self.loop = asyncio.get_running_loop()
+        stream = self.engine.output_stream(req)
+        pending = _Pending()
+        seq = self.engine.submit(req, sink=pending)
+        if on_submit is not None:
+            on_submit(seq)
+        try:
+            while True:
+                await pending.event.wait()
+                pending.event.clear()
+                deltas, pending.deltas = pending.deltas, []
+                if not deltas:
+                    continue
+                chunk = stream.push(deltas)
+                if stream.stopped:
+                    seq.cancel()
+                if chunk is not None:
+                    pending.started = True
+                    yield chunk
+                if stream.finished:
+                    return
+        finally:
+            seq.cancel()
+            self._due.discard(pending)

@@ -1,0 +1,74 @@
+"""Placement policy: how many encoder and LLM replicas, and what share of a GPU each takes.
+
+Ray gives a fractional GPU request the *best-fitting* GPU (the one left fullest), so two 0.5-GPU
+encoders land on the same GPU and the two 0.5-GPU LLMs on the next: fractional shares cannot pair an
+encoder with an LLM on every GPU of a multi-GPU node. `colocate` therefore lets each LLM replica
+reserve a whole GPU in Ray's accounting (two cannot share one, so Ray spreads them one per GPU) and
+the encoder replicas reserve none: each pins itself to the GPU of its rank on the node
+(`pinned_gpu`). `split` is plain Ray accounting: whole GPUs for the encoder, the rest for the LLM.
+
+No Ray import here: the builder (deployments/app.py) turns a Plan into deployment options.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .config import PlacementConfig
+
+
+@dataclass(frozen=True)
+class Plan:
+    policy: str  # what ran: "cpu", "colocate" or "split"
+    encoder_replicas: int
+    encoder_num_gpus: float
+    llm_replicas: int
+    llm_num_gpus: float
+    encoder_pins_gpu: bool  # colocate on GPUs: encoders take no GPU from Ray and pin one by rank
+
+    def describe(self) -> str:
+        pin = ", encoders pinned by rank" if self.encoder_pins_gpu else ""
+        return (f"{self.policy}: {self.encoder_replicas} encoder x {self.encoder_num_gpus:g} GPU, "
+                f"{self.llm_replicas} LLM x {self.llm_num_gpus:g} GPU{pin}")
+
+
+AUTO_POLICY = "colocate"  # TODO(lead): confirm or change from the GPU runs (README, "Placement")
+
+
+def _share(replicas: int, gpus: int) -> float:
+    """GPU share per replica so that `replicas` fit on `gpus` without one spanning two GPUs."""
+    return 1.0 if replicas <= gpus else 1.0 / math.ceil(replicas / gpus)
+
+
+def _pick(value, default):
+    return default if value == "auto" else value
+
+
+def plan(p: PlacementConfig, gpus: int) -> Plan:
+    """The replica counts and GPU shares for a cluster with `gpus` GPUs (0: everything on the CPU)."""
+    if gpus <= 0:
+        enc, llm = _pick(p.encoder_replicas, 1), _pick(p.llm_replicas, 1)
+        return Plan("cpu", enc, _pick(p.encoder_num_gpus, 0.0), llm, _pick(p.llm_num_gpus, 0.0), False)
+    policy = AUTO_POLICY if p.policy == "auto" else p.policy
+    if policy == "split":
+        if gpus < 2:
+            raise ValueError(f"placement.policy 'split' needs at least 2 GPUs, the cluster has {gpus}")
+        enc_gpus = _pick(p.encoder_gpus, 1)
+        llm_gpus = _pick(p.llm_gpus, gpus - enc_gpus)
+        if enc_gpus < 1 or llm_gpus < 1 or enc_gpus + llm_gpus > gpus:
+            raise ValueError(f"placement split: encoder_gpus {enc_gpus} + llm_gpus {llm_gpus} must each be >= 1 "
+                             f"and fit the cluster's {gpus} GPUs")
+        enc, llm = _pick(p.encoder_replicas, enc_gpus), _pick(p.llm_replicas, llm_gpus)
+        return Plan("split", enc, _pick(p.encoder_num_gpus, _share(enc, enc_gpus)),
+                    llm, _pick(p.llm_num_gpus, _share(llm, llm_gpus)), False)
+    enc, llm = _pick(p.encoder_replicas, gpus), _pick(p.llm_replicas, gpus)
+    enc_share = _pick(p.encoder_num_gpus, 0.0)
+    return Plan("colocate", enc, enc_share, llm, _pick(p.llm_num_gpus, _share(llm, gpus)), enc_share == 0)
+
+
+def pinned_gpu(local_rank: int, node_gpus: int, visible: str | None) -> str | None:
+    """The CUDA_VISIBLE_DEVICES value for a pinned replica: the node's GPUs in turn by the replica's
+    rank on the node. `visible` is the variable as the process inherited it (None: unset, all GPUs)."""
+    ids = [v for v in visible.split(",") if v.strip()] if visible is not None else [str(i) for i in range(node_gpus)]
+    return ids[local_rank % len(ids)] if ids else None

@@ -1,0 +1,55 @@
+"""Which LLM replica gets the next request: the least loaded, by a score every router can compute.
+
+A replica's load is what its engine reports every `request_routing_stats_period_s` (running and
+waiting requests, the fraction of its KV cache in use) and, fresher, the number of requests the
+calling handle knows to be in flight there (Ray Serve's queue-length cache: probes, plus one for
+every request sent, minus one for every request finished). The score:
+
+    max(in flight, running + waiting) + waiting_weight * waiting + kv_weight * kv_usage
+
+- Requests in flight are the queue a new request joins: more of them, more decode steps shared. Each
+  count errs its own way: the engine's report lags by up to a stats period, and the handle's count
+  undercounts long streams (Ray forgets an entry after 10 s, and the streams sent before then still
+  decrement it when they finish: seen at 0 in flight beside 6 running). The larger is taken.
+- A waiting request means the engine has no room (slots or KV blocks): it is counted again.
+- KV use near 1 means new prompts will wait or preempt others; `kv_weight` turns a full cache into
+  that many requests' worth of load (8 by default: a replica with a full cache loses to one with up
+  to 8 more requests in flight and an empty cache).
+Ties are broken at random, so routers with the same view do not all pick the same replica.
+No Ray import: deployments/routing.py adapts this to Ray Serve's RequestRouter.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+
+DEFAULT_WAITING_WEIGHT = 1.0
+DEFAULT_KV_WEIGHT = 8.0
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    in_flight: int | None = None  # requests the caller knows to be at the replica; None = unknown
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+    @classmethod
+    def from_stats(cls, in_flight: int | None, stats: Mapping | None) -> ReplicaLoad:
+        """From a replica's routing stats (the engine's load report; empty before the first one)."""
+        stats = stats or {}
+        return cls(in_flight, int(stats.get("running", 0)), int(stats.get("waiting", 0)),
+                   float(stats.get("kv_usage", 0.0)))
+
+    def score(self, waiting_weight: float = DEFAULT_WAITING_WEIGHT, kv_weight: float = DEFAULT_KV_WEIGHT) -> float:
+        queued = max(self.in_flight or 0, self.running + self.waiting)
+        return queued + waiting_weight * self.waiting + kv_weight * self.kv_usage
+
+
+def rank(loads: Mapping[Hashable, ReplicaLoad], waiting_weight: float = DEFAULT_WAITING_WEIGHT,
+         kv_weight: float = DEFAULT_KV_WEIGHT, rng: random.Random | None = None) -> list[Hashable]:
+    """Replica keys, least loaded first."""
+    rng = rng or random
+    return sorted(loads, key=lambda k: (loads[k].score(waiting_weight, kv_weight), rng.random()))

@@ -1,0 +1,246 @@
+"""What saturates during a serving benchmark: GPU utilisation (NVML) and CPU per process (psutil),
+sampled in a background thread, grouped by Ray Serve deployment, then a verdict.
+
+- GPUs: `nvmlDeviceGetUtilizationRates().gpu`, the share of time a kernel ran (what `nvidia-smi dmon`
+  shows as `sm`), through nvidia-ml-py (`pynvml`); without it, `nvidia-smi --query-gpu`; without a
+  GPU, nothing. Only the GPUs in CUDA_VISIBLE_DEVICES when it is set.
+- Processes: every process on this host whose title Ray set (`ray::ServeReplica:<app>:<Deployment>`,
+  `ray::ProxyActor`, `ray::ServeController`, ...), the raylet and GCS, and this process (the load
+  generator). Per process: cores used (CPU time / wall time) and its busiest thread's share of one
+  core. A Python process whose busiest thread sits near one core is bound by that thread (the GIL);
+  a process near its core count is bound by its cores.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+
+GPU_BUSY = 80.0  # % of time a kernel ran: a GPU at or above this is the bottleneck
+THREAD_BUSY = 0.85  # a thread at this share of one core is saturated
+HOST_BUSY = 0.9  # of all cores
+
+
+# ---------------------------------------------------------------------------- GPUs
+class GpuSampler:
+    def __init__(self):
+        self.indices: list[int] = []
+        self._nvml = None
+        self._handles = []
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        wanted = None if visible is None else [int(v) for v in visible.split(",") if v.strip().isdigit()]
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            count = pynvml.nvmlDeviceGetCount()
+            self.indices = [i for i in range(count) if wanted is None or i in wanted]
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in self.indices]
+            self._nvml = pynvml
+            self.source = "nvml"
+        except Exception:  # no library, no driver, no GPU
+            self.source = "none"
+            if shutil.which("nvidia-smi"):
+                util = self._smi()
+                if util:
+                    self.indices = [i for i in sorted(util) if wanted is None or i in wanted]
+                    self.source = "nvidia-smi"
+
+    @staticmethod
+    def _smi() -> dict[int, float]:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10).stdout
+            return {int(i): float(u) for i, u in (line.split(",") for line in out.strip().splitlines())}
+        except Exception:
+            return {}
+
+    def sample(self) -> list[float]:
+        if self._nvml is not None:
+            return [float(self._nvml.nvmlDeviceGetUtilizationRates(h).gpu) for h in self._handles]
+        if self.source == "nvidia-smi":
+            util = self._smi()
+            return [util.get(i, float("nan")) for i in self.indices]
+        return []
+
+
+# ---------------------------------------------------------------------------- processes
+def process_group(title: str, pid: int) -> str | None:
+    """The group a process counts in, from its title; None for processes that are not Ray's."""
+    if pid == os.getpid():
+        return "load generator"
+    if title.startswith("ray::ServeReplica:"):  # "ray::ServeReplica:<app>:<Deployment>[.<method>]"
+        return title.split(":")[-1].split()[0].split(".")[0]
+    if title.startswith("ray::"):
+        name = title[5:].split()[0].split(".")[0]
+        return name if name in ("ProxyActor", "ServeController") else "other ray workers"
+    base = os.path.basename(title.split()[0]) if title else ""
+    if base in ("raylet", "gcs_server"):
+        return base
+    return None
+
+
+@dataclass
+class _Proc:
+    group: str
+    proc: object
+    first: tuple[float, dict[int, float]]  # (CPU seconds, per-thread CPU seconds) when first seen
+    last: tuple[float, dict[int, float]]  # the same at the latest sample
+
+
+class ProcessSampler:
+    """CPU time of Ray's processes on this host, from when each was first seen to its latest sample
+    (a replica that exits mid-run keeps what it had used)."""
+
+    def __init__(self):
+        import psutil
+
+        self.psutil = psutil
+        self.procs: dict[int, _Proc] = {}
+        self._gone: set[int] = set()
+
+    @staticmethod
+    def _times(p) -> tuple[float, dict[int, float]]:
+        t = p.cpu_times()
+        return t.user + t.system, {th.id: th.user_time + th.system_time for th in p.threads()}
+
+    def sample(self) -> None:
+        for p in self.psutil.process_iter(["pid", "cmdline"]):
+            if p.pid in self.procs or p.pid in self._gone:
+                continue
+            try:
+                group = process_group(" ".join(p.info["cmdline"] or []), p.pid)
+                if group is not None:
+                    times = self._times(p)
+                    self.procs[p.pid] = _Proc(group, p, times, times)
+            except (self.psutil.Error, OSError):
+                pass
+        for pid, rec in self.procs.items():
+            if pid in self._gone:
+                continue
+            try:
+                rec.last = self._times(rec.proc)
+            except (self.psutil.Error, OSError):
+                self._gone.add(pid)
+
+    def usage(self, wall_s: float) -> list[dict]:
+        """Per process: cores used and its busiest thread's share of one core, over `wall_s`."""
+        out = []
+        for pid, rec in self.procs.items():
+            (cpu0, th0), (cpu1, th1) = rec.first, rec.last
+            busiest = max((t - th0.get(tid, 0.0) for tid, t in th1.items()), default=0.0)
+            out.append({"pid": pid, "group": rec.group, "cores": (cpu1 - cpu0) / wall_s,
+                        "busiest_thread": busiest / wall_s})
+        return sorted(out, key=lambda p: -p["cores"])
+
+
+# ---------------------------------------------------------------------------- the monitor
+@dataclass
+class MonitorSummary:
+    duration_s: float
+    gpu_source: str
+    gpu_indices: list[int]
+    gpu_mean: list[float]  # % per GPU over the window
+    gpu_timeline: list[tuple[float, list[float]]]  # (seconds since the monitor started, % per GPU)
+    host_cores: int
+    host_busy: float  # fraction of all cores
+    processes: list[dict] = field(default_factory=list)  # pid, group, cores, busiest_thread
+    groups: dict[str, dict] = field(default_factory=dict)  # group -> processes, cores, busiest_thread
+    verdict: list[str] = field(default_factory=list)
+
+
+class Monitor:
+    """`with Monitor() as m: ...` samples every `interval_s`; `m.summary()` covers the block."""
+
+    def __init__(self, interval_s: float = 0.5, t0: float | None = None):
+        import psutil
+
+        self.interval_s, self.psutil = interval_s, psutil
+        self.t0 = time.perf_counter() if t0 is None else t0  # timeline origin (shared across a sweep)
+        self.gpus = GpuSampler()
+        self.procs = ProcessSampler()
+        self._stop = threading.Event()
+        self._gpu: list[tuple[float, list[float]]] = []
+
+    def __enter__(self) -> Monitor:
+        self.procs.sample()  # baselines
+        self.psutil.cpu_percent(None)
+        self._host_t0 = self.psutil.cpu_times()
+        self._start = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="bench-monitor")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._tick()
+        self._end = time.perf_counter()
+        t0, t1 = self._host_t0, self.psutil.cpu_times()
+        busy = (sum(t1) - t1.idle - getattr(t1, "iowait", 0)) - (sum(t0) - t0.idle - getattr(t0, "iowait", 0))
+        total = sum(t1) - sum(t0)
+        self._host_busy = busy / total if total > 0 else 0.0
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._tick()
+
+    def _tick(self) -> None:
+        util = self.gpus.sample()
+        if util:
+            self._gpu.append((time.perf_counter() - self.t0, util))
+        self.procs.sample()
+
+    def summary(self) -> MonitorSummary:
+        wall = max(self._end - self._start, 1e-9)
+        n = len(self.gpus.indices)
+        gpu_mean = [sum(u[i] for _, u in self._gpu) / len(self._gpu) for i in range(n)] if self._gpu else []
+        procs = self.procs.usage(wall)
+        groups: dict[str, dict] = {}
+        for p in procs:
+            g = groups.setdefault(p["group"], {"processes": 0, "cores": 0.0, "busiest_thread": 0.0})
+            g["processes"] += 1
+            g["cores"] += p["cores"]
+            g["busiest_thread"] = max(g["busiest_thread"], p["busiest_thread"])
+        s = MonitorSummary(wall, self.gpus.source, self.gpus.indices, gpu_mean, self._gpu,
+                           self.psutil.cpu_count() or 1, self._host_busy, procs, groups)
+        s.verdict = verdict(s)
+        return s
+
+
+def verdict(s: MonitorSummary) -> list[str]:
+    """Which stage saturates, one line each; the busiest GPU and process when nothing does."""
+    lines = []
+    for idx, u in zip(s.gpu_indices, s.gpu_mean):
+        if u >= GPU_BUSY:
+            lines.append(f"GPU {idx} saturated: {u:.0f}% busy")
+    for p in s.processes:
+        if p["busiest_thread"] >= THREAD_BUSY:
+            who = "the load generator (results understate the server)" if p["group"] == "load generator" else \
+                f"{p['group']} (pid {p['pid']})"
+            lines.append(f"{who}: a thread at {p['busiest_thread']:.2f} core, process {p['cores']:.2f} cores")
+    if s.host_busy >= HOST_BUSY:
+        lines.append(f"host CPU saturated: {100 * s.host_busy:.0f}% of {s.host_cores} cores")
+    if not lines:
+        busiest_gpu = f"busiest GPU {max(s.gpu_mean):.0f}%" if s.gpu_mean else "no GPU sampled"
+        top = s.processes[0] if s.processes else None
+        top_txt = f"busiest process {top['group']} {top['cores']:.2f} cores" if top else "no Ray process on this host"
+        lines.append(f"nothing saturated ({busiest_gpu}, {top_txt}, host {100 * s.host_busy:.0f}%): "
+                     "raise the concurrency, or the stages wait on each other")
+    return lines
+
+
+def print_summary(s: MonitorSummary) -> None:
+    if s.gpu_mean:
+        print("GPU busy %: " + ", ".join(f"GPU {i} {u:.0f}" for i, u in zip(s.gpu_indices, s.gpu_mean))
+              + f" ({s.gpu_source})")
+    print(f"host CPU {100 * s.host_busy:.0f}% of {s.host_cores} cores; per deployment/process group "
+          "(processes, cores, busiest thread):")
+    for name, g in sorted(s.groups.items(), key=lambda kv: -kv[1]["cores"]):
+        print(f"  {name:<20} {g['processes']:>3}  {g['cores']:6.2f}  {g['busiest_thread']:5.2f}")
+    for line in s.verdict:
+        print("bottleneck:", line)

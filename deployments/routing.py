@@ -1,0 +1,37 @@
+"""LeastLoadedRouter: Ray Serve request router for the LLM deployment (`request_router_config`).
+
+Ray Serve's default router probes two random replicas and takes the one with fewer requests in
+flight. This one ranks every replica by app.routing's score: requests in flight as the calling handle
+knows them (Ray's queue-length cache), plus the engine's own report (`record_routing_stats` in
+deployments/llm.py: running, waiting, KV use). LLM deployments have a replica per GPU, a handful, so
+scoring them all costs nothing. Ranks are returned one replica each: Ray sends the request to the
+first that has room (`max_ongoing_requests`), probing replicas whose queue length it does not know.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from app.routing import DEFAULT_KV_WEIGHT, DEFAULT_WAITING_WEIGHT, ReplicaLoad, rank
+
+log = logging.getLogger("ray.serve")
+
+
+class LeastLoadedRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, waiting_weight: float = DEFAULT_WAITING_WEIGHT, kv_weight: float = DEFAULT_KV_WEIGHT,
+                         **_):
+        """`request_router_kwargs` of the deployment's RequestRouterConfig."""
+        self.waiting_weight, self.kv_weight = float(waiting_weight), float(kv_weight)
+        log.info("LeastLoadedRouter for %s: waiting_weight %g, kv_weight %g", self._deployment_id,
+                 self.waiting_weight, self.kv_weight)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        loads = {rid: ReplicaLoad.from_stats(self.replica_queue_len_cache.get(rid), r.routing_stats)
+                 for rid, r in by_id.items()}
+        order = rank(loads, getattr(self, "waiting_weight", DEFAULT_WAITING_WEIGHT),
+                     getattr(self, "kv_weight", DEFAULT_KV_WEIGHT))
+        return [[by_id[rid]] for rid in order]

@@ -1,0 +1,50 @@
+"""benchmarks/serve.py's sweep rules and benchmarks/monitor.py's grouping and verdict (no server)."""
+
+from __future__ import annotations
+
+import os
+
+from benchmarks.monitor import MonitorSummary, process_group, verdict
+from benchmarks.serve import concurrency_ladder, plateaued
+
+
+def test_ladder_doubles_up_to_the_maximum():
+    assert concurrency_ladder(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert concurrency_ladder(6) == [1, 2, 4, 6] and concurrency_ladder(1) == [1]
+
+
+def test_the_sweep_stops_after_two_points_without_five_percent_gain():
+    assert not plateaued([10, 20, 40])
+    assert not plateaued([10, 20, 20.5])  # one flat point
+    assert plateaued([10, 20, 20.5, 20.9])  # two in a row
+    assert not plateaued([10, 20, 20.5, 22])  # +10% over the best restarts the count
+    assert plateaued([10, 20, 18, 19])  # falling counts as no gain
+
+
+def test_processes_are_grouped_by_deployment_from_their_ray_titles():
+    assert process_group("ray::ServeReplica:vlm:Router", 1) == "Router"
+    assert process_group("ray::ServeReplica:vlm:MediaPreprocessor.handle_request_with_rejection", 1) == \
+        "MediaPreprocessor"
+    assert process_group("ray::ProxyActor", 1) == "ProxyActor"
+    assert process_group("ray::IDLE", 1) == "other ray workers"
+    assert process_group("/usr/lib/python3/site-packages/ray/core/src/ray/raylet/raylet --node", 1) == "raylet"
+    assert process_group("python some_script.py", 1) is None
+    assert process_group("python benchmarks/serve.py", os.getpid()) == "load generator"
+
+
+def _summary(gpu_mean, processes, host_busy=0.3):
+    return MonitorSummary(10.0, "nvml", list(range(len(gpu_mean))), gpu_mean, [], 16, host_busy, processes)
+
+
+def test_verdict_names_the_saturated_stage():
+    router = {"pid": 7, "group": "Router", "cores": 1.1, "busiest_thread": 0.97}
+    llm = {"pid": 8, "group": "LLM", "cores": 0.6, "busiest_thread": 0.5}
+    lines = verdict(_summary([12.0, 95.0], [router, llm]))
+    assert any(line.startswith("GPU 1 saturated") for line in lines)
+    assert any(line.startswith("Router (pid 7)") for line in lines)
+    assert not any("LLM" in line for line in lines) and not any("GPU 0" in line for line in lines)
+    client = {"pid": 9, "group": "load generator", "cores": 1.0, "busiest_thread": 0.99}
+    assert "understate" in verdict(_summary([], [client]))[0]
+    assert "host CPU saturated" in verdict(_summary([], [], host_busy=0.95))[0]
+    idle = verdict(_summary([20.0], [llm]))
+    assert len(idle) == 1 and idle[0].startswith("nothing saturated") and "LLM" in idle[0]

@@ -1,0 +1,92 @@
+"""Least-loaded LLM routing, the LLM autoscaling policy and the merged replica reports, without a
+cluster (tests/test_scaling.py runs them in Ray Serve)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from app.replica_stats import merge_encoder_stats, merge_llm_loads
+from app.routing import ReplicaLoad, rank
+
+
+def test_fewest_requests_in_flight_wins():
+    loads = {"a": ReplicaLoad(5), "b": ReplicaLoad(2), "c": ReplicaLoad(9)}
+    assert rank(loads) == ["b", "a", "c"]
+
+
+def test_waiting_requests_and_a_full_kv_cache_count_against_a_replica():
+    # the same requests in flight: the one whose engine has nothing waiting and an emptier cache first
+    loads = {"waits": ReplicaLoad(4, running=2, waiting=2), "full": ReplicaLoad(4, running=4, kv_usage=1.0),
+             "free": ReplicaLoad(4, running=4, kv_usage=0.1)}
+    assert rank(loads) == ["free", "waits", "full"]
+    # a full cache outweighs up to kv_weight more requests in flight
+    assert rank({"full": ReplicaLoad(0, kv_usage=1.0), "busy": ReplicaLoad(7)}, kv_weight=8)[0] == "busy"
+    assert rank({"full": ReplicaLoad(0, kv_usage=1.0), "busy": ReplicaLoad(9)}, kv_weight=8)[0] == "full"
+
+
+def test_the_larger_of_the_handles_count_and_the_engines_report_counts():
+    loads = {"known": ReplicaLoad(3), "reported": ReplicaLoad.from_stats(None, {"running": 1, "waiting": 0}),
+             "silent": ReplicaLoad.from_stats(None, {})}
+    assert rank(loads) == ["silent", "reported", "known"]
+    # the handle's count fell to 0 for long streams it had forgotten, the engine still runs 6 of them
+    stale = {"busy": ReplicaLoad.from_stats(0, {"running": 6}), "new": ReplicaLoad.from_stats(2, {})}
+    assert rank(stale) == ["new", "busy"]
+
+
+def test_ties_are_broken_at_random():
+    loads = {k: ReplicaLoad(1) for k in "abcd"}
+    firsts = {rank(loads, rng=random.Random(seed))[0] for seed in range(40)}
+    assert firsts == set("abcd")
+
+
+def _context(replicas: int, requests: float, kv: dict, target_requests: float = 4):
+    from ray.serve._private.common import DeploymentID, ReplicaID
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+    dep = DeploymentID(name="LLM", app_name="vlm")
+    ids = [ReplicaID(f"r{i}", dep) for i in range(replicas)]
+    config = AutoscalingConfig(min_replicas=1, max_replicas=8, target_ongoing_requests=target_requests)
+    return AutoscalingContext(
+        deployment_id=dep, deployment_name="LLM", app_name="vlm", current_num_replicas=replicas,
+        target_num_replicas=replicas, running_replicas=ids, total_num_requests=requests, total_queued_requests=0,
+        aggregated_metrics={"kv_usage": {ids[i]: v for i, v in kv.items()}}, raw_metrics={},
+        capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=8, policy_state={},
+        last_scale_up_time=None, last_scale_down_time=None, current_time=None, config=config)
+
+
+def test_llm_policy_scales_on_requests_or_on_kv_use_whichever_asks_more():
+    from app.autoscaling import LLMAutoscalingPolicy
+
+    policy = LLMAutoscalingPolicy(target_kv_usage=0.8)
+    # 12 requests over 2 replicas, target 4 each: 3 replicas; KV half used: 1.25
+    assert policy(_context(2, 12, {0: 0.5, 1: 0.5}))[0] == pytest.approx(3)
+    # few requests but long prompts: the KV caches are nearly full, 2 x 0.96 / 0.8 = 2.4 replicas
+    assert policy(_context(2, 2, {0: 0.96, 1: 0.96}))[0] == pytest.approx(2.4)
+    # idle: scale down
+    assert policy(_context(2, 0, {0: 0.0, 1: 0.0}))[0] == 0
+    with pytest.raises(ValueError):
+        LLMAutoscalingPolicy(target_kv_usage=0)
+
+
+def test_merged_reports_sum_counters_and_recompute_ratios():
+    a = {"graph_hits": 3, "eager_batches": 1, "eager_reasons": {"tokens": 1}, "per_budget": {"256": 3},
+         "real_tokens": 300, "padded_tokens": 100, "batches": 4, "pieces": 8, "batch_tokens": 300,
+         "batch_budget_tokens": 400, "queue_wait_ms_mean": 2.0, "queue_wait_ms_max": 5.0, "cache_hits": 1}
+    b = {"graph_hits": 1, "eager_batches": 2, "eager_reasons": {"tokens": 1, "frames": 1}, "per_budget": {"256": 1},
+         "real_tokens": 100, "padded_tokens": 0, "batches": 1, "pieces": 2, "batch_tokens": 100,
+         "batch_budget_tokens": 100, "queue_wait_ms_mean": 7.0, "queue_wait_ms_max": 9.0, "cache_hits": 0}
+    m = merge_encoder_stats([a, b])
+    assert (m["graph_hits"], m["eager_batches"], m["pieces"], m["cache_hits"]) == (4, 3, 10, 1)
+    assert m["eager_reasons"] == {"tokens": 2, "frames": 1} and m["per_budget"] == {"256": 4}
+    assert m["padding_ratio"] == pytest.approx(100 / 500) and m["batch_fill"] == pytest.approx(400 / 500)
+    assert m["items_per_batch"] == pytest.approx(2) and m["queue_wait_ms_max"] == 9.0
+    assert m["queue_wait_ms_mean"] == pytest.approx((2 * 8 + 7 * 2) / 10)
+    assert m["num_replicas"] == 2 and m["replicas"] == [a, b]
+
+    loads = merge_llm_loads([{"replica": "y", "running": 2, "waiting": 1, "kv_usage": 0.5},
+                             {"replica": "x", "running": 1, "waiting": 0, "kv_usage": 0.1}])
+    assert (loads["running"], loads["waiting"], loads["num_replicas"]) == (3, 1, 2)
+    assert loads["kv_usage"] == pytest.approx(0.3) and loads["kv_usage_max"] == 0.5
+    assert [r["replica"] for r in loads["replicas"]] == ["x", "y"]
