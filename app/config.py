@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -30,9 +30,40 @@ class MediaConfig(_Strict):
     max_input_pixels: int = Field(64_000_000, gt=0, description="decoded image size above which a request is refused")
     max_video_duration_s: float = Field(3600.0, gt=0)
     max_media_bytes: int = Field(256 * 1024 * 1024, gt=0)
-    fetch_timeout_s: float = Field(15.0, gt=0)
+    fetch_timeout_s: float = Field(15.0, gt=0, description="total deadline of one http(s) fetch, redirects and "
+                                   "body included")
+    max_redirects: int = Field(3, ge=0, le=10, description="redirect hops followed; each is checked again")
+    allowed_domains: list[str] = Field(default_factory=list, description="hosts that http(s) media may come from "
+                                       "('*.example.com' = its subdomains); empty = any public host")
+    allow_private_networks: bool = Field(False, description="let http(s) media reach loopback, private, link-local "
+                                         "and other non-public addresses (trusted networks only)")
+    allowed_private_endpoints: list[str] = Field(
+        default_factory=list, description="non-public addresses that stay reachable when allow_private_networks is "
+        "off: '10.0.0.5:9000', '10.1.0.0/16', '[fd00::1]:8080' (a port limits the entry to that port)")
+    allowed_local_media_path: str | None = Field(None, description="directory that file:// media may be read "
+                                                 "from; None = file:// refused")
     worker_threads: int = Field(2, ge=1, description="decode/resize/hash threads per MediaPreprocessor replica "
                                 "(Pillow, PyAV, numpy copies and blake2b release the GIL for most of an item)")
+    decode_timeout_s: float = Field(30.0, gt=0, description="deadline for decoding and preparing one item")
+    max_video_streams: int = Field(16, ge=1, description="streams a video container may hold")
+    max_decoded_video_bytes: int = Field(2 << 30, gt=0, description="RGB bytes of one video's sampled frames "
+                                         "before the resize (64 frames of 4K: 1.6 GB)")
+
+    @field_validator("allowed_private_endpoints")
+    @classmethod
+    def _check_endpoints(cls, v: list[str]) -> list[str]:
+        from .media.netpolicy import parse_endpoint
+
+        for entry in v:
+            parse_endpoint(entry)  # ValueError names the entry
+        return v
+
+    @field_validator("allowed_local_media_path")
+    @classmethod
+    def _check_local_root(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("/"):
+            raise ValueError("allowed_local_media_path must be an absolute path")
+        return v
 
     @model_validator(mode="after")
     def _check_bounds(self) -> MediaConfig:
@@ -141,6 +172,15 @@ class PlacementConfig(_Strict):
         return self
 
 
+class RetryConfig(_Strict):
+    """Router retries of encoder + LLM calls that failed because a replica died (app/api/retry.py)."""
+
+    max_attempts: int = Field(4, ge=1, description="tries per request, the first included")
+    budget_s: float = Field(90.0, gt=0, description="no new try starts after this long (a restarted replica on "
+                            "a loaded CPU machine takes tens of seconds)")
+    backoff_s: float = Field(0.5, ge=0, description="wait before the first retry; doubles on each further one")
+
+
 class AppConfig(_Strict):
     """Arguments of `deployments.app:build_app` (the `args:` block of serve_config.yaml)."""
 
@@ -152,6 +192,11 @@ class AppConfig(_Strict):
     encoder: EncoderConfig = EncoderConfig()
     llm: LLMConfig = LLMConfig()
     placement: PlacementConfig = PlacementConfig()
+    retry: RetryConfig = RetryConfig()
+    api_key: SecretStr | None = Field(None, description="required as 'Authorization: Bearer <key>' on every path "
+                                      "but /health; None = the env var VLM_API_KEY, if set. Never printed")
+    max_request_bytes: int = Field(384 * 1024 * 1024, gt=0, description="largest accepted request body (base64 "
+                                   "data: URLs are 4/3 of their media's size)")
 
     @property
     def model_name(self) -> str:

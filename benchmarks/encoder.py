@@ -1,175 +1,75 @@
-"""Vision encoder benchmark: reference eager vs our eager tower vs our CUDA graphs, per model family.
+"""Vision encoder benchmark: reference eager vs our eager tower vs our graphs, per model family.
 
-Real config shapes, random weights, bf16:
-- Qwen3-VL 2B/8B (`qwen3-vl-2b`, `qwen3-vl-8b`): reference = transformers' `Qwen3VLVisionModel`;
-- Qwen2.5-VL 3B/7B (`qwen2.5-vl-3b`, `qwen2.5-vl-7b`): reference = transformers'
-  `Qwen2_5_VisionTransformerPretrainedModel` (window attention, one SDPA call per window);
-- MiniCPM-V 4.5 (`minicpm-v-4.5`): reference = the published forward's batching (padded slices,
-  SigLIP with a padding mask, the resampler's MultiheadAttention with a key padding mask:
-  benchmarks/minicpmv_reference.py), on our modules' weights.
-Every workload is timed side by side in one process with CUDA events (median and p99 over --runs after
-warm-up), checked for correctness against the reference in bf16 and in float32 (the truth), and
-compared with its FLOP floor at the matmul rate measured in the same run. Rows go in as the service
-sends them: raw uint8, normalised inside the tower. The auto-tune drops every graph that is not faster
-than eager, so "ours" is never the slower path; the last column checks that on every workload.
+Families, presets and references are in benchmarks/encoder_families.py (Qwen3-VL, Qwen2.5-VL, MiniCPM-V
+4.5; real config shapes, random weights, bf16 on a GPU). Every workload is timed side by side in one
+process, with CUDA events (median and p99 over --runs after warm-up):
 
-    python benchmarks/encoder.py --presets qwen3-vl-8b qwen2.5-vl-7b minicpm-v-4.5 \
-        --out benchmarks/encoder_results.json --scoreboard benchmarks/scoreboard.json
+- reference: the family's reference forward on the processor's normalised rows;
+- our eager: our tower without graphs (`encode(force_eager=True)`);
+- first sight: what the graph manager does the first times it sees the batch's shape (the smallest
+  budget graph it kept, padded, or eager where the auto-tune says eager wins);
+- ours: what it does once the shape has an exact-shape graph (equal-length batches) or else its budget
+  graph or eager, as dispatch decides.
+
+Rows go in as the service sends them: raw uint8, normalised inside the tower. Outputs are checked
+against the reference and the float32 truth. The auto-tune drops graphs that are not faster than eager;
+`ours / eager` and `slower_than_eager` per workload check that "ours" is never the slower path.
+
+    python benchmarks/encoder.py --presets qwen2.5-vl-7b minicpm-v-4.5 --out $OUT/encoder_towers.json
+
+`--smoke` runs the tiny presets on the CPU in float32 with a few runs (wall-clock timing; "graph"
+means the padded static-shape path there, nothing is captured): a check that the script works, not a
+measurement.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import datetime
+import fnmatch
 import json
 import logging
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.media.preprocess import PatchSpec  # noqa: E402
-from app.model_builder import CLIP_MEAN, CLIP_STD, load_preset  # noqa: E402
 from app.vision.graphs import GraphManager, GraphSettings, VisionItem  # noqa: E402
-from app.vision.loading import vision_model_from_config  # noqa: E402
 from app.vision.timing import cuda_times_ms  # noqa: E402
+from benchmarks.encoder_families import family_for  # noqa: E402
 from benchmarks.stats import p99  # noqa: E402
 
-# name -> grids (t, h, w) in 16-px patches; a 224^2 8-frame video is 4 temporal groups of 14x14.
-WORKLOADS = {
-    "1x448^2": [(1, 28, 28)],
-    "4x448^2": [(1, 28, 28)] * 4,
-    "8x224^2": [(1, 14, 14)] * 8,
-    "video 224^2 x8f": [(4, 14, 14)],
-    "4 videos 224^2 x8f": [(4, 14, 14)] * 4,
-    "1x1024^2": [(1, 64, 64)],
-    "mixed 2x448^2+video+2x224^2": [(1, 28, 28), (4, 14, 14), (1, 28, 28), (1, 14, 14), (1, 14, 14)],
-}
-# Qwen2.5-VL: 14-px patches, sides multiples of 28 (448 -> 32 x 32 patches, 224 -> 16, 1008 -> 72).
-WORKLOADS_QWEN25 = {
-    "1x448^2": [(1, 32, 32)],
-    "4x448^2": [(1, 32, 32)] * 4,
-    "8x224^2": [(1, 16, 16)] * 8,
-    "video 224^2 x8f": [(4, 16, 16)],
-    "4 videos 224^2 x8f": [(4, 16, 16)] * 4,
-    "1x1008^2": [(1, 72, 72)],
-    "mixed 2x448^2+video+2x224^2": [(1, 32, 32), (4, 16, 16), (1, 32, 32), (1, 16, 16), (1, 16, 16)],
-}
-# MiniCPM-V: one item per slice, 14-px patches. A 448^2 image is one 32 x 32 slice; a 1344 x 896 image
-# is a 546 x 364 thumbnail (26 x 39 patches) and 3 x 2 slices of 448^2 (app/media/slicing.py).
-WORKLOADS_MINICPMV = {
-    "1x448^2": [(1, 32, 32)],
-    "4x448^2": [(1, 32, 32)] * 4,
-    "8x224^2": [(1, 16, 16)] * 8,
-    "1344x896 (thumbnail + 6 slices)": [(1, 26, 39)] + [(1, 32, 32)] * 6,
-    "mixed 448^2+1344x896+224^2": [(1, 32, 32), (1, 26, 39)] + [(1, 32, 32)] * 6 + [(1, 16, 16)],
-}
+SMOKE_PRESETS = ["tiny", "tiny-qwen2.5-vl", "tiny-minicpm-v-4.5"]
+SCOREBOARD_KEYS = {"qwen2_5_vl": "encoder_qwen25vl_448_speedup", "minicpmv": "encoder_minicpmv_448_speedup"}
+SLOWER_SLACK = 0.05  # "ours" above eager by more than this fraction counts as slower (run-to-run noise)
 
 
-@dataclass
-class Family:
-    """One tower under test: ours, the reference in bf16 and the truth in float32 (both take normalised
-    float rows and grids, return [main, *extras] in item order), FLOPs of a batch, workloads."""
-
-    tower: object
-    reference: object
-    truth: object
-    flops: object
-    workloads: dict
-
-
-def tower_flops(cfg, grids) -> float:
-    """Qwen3-VL: matmul FLOPs of one forward (linear layers + attention), the dominant work."""
-    d, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.depth
-    m2 = cfg.spatial_merge_size**2
-    n = sum(t * h * w for t, h, w in grids)
-    patch = 2 * n * d * cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
-    per_layer = 2 * n * (3 * d * d + d * d + 2 * d * i)
-    attn = sum(t * 4 * (h * w) ** 2 * d for t, h, w in grids)
-    mergers = (1 + len(cfg.deepstack_visual_indexes)) * 2 * (n // m2) * (d * m2 * d * m2 + d * m2 * cfg.out_hidden_size)
-    return patch + L * (per_layer + attn) + mergers
-
-
-def qwen25_flops(cfg, grids) -> float:
-    """Qwen2.5-VL: SwiGLU MLP (three matrices); attention over windows (at most 64 patches) except
-    at the full-attention layers."""
-    d, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.depth
-    m2 = cfg.spatial_merge_size**2
-    n = sum(t * h * w for t, h, w in grids)
-    patch = 2 * n * d * cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
-    per_layer = 2 * n * (4 * d * d + 3 * d * i)
-    full = sum(t * 4 * (h * w) ** 2 * d for t, h, w in grids)
-    window = 4 * n * 64 * d
-    nf = len(cfg.fullatt_block_indexes)
-    merger = 2 * (n // m2) * (d * m2 * d * m2 + d * m2 * cfg.out_hidden_size)
-    return patch + L * per_layer + nf * full + (L - nf) * window + merger
-
-
-def qwen_family(preset: str, spec_mean, spec_std, tower_cls, flops, workloads) -> Family:
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.for_model(**load_preset(preset)).vision_config
-    torch.manual_seed(0)
-    visual = vision_model_from_config(cfg, torch.bfloat16, "cuda")
-    visual32 = copy.deepcopy(visual).float()  # the truth both bf16 paths are judged against
-    spec = PatchSpec(patch=cfg.patch_size, temporal=cfg.temporal_patch_size, merge=cfg.spatial_merge_size,
-                     mean=spec_mean, std=spec_std)
-
-    def run(model):
-        def f(px, grids):
-            out = model(px, grid_thw=torch.tensor(grids, device="cuda"))
-            return [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
-        return f
-
-    return Family(tower_cls(visual, pixel_norm=spec.column_norm()), run(visual), run(visual32),
-                  lambda grids: flops(cfg, grids), workloads)
-
-
-def minicpmv_family(preset: str) -> Family:
-    from app.minicpmv_builder import _random_vision
-    from app.vision.minicpmv_tower import MiniCPMVTower
-    from benchmarks.minicpmv_reference import PublishedStyleMiniCPMV, minicpmv_flops
-
-    model = _random_vision(load_preset(preset), seed=0).cuda()
-    ref32 = PublishedStyleMiniCPMV(copy.deepcopy(model).float())
-    model = model.to(torch.bfloat16)
-    ref16 = PublishedStyleMiniCPMV(model)
-    spec = PatchSpec(patch=14, temporal=1, merge=1)
-    return Family(MiniCPMVTower(model, pixel_norm=spec.column_norm()), ref16, ref32,
-                  lambda grids: minicpmv_flops(model, grids), WORKLOADS_MINICPMV)
-
-
-def family_for(preset: str) -> Family:
-    model_type = load_preset(preset).get("model_type", "qwen3_vl")
-    if model_type == "qwen2_5_vl":
-        from app.vision.qwen25_tower import Qwen25Tower
-
-        return qwen_family(preset, tuple(CLIP_MEAN), tuple(CLIP_STD), Qwen25Tower, qwen25_flops, WORKLOADS_QWEN25)
-    if model_type == "minicpmv":
-        return minicpmv_family(preset)
-    from app.vision.tower import VisionTower
-
-    return qwen_family(preset, (0.5,) * 3, (0.5,) * 3, VisionTower, tower_flops, WORKLOADS)
+def time_fn(fn, runs: int, warmup: int, cuda: bool) -> list[float]:
+    """ms per call: CUDA events on a GPU, wall clock on the CPU."""
+    if cuda:
+        return cuda_times_ms(fn, runs, warmup)
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
 
 
 def measure_matmul_tflops() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    times = time_fn(lambda: a @ b, runs=20, warmup=5)
+    times = cuda_times_ms(lambda: a @ b, 20, 5)
     return 2 * 8192**3 / (statistics.median(times) * 1e-3) / 1e12
 
 
-def time_fn(fn, runs: int, warmup: int = 10) -> list[float]:
-    return cuda_times_ms(fn, runs, warmup)
-
-
 def rel_err(a, b) -> float:
+    """max |a - b| / max |b| (inf when a is not finite)."""
     a, b = a.float(), b.float()
     if not torch.isfinite(a).all():
         return float("inf")
@@ -181,92 +81,119 @@ def norm_err(a, b) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def all_outputs(main, deepstack) -> list:
-    return [main, *deepstack]
+def concat(out) -> list[torch.Tensor]:
+    """Our per-item embeddings as the reference returns them: [main, *extras], rows in item order."""
+    return [torch.cat([o.main for o in out])] + [torch.cat([o.deepstack[j] for o in out])
+                                                 for j in range(len(out[0].deepstack))]
 
 
-def bench_preset(preset: str, runs: int, budgets: list[int], matmul_tflops: float, profile: bool) -> dict:
-    fam = family_for(preset)
-    tower = fam.tower
+def errors(ours, ref, truth) -> dict:
+    pairs = {"ours_vs_ref": (ours, ref), "ours_vs_fp32": (ours, truth), "ref_vs_fp32": (ref, truth)}
+    out = {}
+    for name, (a, b) in pairs.items():
+        out[f"{name}_max"] = max(rel_err(x, y) for x, y in zip(a, b, strict=True))
+        out[f"{name}_norm"] = max(norm_err(x, y) for x, y in zip(a, b, strict=True))
+    return out
+
+
+def path_taken(mgr: GraphManager, fn) -> str:
+    """Run `fn` once and say which path the manager took: uniform graph, budget graph or eager (reason)."""
+    st = mgr.stats
+    uniform, hits, reasons = st.uniform_hits, st.graph_hits, dict(st.eager_reasons)
+    fn()
+    if st.uniform_hits > uniform:
+        return "uniform graph"
+    if st.graph_hits > hits:
+        return "budget graph"
+    new = [r for r, n in st.eager_reasons.items() if n > reasons.get(r, 0)]
+    return f"eager ({new[0]})" if new else "eager"
+
+
+def bench_workload(fam, mgr: GraphManager, name: str, grids, runs: int, warmup: int, tflops: float | None) -> dict:
+    tower, dev = fam.tower, mgr.device
+    cuda = dev.type == "cuda"
+    g = torch.Generator(device=dev).manual_seed(1)
+    items = [VisionItem(torch.randint(0, 256, (t * h * w, tower.patch_dim), device=dev, generator=g,
+                                      dtype=torch.uint8), (t, h, w)) for t, h, w in grids]
+    # The reference takes the processor's normalised rows (its normalisation runs on the CPU).
+    pixels32 = torch.cat([it.pixels for it in items]).float() * tower.pixel_scale + tower.pixel_offset
+    pixels = pixels32.to(tower.dtype)
+    with torch.inference_mode():
+        ref, truth = fam.reference(pixels, grids), fam.truth(pixels32, grids)
+        lay = tower.layout(grids)
+        budget, _ = mgr.choose_budget(lay)
+        first_path = path_taken(mgr, lambda: mgr.encode(items))
+        errs = errors(concat(mgr.encode(items)), ref, truth)
+        t_ref = time_fn(lambda: fam.reference(pixels, grids), runs, warmup, cuda)
+        t_eager = time_fn(lambda: mgr.encode(items, force_eager=True), runs, warmup, cuda)
+        eager_errs = errors(concat(mgr.encode(items, force_eager=True)), ref, truth)
+        t_first = time_fn(lambda: mgr.encode(items), runs, warmup, cuda)
+        # Its repeats queued an equal-length shape for an exact-shape graph: capture it (when the
+        # replica idles, in serving), then time what serving would do from now on.
+        mgr.capture_pending()
+        path = path_taken(mgr, lambda: mgr.encode(items))
+        t_ours = time_fn(lambda: mgr.encode(items), runs, warmup, cuda)
+        errs_after = errors(concat(mgr.encode(items)), ref, truth)  # rows of the path just timed
+        replay = None
+        if mgr.capture_enabled and path == "uniform graph":
+            replay = statistics.median(time_fn(mgr.uniform_graphs[lay.uniform].replay, runs, warmup, cuda))
+        elif mgr.capture_enabled and path == "budget graph":
+            replay = statistics.median(time_fn(mgr.graphs[budget].replay, runs, warmup, cuda))
+    for k in ("ours_vs_ref_max", "ours_vs_ref_norm", "ours_vs_fp32_max", "ours_vs_fp32_norm"):
+        errs[k] = max(errs[k], errs_after[k])
+    errs["eager_vs_ref_max"], errs["eager_vs_fp32_max"] = eager_errs["ours_vs_ref_max"], eager_errs["ours_vs_fp32_max"]
+    flops = fam.flops(grids)
+    row = {"workload": name, "grids": [list(x) for x in grids], "tokens": lay.num_tokens, "budget": budget,
+           "first_path": first_path, "path": path,
+           "ref_ms": statistics.median(t_ref), "ref_p99": p99(t_ref),
+           "eager_ms": statistics.median(t_eager), "eager_p99": p99(t_eager),
+           "first_ms": statistics.median(t_first), "first_p99": p99(t_first),
+           "ours_ms": statistics.median(t_ours), "ours_p99": p99(t_ours), "replay_ms": replay,
+           "gflop": flops / 1e9, "floor_ms": flops / (tflops * 1e12) * 1e3 if tflops else None, **errs}
+    row["ref_over_ours"] = row["ref_ms"] / row["ours_ms"]
+    row["ref_over_eager"] = row["ref_ms"] / row["eager_ms"]
+    row["ours_over_eager"] = row["ours_ms"] / row["eager_ms"]
+    row["first_over_eager"] = row["first_ms"] / row["eager_ms"]
+    row["slower_than_eager"] = max(row["ours_over_eager"], row["first_over_eager"]) > 1 + SLOWER_SLACK
+    return row
+
+
+def bench_preset(preset: str, runs: int, warmup: int, budgets: list[int], device: str, tflops: float | None,
+                 profile: bool, patterns: list[str] | None = None) -> dict:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    fam = family_for(preset, dtype, device)
     # As the service runs it: uint8 patch rows in, the processor's normalisation inside the graph.
-    mgr = GraphManager(tower, GraphSettings(budgets=budgets, max_items_per_batch=16, max_frames_per_batch=32,
-                                            uniform_capture_after=2, uint8_pixels=True))
+    mgr = GraphManager(fam.tower, GraphSettings(budgets=budgets, max_items_per_batch=16, max_frames_per_batch=32,
+                                                uniform_capture_after=2, uint8_pixels=True))
     mgr.capture()
-    result = {"preset": preset, "capture_s": mgr.capture_seconds, "graph_mem_mib": mgr.capture_bytes / 2**20,
-              "budgets_kept": sorted(mgr.graphs), "autotune": mgr.autotune_table, "workloads": []}
+    result = {"preset": preset, "family": fam.name, "dtype": str(dtype).removeprefix("torch."),
+              "capture_s": mgr.capture_seconds, "graph_mem_mib": mgr.capture_bytes / 2**20,
+              "budgets_kept": sorted(mgr.graphs), "budgets_dropped": sorted(set(mgr.budgets) - set(mgr.graphs))
+              if mgr.capture_enabled else [], "workloads": []}
     for name, grids in fam.workloads.items():
-        g = torch.Generator(device="cuda").manual_seed(1)
-        items = [VisionItem(torch.randint(0, 256, (t * h * w, tower.patch_dim), device="cuda", generator=g,
-                                          dtype=torch.uint8), (t, h, w)) for t, h, w in grids]
-        # The reference takes the processor's normalised rows (its normalisation runs on the CPU).
-        pixels32 = torch.cat([it.pixels for it in items]).float() * tower.pixel_scale + tower.pixel_offset
-        pixels = pixels32.to(torch.bfloat16)
-        with torch.inference_mode():
-            ours = mgr.encode(items)
-            ours_all = all_outputs(torch.cat([o.main for o in ours]),
-                                   [torch.cat([o.deepstack[j] for o in ours]) for j in range(len(ours[0].deepstack))])
-            ref_all = fam.reference(pixels, grids)
-            r32_all = fam.truth(pixels32, grids)
-            err = max(rel_err(a, b) for a, b in zip(ours_all, ref_all))
-            errs = {"ours_vs_ref_max": err,
-                    "ours_vs_ref_norm": max(norm_err(a, b) for a, b in zip(ours_all, ref_all)),
-                    "ours_vs_fp32_max": max(rel_err(a, b) for a, b in zip(ours_all, r32_all)),
-                    "ref_vs_fp32_max": max(rel_err(a, b) for a, b in zip(ref_all, r32_all)),
-                    "ours_vs_fp32_norm": max(norm_err(a, b) for a, b in zip(ours_all, r32_all)),
-                    "ref_vs_fp32_norm": max(norm_err(a, b) for a, b in zip(ref_all, r32_all))}
-            t_ref = time_fn(lambda px=pixels, g=grids: fam.reference(px, g), runs)
-            t_eager = time_fn(lambda it=items: mgr.encode(it, force_eager=True), runs)
-            # First sight of a shape: a budget graph (or eager where auto-tune says so). Its repeats
-            # queue an equal-length shape for an exact-shape graph, captured when the replica idles.
-            lay = mgr.tower.layout(grids)
-            budget, _ = mgr.choose_budget(lay)
-            before = mgr.stats.graph_hits
-            t_first = time_fn(lambda it=items: mgr.encode(it), runs)
-            first_graph = mgr.stats.graph_hits > before
-            t_budget_replay = time_fn(mgr.graphs[budget].replay, runs) if first_graph else [float("nan")]
-            mgr.capture_pending()
-            before, uniform_before = mgr.stats.graph_hits, mgr.stats.uniform_hits
-            t_graph = time_fn(lambda it=items: mgr.encode(it), runs)
-            used_graph = mgr.stats.graph_hits > before
-            uniform = mgr.stats.uniform_hits > uniform_before
-            if uniform:
-                t_replay = time_fn(mgr.uniform_graphs[lay.uniform].replay, runs)
-            else:
-                t_replay = t_budget_replay
-            # Rows of our output vs the reference, on the path the timing measured.
-            ours = mgr.encode(items)
-            ours_all = all_outputs(torch.cat([o.main for o in ours]),
-                                   [torch.cat([o.deepstack[j] for o in ours]) for j in range(len(ours[0].deepstack))])
-            errs["ours_vs_fp32_max"] = max(errs["ours_vs_fp32_max"],
-                                           max(rel_err(a, b) for a, b in zip(ours_all, r32_all)))
-        flops = fam.flops(grids)
-        row = {
-            "workload": name, "tokens": sum(t * h * w for t, h, w in grids), "graph": used_graph,
-            "uniform": uniform, "first_ms": statistics.median(t_first), "first_p99": p99(t_first),
-            "first_graph": first_graph,
-            "ref_ms": statistics.median(t_ref), "ref_p99": p99(t_ref),
-            "eager_ms": statistics.median(t_eager), "eager_p99": p99(t_eager),
-            "graph_ms": statistics.median(t_graph), "graph_p99": p99(t_graph),
-            "floor_ms": flops / (matmul_tflops * 1e12) * 1e3, "gflop": flops / 1e9,
-            "replay_ms": statistics.median(t_replay), "budget": budget, **errs,
-        }
-        row["speedup"] = row["ref_ms"] / row["graph_ms"]
+        if patterns and not any(fnmatch.fnmatchcase(name, pat) for pat in patterns):
+            continue
+        row = bench_workload(fam, mgr, name, grids, runs, warmup, tflops)
         result["workloads"].append(row)
-        print(f"{preset:12s} {name:30s} ref {row['ref_ms']:7.2f}  eager {row['eager_ms']:7.2f}  first "
-              f"{row['first_ms']:7.2f}  {'uniform graph' if uniform else 'budget graph' if used_graph else 'eager'} "
-              f"{row['graph_ms']:7.2f} (p99 {row['graph_p99']:6.2f})  floor {row['floor_ms']:6.2f}  "
-              f"x{row['speedup']:5.1f}  replay {row['replay_ms']:.2f}  err {err:.1e} "
-              f"(vs fp32: ours {errs['ours_vs_fp32_max']:.1e} ref {errs['ref_vs_fp32_max']:.1e}; norm ours "
-              f"{errs['ours_vs_fp32_norm']:.1e} ref {errs['ref_vs_fp32_norm']:.1e})", flush=True)
-        if profile and name in ("1x448^2", "1x1024^2"):
-            result.setdefault("profiles", {})[name] = profile_graph(mgr, items)
+        print(f"{preset:18s} {name:32s} ref {row['ref_ms']:8.2f}  eager {row['eager_ms']:8.2f}  first "
+              f"{row['first_ms']:8.2f}  ours {row['ours_ms']:8.2f} (p99 {row['ours_p99']:7.2f}, {row['path']})  "
+              f"ref/ours x{row['ref_over_ours']:5.2f}  ours/eager {row['ours_over_eager']:4.2f}  "
+              f"err vs ref {row['ours_vs_ref_max']:.1e}", flush=True)
+        if profile and device == "cuda" and name.startswith("1x448"):
+            result.setdefault("profiles", {})[name] = profile_eager(mgr, grids)
+    result["autotune"] = mgr.autotune_table  # budgets at capture, then the uniform shapes captured above
+    del mgr, fam
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return result
 
 
-def profile_graph(mgr, items) -> str:
-    """Kernel-time table of one graph replay: where the time goes besides the GEMMs."""
+def profile_eager(mgr, grids) -> str:
+    """Kernel-time table of our eager forward: where the time goes besides the GEMMs."""
     from torch.profiler import ProfilerActivity, profile
 
+    items = [VisionItem(torch.randint(0, 256, (t * h * w, mgr.tower.patch_dim), dtype=torch.uint8,
+                                      device=mgr.device), (t, h, w)) for t, h, w in grids]
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             mgr.encode(items, force_eager=True)
@@ -274,55 +201,95 @@ def profile_graph(mgr, items) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18)
 
 
-def markdown(results: list[dict], device: str, matmul_tflops: float) -> str:
-    lines = [f"Device: {device}; bf16 matmul rate measured in this run: {matmul_tflops:.0f} TFLOP/s.", ""]
+def _ms(v, p=None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.2f}" if p is None else f"{v:.2f} ({p:.2f})"
+
+
+def markdown(results: list[dict], device: str, tflops: float | None) -> str:
+    rate = f"bf16 matmul rate measured in this run: {tflops:.0f} TFLOP/s" if tflops else "no GPU: smoke run"
+    lines = [f"Device: {device}; {rate}.", ""]
     for r in results:
-        lines += [f"### {r['preset']} — capture {r['capture_s']:.2f} s, graph memory {r['graph_mem_mib']:.0f} MiB, "
-                  f"budgets kept {r['budgets_kept']}", "",
-                  "| workload | tokens | reference ms (p99) | our eager ms (p99) | first sight: budget graph ms (p99) "
-                  "| ours ms (p99) | path | replay only ms | FLOP floor ms | ref / ours | err vs ref (max, norm) "
+        lines += [f"### {r['preset']} ({r['family']}, {r['dtype']}) — capture {r['capture_s']:.2f} s, graph memory "
+                  f"{r['graph_mem_mib']:.0f} MiB, budgets kept {r['budgets_kept']}, dropped {r['budgets_dropped']}", "",
+                  "| workload | tokens | reference ms (p99) | our eager ms (p99) | first sight ms (p99) | ours ms (p99) "
+                  "| path | replay only ms | FLOP floor ms | ref / ours | ours / eager | err vs ref (max, norm) "
                   "| err vs fp32: ours / ref (max) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for w in r["workloads"]:
-            path = "uniform graph" if w["uniform"] else (f"budget {w['budget']}" if w["graph"] else "eager")
-            first = f"{w['first_ms']:.2f} ({w['first_p99']:.2f})" + ("" if w["first_graph"] else " eager")
-            lines.append(f"| {w['workload']} | {w['tokens']} | {w['ref_ms']:.2f} ({w['ref_p99']:.2f}) | "
-                         f"{w['eager_ms']:.2f} ({w['eager_p99']:.2f}) | {first} | "
-                         f"**{w['graph_ms']:.2f}** ({w['graph_p99']:.2f}) | {path} | {w['replay_ms']:.2f} | "
-                         f"{w['floor_ms']:.2f} | {w['speedup']:.1f}x | {w['ours_vs_ref_max']:.1e}, "
-                         f"{w['ours_vs_ref_norm']:.1e} | {w['ours_vs_fp32_max']:.1e} / {w['ref_vs_fp32_max']:.1e} |")
-        lines += ["", "Auto-tune (budget or uniform shape: eager ms / graph ms, kept):", ""]
-        lines += [f"- {a.get('budget', a.get('uniform'))}: {a['eager_ms']} / {a['graph_ms']} "
-                  f"{'kept' if a['kept'] else 'dropped'}" for a in r["autotune"]]
+            flag = " **slower**" if w["slower_than_eager"] else ""
+            lines.append(f"| {w['workload']} | {w['tokens']} | {_ms(w['ref_ms'], w['ref_p99'])} | "
+                         f"{_ms(w['eager_ms'], w['eager_p99'])} | {_ms(w['first_ms'], w['first_p99'])} "
+                         f"{w['first_path']} | **{_ms(w['ours_ms'])}** ({w['ours_p99']:.2f}) | {w['path']} | "
+                         f"{_ms(w['replay_ms'])} | {_ms(w['floor_ms'])} | {w['ref_over_ours']:.2f}x | "
+                         f"{w['ours_over_eager']:.2f}{flag} | {w['ours_vs_ref_max']:.1e}, {w['ours_vs_ref_norm']:.1e} | "
+                         f"{w['ours_vs_fp32_max']:.1e} / {w['ref_vs_fp32_max']:.1e} |")
+        if r["autotune"]:
+            lines += ["", "Auto-tune (budget or uniform shape: eager ms / graph ms, kept):", ""]
+            lines += [f"- {a.get('budget', a.get('uniform'))}: {a['eager_ms']} / {a['graph_ms']} "
+                      f"{'kept' if a['kept'] else 'dropped'}" for a in r["autotune"]]
         lines.append("")
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--presets", nargs="+", default=["qwen3-vl-8b", "qwen3-vl-2b"])
-    p.add_argument("--runs", type=int, default=100)
-    p.add_argument("--budgets", type=int, nargs="+", default=GraphSettings.power_of_two_budgets(256, 8192, 4))
-    p.add_argument("--out", default="benchmarks/encoder_results.json")
-    p.add_argument("--profile", action="store_true")
-    a = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA device")
-    tflops = measure_matmul_tflops()
-    device = f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
-    t0 = time.time()
-    results = [bench_preset(pr, a.runs, a.budgets, tflops, a.profile) for pr in a.presets]
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"device": device, "matmul_tflops": tflops, "results": results}, indent=1))
-    md = markdown(results, device, tflops)
-    Path(a.out).with_suffix(".md").write_text(md)
+def update_scoreboard(path: Path, results: list[dict]) -> dict:
+    """The issue's figures: reference / ours at one 448^2 image, per new family, merged into `path`."""
+    board = json.loads(path.read_text()) if path.is_file() else {}
     for r in results:
-        for name, table in r.get("profiles", {}).items():
-            print(f"\n--- {r['preset']} {name} eager kernel profile ---\n{table}")
+        key = SCOREBOARD_KEYS.get(r["family"])
+        row = next((w for w in r["workloads"] if w["workload"] == "1x448^2"), None)
+        if key and row:
+            board[key] = round(row["ref_over_ours"], 2)
+    path.write_text(json.dumps(board, indent=1, sort_keys=True) + "\n")
+    return board
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", nargs="+", default=None,
+                   help="default: qwen3-vl-8b qwen3-vl-2b (with --smoke: the tiny preset of each family)")
+    p.add_argument("--runs", type=int, default=None, help="timed runs per column (default 100; smoke 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 10; smoke 1)")
+    p.add_argument("--budgets", type=int, nargs="+", default=GraphSettings.power_of_two_budgets(256, 8192, 4))
+    p.add_argument("--out", default="benchmarks/encoder_results.json",
+                   help="JSON written here, the table beside it (.md)")
+    p.add_argument("--scoreboard", type=Path, default=None, help="merge the 448^2 speedups into this JSON")
+    p.add_argument("--workloads", nargs="+", default=None, help="only workloads matching these glob patterns")
+    p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny presets, few runs")
+    p.add_argument("--profile", action="store_true")
+    a = p.parse_args(argv)
+    if a.smoke:
+        device, presets, runs, warmup = "cpu", a.presets or SMOKE_PRESETS, a.runs or 3, 1 if a.warmup is None else a.warmup
+        tflops, name = None, f"CPU (torch {torch.__version__})"
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("needs a CUDA device (or --smoke)")
+        device, presets, runs = "cuda", a.presets or ["qwen3-vl-8b", "qwen3-vl-2b"], a.runs or 100
+        warmup = 10 if a.warmup is None else a.warmup
+        tflops, name = measure_matmul_tflops(), f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    t0 = time.time()
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = []
+    for pr in presets:  # files rewritten after each preset: a run cut short keeps what it measured
+        results.append(bench_preset(pr, runs, warmup, a.budgets, device, tflops, a.profile, a.workloads))
+        out.write_text(json.dumps({"device": name, "matmul_tflops": tflops, "runs": runs, "results": results},
+                                  indent=1))
+        md = markdown(results, name, tflops)
+        out.with_suffix(".md").write_text(md)
+    if a.scoreboard and device == "cuda":
+        print("scoreboard:", update_scoreboard(a.scoreboard, results))
+    for r in results:
+        for wl, table in r.get("profiles", {}).items():
+            print(f"\n--- {r['preset']} {wl} eager kernel profile ---\n{table}")
     print(md)
+    slower = [f"{r['preset']} {w['workload']}" for r in results for w in r["workloads"] if w["slower_than_eager"]]
+    print(f"slower than our eager (> {SLOWER_SLACK:.0%}): {', '.join(slower) or 'none'}")
     print(f"total {time.time() - t0:.0f} s")
+    return results
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the graph manager's capture and auto-tune logs
     main()

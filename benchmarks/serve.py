@@ -28,6 +28,7 @@ import asyncio
 import base64
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -86,11 +87,14 @@ class Result:
     start_s: float = 0.0  # when it was sent, from the start of the run
 
 
-async def one_request(client: httpx.AsyncClient, body: dict) -> Result:
+async def one_request(client: httpx.AsyncClient, body: dict, request_id: str | None = None) -> Result:
+    """`request_id` becomes Ray Serve's request id (x-request-id), so benchmarks/serve_trace.py can
+    find this request's lines in every replica's log."""
     t0 = time.perf_counter()
     ttft, usage = None, {}
+    headers = {"x-request-id": request_id} if request_id else None
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 return Result(False, error=f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
             async for line in resp.aiter_lines():
@@ -169,10 +173,12 @@ async def run_load(url: str, workload: Workload, num_requests: int, concurrency:
             bar = tqdm(total=num_requests, desc=f"{workload.kind} c={concurrency} r={request_rate}", file=sys.stderr)
         sem = asyncio.Semaphore(concurrency or num_requests)
 
-        async def task(b):
+        tag = re.sub(r"\W+", "_", workload.label) + f"-c{concurrency or 'r'}-{seed_offset}"
+
+        async def task(i, b):
             async with sem:
                 start = time.perf_counter() - t0
-                r = await one_request(client, b)
+                r = await one_request(client, b, f"{tag}-{i}")
                 r.start_s = start
             if bar is not None:
                 bar.update(1)
@@ -187,8 +193,8 @@ async def run_load(url: str, workload: Workload, num_requests: int, concurrency:
         tasks = []
         rng = random.Random(0)
         try:
-            for b in bodies[warmup:]:
-                tasks.append(asyncio.create_task(task(b)))
+            for i, b in enumerate(bodies[warmup:]):
+                tasks.append(asyncio.create_task(task(i, b)))
                 if request_rate:
                     await asyncio.sleep(rng.expovariate(request_rate))
             results = await asyncio.gather(*tasks)
@@ -269,12 +275,30 @@ def start_app(args: dict, port: int, serve_config: str | None = None, num_gpus: 
         app = conf["applications"][0]
         app["args"] = deep_merge(app.get("args") or {}, args)
         client = serve_api.serve_start(http_options=conf["http_options"])
-        client.deploy_apps(ServeDeploySchema.model_validate(conf), _blocking=True)
+        client.deploy_apps(ServeDeploySchema.model_validate(conf), _blocking=False)
+        wait_running(app["name"])
         return
     from deployments.app import build_app
 
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="vlm", route_prefix="/")
+
+
+def wait_running(name: str, timeout_s: float = 480.0) -> None:
+    """Poll until the application runs. Ray's own blocking deploy gives up after 60 s, less than a
+    real-shaped model needs on a fresh machine (checkpoint build, weights, graph capture)."""
+    from ray import serve
+
+    t = time.monotonic()
+    while time.monotonic() - t < timeout_s:
+        app = serve.status().applications.get(name)
+        status = str(app.status) if app else "NOT_STARTED"
+        if status.endswith("RUNNING"):
+            return
+        if status.endswith("DEPLOY_FAILED"):
+            raise RuntimeError(f"application {name} failed to deploy: {app.message}")
+        time.sleep(1.0)
+    raise TimeoutError(f"application {name} not running after {timeout_s:.0f} s")
 
 
 def stop_app() -> None:
@@ -502,11 +526,12 @@ def main() -> None:
         return
     t0 = time.perf_counter()
     results = {}
+    meta = {"app_args": app_args, "serve_config": a.serve_config, "num_gpus": a.num_gpus, "url": url}
     for i, wl in enumerate(workloads):
         results[wl.label] = [asdict(r) for r in sweep_workload(url, wl, a, 10_000_000 * (i + 1), t0)]
+        # written after every workload: a run cut short by a time limit keeps what it measured
+        (out_dir / "sweep_results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print("\n" + sweep_table(results))
-    meta = {"app_args": app_args, "serve_config": a.serve_config, "num_gpus": a.num_gpus, "url": url}
-    (out_dir / "sweep_results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     paths = plot_sweep(results, out_dir)
     print(f"wrote {out_dir / 'sweep_results.json'}, " + ", ".join(str(p) for p in paths))
 

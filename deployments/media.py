@@ -1,6 +1,11 @@
 """MediaPreprocessor deployment: fetch, decode, resize, patchify and cache key for one media item,
 off the ingress's GIL. CPU only, autoscaled on its own (`autoscaling_config` in serve_config.yaml).
-The item goes back as the call's return value: see app/media/remote.py for who serialises what."""
+The item goes back as the call's return value: see app/media/remote.py for who serialises what.
+
+Every media guard lives here now, since this is where untrusted bytes are fetched and decoded: the
+network policy and streamed byte cap of app/media/fetch.py, the header checks and per-item deadline
+of app/media/pipeline.py, and the worker-pool share of app/media/workers.py (items of one request,
+named by the caller's request key, hold at most all but one worker of this replica)."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from app.config import AppConfig
 from app.media.pipeline import MediaPipeline, PreparedItem
 from app.media.preprocess import PatchSpec
 from app.media.ref import MediaRef
+from app.media.workers import SharedSlots
 from app.model_builder import resolve_model
 
 from .logs import route_app_logs
@@ -25,6 +31,12 @@ class MediaPreprocessor:
         spec = PatchSpec.from_checkpoint(resolve_model(cfg.model, cfg.cache_dir))
         pool = ThreadPoolExecutor(max_workers=cfg.media.worker_threads, thread_name_prefix="media")
         self.pipeline = MediaPipeline(cfg.media, spec, pool)
+        self.slots = SharedSlots(pool)
 
-    async def prepare(self, ref: MediaRef) -> PreparedItem:
-        return await self.pipeline.prepare(ref)
+    async def prepare(self, ref: MediaRef, request_key: str | None = None) -> PreparedItem:
+        """A ClientError (bad, hostile or oversized media) reaches the caller inside Ray's RayTaskError."""
+        slots = self.slots.acquire(request_key)
+        try:
+            return await self.pipeline.prepare(ref, slots)
+        finally:
+            self.slots.release(request_key)

@@ -27,9 +27,13 @@ class RouterMetrics:
                                 tag_keys=("status",))
         self.ttft = _histogram("vlm_ttft_ms", "time to first token (ms)", MS_BOUNDS)
         self.e2e = _histogram("vlm_e2e_latency_ms", "request end-to-end latency (ms)", MS_BOUNDS)
+        self.retries = Counter("vlm_request_retries_total",
+                               description="encoder + LLM calls sent again after a replica failed")
 
     def observe(self, record: dict) -> None:
         self.requests.inc(tags={"status": str(record["status"])})
+        if record.get("retries"):
+            self.retries.inc(record["retries"])
         if record.get("ttft_s") is not None:
             self.ttft.observe(1e3 * record["ttft_s"])
         self.e2e.observe(1e3 * record["e2e_s"])

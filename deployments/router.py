@@ -12,9 +12,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api import fastjson
+from app.api.auth import ApiKeyMiddleware, resolve_api_key
+from app.api.body import parse_json, read_body
 from app.api.chat import ChatService, unwrap_client_error
+from app.api.retry import RetryPolicy
 from app.config import AppConfig
 from app.errors import ClientError
 from app.media.preprocess import PatchSpec
@@ -27,11 +31,22 @@ from .metrics import RouterMetrics
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="vlm-serve")
+api.add_middleware(ApiKeyMiddleware, get_key=lambda: getattr(api.state, "api_key", None))
 
 
 class FastJSONResponse(JSONResponse):
     def render(self, content) -> bytes:
         return fastjson.dumps_bytes(content)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def http_error(request: Request, exc: StarletteHTTPException):
+    """FastAPI's own refusals (unknown path 404, wrong method 405) in OpenAI's error shape too, so
+    that every client error of this server parses the same way."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    err = ClientError(str(exc.detail), status=exc.status_code, code=code,
+                      type="invalid_request_error" if exc.status_code < 500 else "server_error")
+    return FastJSONResponse(err.to_json(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
 class RayBackend:
@@ -57,14 +72,16 @@ class Router:
 
         route_app_logs()
         self.cfg = AppConfig(**config)
+        api.state.api_key = resolve_api_key(self.cfg.api_key)  # None: no key required
         ckpt = resolve_model(self.cfg.model, self.cfg.cache_dir)
         # Object references, not values, must cross these handles (app/media/remote.py; the encoder's
         # response goes to the LLM unresolved). Ray's by-value gRPC mode (RAY_SERVE_THROUGHPUT_OPTIMIZED)
         # would otherwise pull both through this process.
         media, encoder, llm = (h.options(_by_reference=True) for h in (media, encoder, llm))
         self.metrics = RouterMetrics()
-        self.chat = ChatService(self.cfg, AutoTokenizer.from_pretrained(ckpt),
-                                RemoteMedia(media, PatchSpec.from_checkpoint(ckpt)), RayBackend(encoder, llm),
+        remote_media = RemoteMedia(media, PatchSpec.from_checkpoint(ckpt), RetryPolicy.from_config(self.cfg.retry),
+                                   on_retry=self.metrics.retries.inc)
+        self.chat = ChatService(self.cfg, AutoTokenizer.from_pretrained(ckpt), remote_media, RayBackend(encoder, llm),
                                 observer=self.metrics.observe)
         self.encoder, self.llm = encoder, llm
 
@@ -91,10 +108,8 @@ class Router:
     async def chat_completions(self, request: Request):
         t0 = time.perf_counter()
         try:
-            try:
-                body = fastjson.loads(await request.body())
-            except (ValueError, UnicodeDecodeError) as e:
-                raise ClientError(f"request body is not valid JSON: {e}", code="invalid_json") from e
+            body = parse_json(await read_body(request.stream(), request.headers.get("content-length"),
+                                              self.cfg.max_request_bytes))
             req, gen, payload = await self.chat.prepare(body)
             if req.stream:
                 return StreamingResponse(await self.chat.open_stream(req, gen, payload, t0),

@@ -129,8 +129,13 @@ BAD_REQUESTS = [
     ("undecodable video", {"messages": [{"role": "user", "content": [
         {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(b"\0" * 64).decode()}}]}]},
      "invalid_video"),
-    ("unreachable URL", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/none.png"}}]}]}, "media_fetch_failed"),
+    ("loopback URL", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/none.png"}}]}]}, "media_url_forbidden"),
+    ("metadata URL", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest/meta-data/"}}]}]},
+     "media_url_forbidden"),
+    ("unresolvable host", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://no-such-host.invalid/x.png"}}]}]}, "media_fetch_failed"),
     ("missing messages", {"model": "tiny"}, None),
     ("n > 1", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, None),
 ]

@@ -99,16 +99,20 @@ def test_timestamps_average_each_temporal_pair():
 
 
 def test_fetch_data_urls_and_errors():
+    from app.config import MediaConfig
+
     payload = png_bytes()
     url = "data:image/png;base64," + base64.b64encode(payload).decode()
-    assert asyncio.run(fetch(url, timeout_s=1, max_bytes=BIG, param="p")) == payload
-    for bad, code in [("ftp://x/y.png", "invalid_media_url"), ("data:image/png;base64", "invalid_media_url"),
-                      ("http://127.0.0.1:9/x.png", "media_fetch_failed")]:
+    assert asyncio.run(fetch(url, MediaConfig(), param="p")) == payload
+    for bad, code, cfg in [("ftp://x/y.png", "invalid_media_url", MediaConfig()),
+                           ("data:image/png;base64", "invalid_media_url", MediaConfig()),
+                           ("http://127.0.0.1:9/x.png", "media_url_forbidden", MediaConfig()),
+                           ("http://127.0.0.1:9/x.png", "media_fetch_failed", MediaConfig(allow_private_networks=True))]:
         with pytest.raises(ClientError) as e:
-            asyncio.run(fetch(bad, timeout_s=2, max_bytes=BIG, param="p"))
+            asyncio.run(fetch(bad, cfg, param="p"))
         assert e.value.code == code
     with pytest.raises(ClientError) as e:
-        asyncio.run(fetch(url, timeout_s=1, max_bytes=10, param="p"))
+        asyncio.run(fetch(url, MediaConfig(max_media_bytes=10), param="p"))
     assert e.value.status == 413
 
 
@@ -216,10 +220,12 @@ def test_fetch_over_http_from_a_local_server():
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        base = f"http://127.0.0.1:{srv.server_address[1]}"
-        assert asyncio.run(fetch(f"{base}/img.png", timeout_s=5, max_bytes=BIG, param="p")) == payload
+        from app.config import MediaConfig
+
+        base, cfg = f"http://127.0.0.1:{srv.server_address[1]}", MediaConfig(allow_private_networks=True)
+        assert asyncio.run(fetch(f"{base}/img.png", cfg, param="p")) == payload
         with pytest.raises(ClientError) as e:
-            asyncio.run(fetch(f"{base}/nope.png", timeout_s=5, max_bytes=BIG, param="p"))
+            asyncio.run(fetch(f"{base}/nope.png", cfg, param="p"))
         assert e.value.code == "media_fetch_failed" and "404" in e.value.message
     finally:
         srv.shutdown()

@@ -8,7 +8,10 @@ Conv2d + bucketed-position embedding otherwise; then the resampler as published:
 through ln_q, keys ln_kv(kv_proj(x)) + a numpy 2-D sin-cos table, values ln_kv(kv_proj(x)), one
 `nn.MultiheadAttention`, ln_post, @ proj. CPU: the tiny checkpoint in float32, ours (static padded
 path and eager) within 1e-4 of it. GPU (marker `gpu`): MiniCPM-V-4.5-shaped random weights, ours in
-bf16 against the reference in float32.
+bf16 with captured graphs against the reference in float32 (<= 2e-2, and no further from it than the
+reference's own bf16 forward); and ours in float32 with captured graphs against the reference in float32
+(<= FP32_TOL = 1e-3: float32 rounding in different kernels through 27 random-weight layers; a wrong
+position id, slot or padding row errs by O(1) on its rows).
 """
 
 from __future__ import annotations
@@ -25,6 +28,17 @@ from tower_harness import TowerHarness, rel
 from app.vision.minicpmv_tower import MiniCPMVision, MiniCPMVTower
 
 BUDGETS = [64, 128, 256]
+GPU_BUDGETS = [1024, 2048, 4096, 8192]  # a full-size 70 x 70 slice (4900 tokens) fits the largest
+FP32_TOL = 1e-3  # GPU, float32 tower and reference (module docstring)
+
+
+def router_slices(width: int, height: int) -> list[tuple[int, int, int]]:
+    """Grids of the items the router sends for one source image: thumbnail, then the slices."""
+    from app.media.slicing import SliceSpec, slice_image
+
+    spec = SliceSpec()
+    return [(1, im.shape[0] // spec.patch, im.shape[1] // spec.patch)
+            for im in slice_image(np.zeros((height, width, 3), np.uint8), spec).images]
 
 
 # ---------------------------------------------------------------------------- the independent reference
@@ -153,10 +167,32 @@ def gpu_harness():
         return lambda pixels, grids: ref(pixels.to(dtype), grids)
 
     tower = MiniCPMVTower(model.to(torch.bfloat16))
-    h = TowerHarness(tower, in_dtype(ref16, torch.bfloat16), [1024, 2048, 4096], 2e-2,
+    h = TowerHarness(tower, in_dtype(ref16, torch.bfloat16), GPU_BUDGETS, 2e-2,
                      truth=in_dtype(ref32, torch.float32), max_items=12, max_frames=12, uniform_capture_after=2)
     h.side = ref32.side
     return h
+
+
+@pytest.fixture(scope="module")
+def gpu32_harness():
+    """MiniCPM-V-4.5-shaped, float32 with captured graphs, judged directly by the reference in float32."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from app.minicpmv_builder import _random_vision
+    from app.model_builder import load_preset
+
+    config = load_preset("minicpm-v-4.5")
+    model = _random_vision(config, seed=0).cuda()
+    ref = Reference(config, model.state_dict()).cuda()
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # the reference's Conv2d patch embedding would round to TF32
+    try:
+        h = TowerHarness(MiniCPMVTower(model), ref, [1024, 4096, 8192], FP32_TOL, max_items=12, max_frames=12,
+                         uniform_capture_after=2)
+        h.side = ref.side
+        yield h
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
 
 
 @pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
@@ -212,6 +248,36 @@ def test_over_the_largest_budget_falls_back_to_eager(h):
     n = h.mgr.max_budget // (side * side) + 1
     h.check(h.items([(1, side, side)] * n), expect_graph=False)
     assert h.mgr.stats.eager_reasons["tokens"] == before + 1
+
+
+def test_batch_exactly_filling_the_largest_budget(h):
+    top = h.mgr.max_budget
+    q = top // 4
+    grids = [h.tower.synthetic_grid(n) for n in (q + q // 4, q - q // 4, q, q)]
+    assert sum(t * a * b for t, a, b in grids) == top
+    before = h.mgr.stats.per_budget[top]
+    h.check(h.items(grids, seed=10), expect_graph=True)
+    assert h.mgr.stats.per_budget[top] == before + 1
+
+
+def test_one_token_over_a_budget_takes_the_next(h):
+    b0, b1 = h.mgr.budgets[:2]
+    before = h.mgr.stats.per_budget[b1]
+    h.check(h.items([h.tower.synthetic_grid(b0 + 1)], seed=11), expect_graph=True)
+    assert h.mgr.stats.per_budget[b1] == before + 1
+
+
+def test_as_many_slices_as_a_graph_holds(h):
+    n = h.mgr.settings.max_items_per_batch
+    h.check(h.items([(1, 3 + i % 3, 5 + i % 4) for i in range(n)], seed=12), expect_graph=True)
+
+
+def test_a_1024_image_as_the_router_slices_it(h):
+    """A thumbnail and 2 x 3 non-square slices (7108 tokens): a graph on the GPU, over the tiny
+    harness's budget (eager) on the CPU; equal to the reference either way."""
+    grids = router_slices(1024, 1024)
+    assert len(grids) == 7 and sum(a * b for _, a, b in grids) == 7108
+    h.check(h.items(grids, seed=13), expect_graph=h.truth is not None)
 
 
 def test_too_many_slices_fall_back(h):
@@ -305,3 +371,38 @@ def test_uniform_graph_for_equal_slices(gpu_harness):
         kept = first[0].main.clone()
         h.check(h.items(grids, seed=3), expect_graph=True)
         assert mgr.stats.uniform_hits == hits + 2 and torch.equal(first[0].main, kept)
+
+
+@pytest.mark.gpu
+def test_eager_batches_build_no_cudnn_attention_plans(gpu_harness):
+    """Eager batches leave cuDNN's attention out (a plan per new shape): equal slices take the dense
+    SigLIP and resampler calls, unequal ones the varlen SigLIP kernel and the masked resampler call."""
+    from helpers import attention_calls, skip_unless_cudnn_is_the_default
+
+    h = gpu_harness
+    skip_unless_cudnn_is_the_default(h.tower.heads, h.tower.head_dim)
+    batches = [h.items([(1, 32, 40)] * 2, seed=20), h.items([(1, 32, 40), (1, 20, 30)], seed=21)]
+    with torch.inference_mode():
+        sdpa, cudnn = attention_calls(lambda: [h.mgr.encode(b, force_eager=True) for b in batches])
+    assert sdpa > 0 and cudnn == 0
+    for b in batches:
+        h.check(b, expect_graph=False, force_eager=True)
+
+
+@pytest.mark.gpu
+def test_float32_graphs_equal_the_reference_in_float32(gpu32_harness):
+    """In float32, graph against reference within FP32_TOL: a full-size slice, a 1024^2 image as the
+    router slices it, odd slices of several images, over the largest budget (eager), an exact-shape
+    graph for equal slices, and results that outlive later replays."""
+    h, mgr = gpu32_harness, gpu32_harness.mgr
+    first = h.check(h.items([(1, h.side, h.side)]), expect_graph=True)
+    kept = first[0].main.clone()
+    h.check(h.items(router_slices(1024, 1024), seed=1), expect_graph=True)
+    h.check(h.items([(1, 1, 13), (1, 8, 3), (1, 4, 4), (1, 26, 39)], seed=2), expect_graph=True)
+    h.check(h.items([(1, h.side, h.side)] * 2, seed=3), expect_graph=False)  # 9800 tokens
+    for seed in (4, 5):
+        h.check(h.items([(1, 24, 20)] * 3, seed=seed), expect_graph=True)
+    assert mgr.capture_pending() == 1
+    h.check(h.items([(1, 24, 20)] * 3, seed=6), expect_graph=True)
+    assert mgr.stats.uniform_hits == 1 and mgr.stats.eager_reasons["tokens"] == 1
+    assert torch.equal(first[0].main, kept), "results must outlive later replays"

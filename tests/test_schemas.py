@@ -51,3 +51,36 @@ def test_client_mistakes_name_their_param(body, param):
     with pytest.raises(ClientError) as e:
         parse(body)
     assert e.value.status == 400 and e.value.param == param
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": "user", "content": "a\ud800b"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:\ud83d,x"}}]}]},
+    {"messages": [{"role": "user", "content": "hi"}], "stop": ["\ud800"]},
+    {"messages": [{"role": "user", "content": "hi"}], "model": "\udc00"},
+])
+def test_lone_surrogates_are_a_400(body):
+    """The standard library's JSON parser (used for bracket-heavy bodies) keeps lone surrogates from
+    '\\ud800' escapes; the tokenizer raised a TypeError on them."""
+    with pytest.raises(ClientError) as e:
+        parse_chat_request(body, 16, 4)
+    assert e.value.status == 400 and e.value.code == "invalid_unicode"
+
+
+@pytest.mark.parametrize("field,value", [("model", 7), ("stream_options", []), ("stream_options", {"include_usage": 1}),
+                                         ("ignore_eos", "yes")])
+def test_wrong_types_of_lenient_fields_are_a_400(field, value):
+    with pytest.raises(ClientError) as e:
+        parse_chat_request({"messages": [{"role": "user", "content": "hi"}], field: value}, 16, 4)
+    assert e.value.status == 400 and e.value.param == field
+
+
+@pytest.mark.parametrize("text", ["<|image_pad|>", "see <|vision_start|><|video_pad|><|vision_end|>", "<|vision_end|>"])
+def test_vision_markers_in_message_text_are_a_400(text):
+    """The tokenizer reads them as special tokens: forged placeholders made the prompt builder fail (500)."""
+    for content in (text, [{"type": "text", "text": text}]):
+        with pytest.raises(ClientError) as e:
+            parse_chat_request({"messages": [{"role": "system", "content": content}]}, 16, 4)
+        assert e.value.status == 400 and e.value.code == "reserved_token"
+    assert parse_chat_request({"messages": [{"role": "user", "content": "<|im_start|> and <|x|>"}]}, 16, 4)

@@ -22,6 +22,7 @@ from ..media.preprocess import PatchSpec
 from . import fastjson
 from .minicpmv_prompt import prompt_builder_for
 from .prompt import IMAGE_TYPE, VIDEO_TYPE
+from .retry import RetryPolicy, collect, first_chunk, is_replica_failure, replica_failed
 from .schemas import ChatRequest, completion_response, parse_chat_request, stream_chunk, usage
 
 log = logging.getLogger(__name__)
@@ -59,15 +60,16 @@ class ChatService:
         self.cfg, self.media, self.backend, self.observer = cfg, media, backend, observer
         self.prompts = prompt_builder_for(tokenizer, media.spec)
         self.merge = media.spec.merge
+        self.retry = RetryPolicy.from_config(cfg.retry)  # replica failures before the first token
 
     def record(self, *, id: str | None, status: int, e2e_s: float, items: int = 0, prompt_tokens: int = 0,
-               completion_tokens: int = 0, ttft_s: float | None = None) -> None:
+               completion_tokens: int = 0, ttft_s: float | None = None, retries: int = 0) -> None:
         """One INFO line per request, and the same record to the observer."""
         rec = {"id": id, "status": status, "items": items, "prompt_tokens": prompt_tokens,
-               "completion_tokens": completion_tokens, "ttft_s": ttft_s, "e2e_s": e2e_s}
-        log.info("request %s status=%d items=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s e2e_ms=%.1f",
-                 id or "-", status, items, prompt_tokens, completion_tokens,
-                 "-" if ttft_s is None else f"{1e3 * ttft_s:.1f}", 1e3 * e2e_s)
+               "completion_tokens": completion_tokens, "ttft_s": ttft_s, "e2e_s": e2e_s, "retries": retries}
+        log.info("request %s status=%d items=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s e2e_ms=%.1f "
+                 "retries=%d", id or "-", status, items, prompt_tokens, completion_tokens,
+                 "-" if ttft_s is None else f"{1e3 * ttft_s:.1f}", 1e3 * e2e_s, retries)
         if self.observer is not None:
             self.observer(rec)
 
@@ -97,27 +99,24 @@ class ChatService:
 
     async def complete(self, req: ChatRequest, gen: dict, payload: list, t0: float | None = None) -> dict:
         t0 = time.perf_counter() if t0 is None else t0
-        text, last, ttft = [], None, None
-        async for chunk in self.backend.stream(gen, payload):
-            ttft = time.perf_counter() - t0 if ttft is None else ttft
-            text.append(chunk["text"])
-            last = chunk
+        chunks, first_at, retries = await collect(lambda: self.backend.stream(gen, payload), self.retry)
+        last = chunks[-1]
         self.record(id=req.id, status=200, e2e_s=time.perf_counter() - t0, items=len(payload),
-                    prompt_tokens=last["prompt_tokens"], completion_tokens=last["completion_tokens"], ttft_s=ttft)
-        return completion_response(req, self.cfg.model_name, "".join(text), last["finish_reason"],
-                                   self._usage(gen, last))
+                    prompt_tokens=last["prompt_tokens"], completion_tokens=last["completion_tokens"],
+                    ttft_s=first_at - t0, retries=retries)
+        return completion_response(req, self.cfg.model_name, "".join(c["text"] for c in chunks),
+                                   last["finish_reason"], self._usage(gen, last))
 
     async def open_stream(self, req: ChatRequest, gen: dict, payload: list,
                           t0: float | None = None) -> AsyncIterator[str]:
         """Waits for the first generated chunk, so that errors before it (overload, bad input) still
         get their HTTP status; then returns the server-sent-event stream."""
         t0 = time.perf_counter() if t0 is None else t0
-        stream = aiter(self.backend.stream(gen, payload))
-        first = await anext(stream)
-        return self._sse(req, gen, first, stream, t0, time.perf_counter() - t0, len(payload))
+        first, stream, retries = await first_chunk(lambda: self.backend.stream(gen, payload), self.retry)
+        return self._sse(req, gen, first, stream, t0, time.perf_counter() - t0, len(payload), retries)
 
     async def _sse(self, req: ChatRequest, gen: dict, first: dict, rest: AsyncIterator[dict], t0: float,
-                   ttft: float, items: int) -> AsyncIterator[str]:
+                   ttft: float, items: int, retries: int = 0) -> AsyncIterator[str]:
         """Server-sent events; errors after the first byte become an error event, then [DONE]."""
         model = self.cfg.model_name
 
@@ -141,7 +140,7 @@ class ChatService:
                     if req.include_usage:
                         yield event(stream_chunk(req, model, {}, usage_=self._usage(gen, chunk), choices=False))
         except Exception as e:  # the status line is already sent: report in-band
-            err = unwrap_client_error(e)
+            err = unwrap_client_error(e) or (replica_failed(retries) if is_replica_failure(e) else None)
             log.exception("request %s failed while streaming", req.id) if err is None else None
             err = err or ClientError("internal error while generating", status=500, type="server_error")
             status = err.status
@@ -150,5 +149,6 @@ class ChatService:
             if status == 200 and not last.get("finish_reason"):
                 status = 499
             self.record(id=req.id, status=status, e2e_s=time.perf_counter() - t0, items=items, ttft_s=ttft,
-                        prompt_tokens=last["prompt_tokens"], completion_tokens=last["completion_tokens"])
+                        prompt_tokens=last["prompt_tokens"], completion_tokens=last["completion_tokens"],
+                        retries=retries)
         yield "data: [DONE]\n\n"

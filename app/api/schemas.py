@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from ..errors import ClientError
 from ..llm.sampling import SamplingParams
 from ..media.ref import MediaRef
+from .prompt import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
+
+VISION_MARKERS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 
 ROLES = ("system", "user", "assistant", "developer")
 
@@ -40,12 +43,33 @@ def _num(body: dict, key: str, lo: float, hi: float, default, integer: bool = Fa
     return v
 
 
+def _unicode(v: str, param: str) -> str:
+    """The string, if it is valid Unicode text. JSON may escape lone UTF-16 surrogates ("\\ud800"), which
+    the standard library's parser keeps; the tokenizer then raised a TypeError (a 500)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ClientError(f"{param} contains a lone UTF-16 surrogate", param=param, code="invalid_unicode") from None
+    return v
+
+
+def _message_text(v: str, param: str) -> str:
+    """Message text, which must not contain the model's vision markers: the tokenizer reads them as
+    special tokens, so a client could forge media placeholders that no media item backs (the prompt
+    builder then failed with a 500) or vision markers that derail M-RoPE positions."""
+    _unicode(v, param)
+    if "<|" in v and any(marker in v for marker in VISION_MARKERS):
+        raise ClientError(f"{param} contains a reserved vision marker ({', '.join(VISION_MARKERS)}); send media as "
+                          "image_url or video_url parts", param=param, code="reserved_token")
+    return v
+
+
 def _url_of(part: dict, key: str, param: str) -> str:
     v = part.get(key)
     url = v.get("url") if isinstance(v, dict) else v
     if not isinstance(url, str) or not url:
         raise ClientError(f"'{key}.url' must be a non-empty string", param=f"{param}.{key}.url")
-    return url
+    return _unicode(url, f"{param}.{key}.url")
 
 
 def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatRequest:
@@ -64,7 +88,7 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
         role = "system" if m["role"] == "developer" else m["role"]
         content = m.get("content")
         if content is None or isinstance(content, str):
-            messages.append({"role": role, "content": content or ""})
+            messages.append({"role": role, "content": _message_text(content or "", f"{p}.content")})
             continue
         if not isinstance(content, list):
             raise ClientError(f"{p}.content must be a string or a list of parts", param=f"{p}.content")
@@ -75,7 +99,7 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
             if kind == "text":
                 if not isinstance(part.get("text"), str):
                     raise ClientError(f"{pp}.text must be a string", param=f"{pp}.text")
-                parts.append({"type": "text", "text": part["text"]})
+                parts.append({"type": "text", "text": _message_text(part["text"], f"{pp}.text")})
             elif kind in ("image_url", "video_url"):
                 if role != "user":
                     raise ClientError(f"media parts are only allowed in user messages ({pp})", param=f"{pp}.type")
@@ -95,6 +119,8 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
         stop = [stop]
     if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop)):
         raise ClientError("'stop' must be a string or a list of at most 4 strings", param="stop")
+    for s in stop or []:
+        _unicode(s, "stop")
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_num(body, "temperature", 0, 2, 1.0),
@@ -105,16 +131,26 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
         seed=_num(body, "seed", -(1 << 63), (1 << 63) - 1, None, integer=True),
         stop=stop or [],
     )
-    if isinstance(body.get("ignore_eos"), bool):  # extension (as vLLM): benchmarks generate max_tokens
-        params.ignore_eos = body["ignore_eos"]
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None:  # extension (as vLLM): benchmarks generate max_tokens
+        if not isinstance(ignore_eos, bool):
+            raise ClientError("'ignore_eos' must be a boolean", param="ignore_eos")
+        params.ignore_eos = ignore_eos
     if params.top_p == 0:
         raise ClientError("'top_p' must be greater than 0", param="top_p")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ClientError("'stream' must be a boolean", param="stream")
-    opts = body.get("stream_options") or {}
-    return ChatRequest(messages, media, params, stream, bool(isinstance(opts, dict) and opts.get("include_usage")),
-                       body.get("model"))
+    opts = body.get("stream_options")
+    opts = {} if opts is None else opts
+    if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+        raise ClientError("'stream_options' must be an object with a boolean 'include_usage'", param="stream_options")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ClientError("'model' must be a string", param="model")
+    if model is not None:
+        _unicode(model, "model")
+    return ChatRequest(messages, media, params, stream, bool(opts.get("include_usage")), model)
 
 
 def usage(prompt: int, completion: int, image_tokens: int, video_tokens: int, vision_embeddings: int) -> dict:

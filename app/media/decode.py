@@ -12,14 +12,22 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import ClientError
+from .limits import IMAGE_FORMATS, Deadline, check_image_header, check_video_header, max_source_frames
 
 IMAGE = "image"
 VIDEO = "video"
+
+# Pillow warns about every odd file it is sent (corrupt EXIF, truncated TIFF tags) and about sizes
+# above its bomb threshold, which the server checks against its own limit: clients' files, not the
+# server's problems, and one log line each would let a client fill the logs.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
+warnings.filterwarnings("ignore", message="Image size .* could be decompression bomb", category=RuntimeWarning)
 
 
 @dataclass
@@ -51,17 +59,50 @@ def sniff(data: bytes) -> str | None:
     return None
 
 
-def _open_image(data: bytes, param: str):
-    from PIL import Image, UnidentifiedImageError
+def _accepted_formats() -> tuple[str, ...]:
+    from PIL import Image
+
+    Image.init()
+    return tuple(f for f in IMAGE_FORMATS if f in Image.OPEN)
+
+
+def _decode_failure(kind: str, e: BaseException, param: str) -> ClientError:
+    """Any exception a decoder raises on a client's bytes is that client's error (400), never a 500:
+    Pillow and PyAV raise OSError, ValueError, EOFError, SyntaxError, struct.error, IndexError,
+    KeyError, TypeError, ZeroDivisionError, MemoryError and their own classes depending on where the
+    file breaks. The text carries no server object (BytesIO addresses, '<none>' file names)."""
+    reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
+    if "BytesIO" in reason or " at 0x" in reason:
+        reason = "not a format the server reads (PNG, JPEG, WebP, GIF, BMP, TIFF)" if kind == "image" else type(e).__name__
+    code = "invalid_image" if kind == "image" else "invalid_video"
+    return ClientError(f"could not decode {kind}: {reason[:300]}", param=param, code=code)
+
+
+def _open_image(data: bytes, param: str, max_pixels: int):
+    """Open (header only), check the declared size and JPEG scans, refuse animation, then decode."""
+    from PIL import Image
 
     try:
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data), formats=_accepted_formats())
+    except Image.DecompressionBombError as e:  # Pillow's guard, above ~179 MP: never allocated
+        raise ClientError(f"image too large: {e}", param=param, code="image_too_large") from None
+    except ClientError:
+        raise
+    except Exception as e:
+        raise _decode_failure("image", e, param) from None
+    check_image_header(img, data, max_pixels=max_pixels, param=param)
+    try:
+        # MPO (phone JPEGs with a second picture) is one photo, not an animation
+        animated = img.format != "MPO" and getattr(img, "is_animated", False)
+    except Exception as e:
+        raise _decode_failure("image", e, param) from None
+    if animated:
+        raise ClientError("animated images (GIF, WebP, PNG) are not accepted; send the animation as an MP4 or "
+                          "WebM video_url", param=param, code="media_type_mismatch")
+    try:
         img.load()
-    except UnidentifiedImageError as e:  # its text names a BytesIO object's address: say what a client can use
-        raise ClientError("could not decode image: not a format the server reads (PNG, JPEG, WebP, GIF, BMP, ...)",
-                          param=param, code="invalid_image") from e
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise ClientError(f"could not decode image: {e}", param=param, code="invalid_image") from e
+    except Exception as e:
+        raise _decode_failure("image", e, param) from None
     return img
 
 
@@ -73,15 +114,12 @@ def open_rgb_image(data: bytes, *, param: str, max_pixels: int):
     kind = sniff(data)
     if kind == VIDEO:
         raise ClientError("image_url holds a video; send it as video_url", param=param, code="media_type_mismatch")
-    img = _open_image(data, param)
-    if getattr(img, "n_frames", 1) > 1:
-        raise ClientError("image_url holds an animated image; send it as video_url", param=param,
-                          code="media_type_mismatch")
-    if img.width * img.height > max_pixels:
-        raise ClientError(f"image of {img.width}x{img.height} exceeds the limit of {max_pixels} pixels", param=param,
-                          code="image_too_large")
-    ImageOps.exif_transpose(img, in_place=True)
-    return img if img.mode == "RGB" else img.convert("RGB")
+    img = _open_image(data, param, max_pixels)
+    try:
+        ImageOps.exif_transpose(img, in_place=True)
+        return img if img.mode == "RGB" else img.convert("RGB")
+    except Exception as e:  # a corrupt EXIF block or palette
+        raise _decode_failure("image", e, param) from None
 
 
 def decode_image(data: bytes, *, param: str, max_pixels: int) -> np.ndarray:
@@ -97,24 +135,74 @@ def sample_indices(total: int, src_fps: float, fps: float, min_frames: int, max_
     return np.linspace(0, total - 1, n).round().astype(int).tolist()
 
 
+def video_demuxer(data: bytes) -> str | None:
+    """FFmpeg's demuxer for the container in `data`, from its magic number. The demuxer is named, never
+    probed: probing would also select FFmpeg's playlist and script demuxers (HLS, concat), which open
+    further files or URLs named in the bytes (an ffconcat script reads videos relative to the server's
+    working directory)."""
+    head = data[:16]
+    if head[4:8] == b"ftyp" or head[4:8] in (b"moov", b"mdat", b"free", b"wide"):
+        return "mov"
+    if head[:4] == b"\x1a\x45\xdf\xa3":
+        return "matroska"
+    if head[:4] == b"RIFF" and head[8:11] == b"AVI":
+        return "avi"
+    if head[:4] == b"OggS":
+        return "ogg"
+    if head[:3] == b"FLV":
+        return "flv"
+    if head[:4] == b"\x00\x00\x01\xba":
+        return "mpeg"
+    if head[:1] == b"\x47" and len(data) > 188 and data[188:189] == b"\x47":
+        return "mpegts"
+    return None
+
+
+# Nested opens (external references, playlists) get no protocol at all: media comes from the bytes only.
+_AV_OPTIONS = {"protocol_whitelist": "none", "enable_drefs": "0"}
+
+
+def _open_container(data: bytes, demuxer: str):
+    import av
+
+    return av.open(io.BytesIO(data), mode="r", format=demuxer, options=_AV_OPTIONS)
+
+
 def decode_video(data: bytes, *, param: str, fps: float, min_frames: int, max_frames: int,
-                 max_duration_s: float, max_pixels: int) -> VideoFrames:
-    """Decode with PyAV and sample frames; a still image becomes a 2-frame still video."""
+                 max_duration_s: float, max_pixels: int, max_streams: int = 16,
+                 max_decoded_bytes: int = 2 << 30, deadline: Deadline | None = None) -> VideoFrames:
+    """Decode with PyAV and sample frames; a still image becomes a 2-frame still video.
+
+    The container's claims are checked before any packet is read (app/media/limits.py); packets are
+    counted without decoding, up to a bound, and only the sampled frames are converted. `deadline` is
+    checked for every packet and frame, so no item holds a worker beyond it."""
     kind = sniff(data)
     if kind == IMAGE:
         frame = decode_image(data, param=param, max_pixels=max_pixels)
         return VideoFrames(np.stack([frame, frame]), fps=1.0, total_frames=2, indices=[0, 1])
-    import av
-
+    demuxer = video_demuxer(data)
+    if demuxer is None:
+        raise ClientError("could not decode video: not a container the server reads (MP4/MOV, WebM/MKV, AVI, Ogg, "
+                          "FLV, MPEG-PS/TS)", param=param, code="invalid_video")
+    tick = deadline.check if deadline is not None else (lambda: None)
+    frame_cap = max_source_frames(max_duration_s)
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
+        with _open_container(data, demuxer) as container:
             if not container.streams.video:
                 raise ClientError("video_url holds no video stream", param=param, code="invalid_video")
             stream = container.streams.video[0]
+            check_video_header(container, stream, max_streams=max_streams, max_duration_s=max_duration_s,
+                               max_pixels=max_pixels, param=param)
             rate = stream.average_rate or stream.guessed_rate
             src_fps = float(rate) if rate else 24.0
             # Count frames from packets (no decoding), so only the sampled frames are ever decoded.
-            total = sum(1 for p in container.demux(stream) if p.size)
+            total = 0
+            for p in container.demux(stream):
+                tick()
+                total += 1 if p.size else 0
+                if total > frame_cap:
+                    raise ClientError(f"video holds more than {frame_cap} frames", param=param,
+                                      code="video_too_long")
         if not math.isfinite(src_fps) or src_fps <= 0:
             src_fps = 24.0
         if total == 0:
@@ -124,23 +212,28 @@ def decode_video(data: bytes, *, param: str, fps: float, min_frames: int, max_fr
                               param=param, code="video_too_long")
         idx = sample_indices(max(total, 2), src_fps, fps, min_frames, max_frames)
         wanted = {i: [] for i in idx}
-        with av.open(io.BytesIO(data), mode="r") as container:
+        kept = 0  # bytes of the RGB frames kept until the resize
+        with _open_container(data, demuxer) as container:
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
             for n, frame in enumerate(container.decode(stream)):
-                if n == 0 and frame.width * frame.height > max_pixels:
+                tick()
+                if frame.width * frame.height > max_pixels:  # also a size change mid-stream
                     raise ClientError(f"video frames of {frame.width}x{frame.height} exceed the limit of "
                                       f"{max_pixels} pixels", param=param, code="video_too_large")
                 if n in wanted:
+                    kept += 3 * frame.width * frame.height
+                    if kept > max_decoded_bytes:
+                        raise ClientError(f"{len(idx)} sampled frames of {frame.width}x{frame.height} exceed the "
+                                          f"decoded-video limit of {max_decoded_bytes} bytes", param=param,
+                                          code="video_too_large")
                     wanted[n] = frame.to_ndarray(format="rgb24")
                 if n >= idx[-1]:
                     break
     except ClientError:
         raise
-    except (av.error.FFmpegError, ValueError, IndexError, MemoryError) as e:
-        # FFmpeg's text carries an errno and the in-memory file's name ('<none>'); its reason is enough
-        reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
-        raise ClientError(f"could not decode video: {reason}", param=param, code="invalid_video") from e
+    except Exception as e:  # FFmpegError, ValueError, IndexError, MemoryError, ...: see _decode_failure
+        raise _decode_failure("video", e, param) from None
     decoded = [wanted[i] for i in idx if len(wanted[i])]
     if not decoded:
         raise ClientError("video has no decodable frames", param=param, code="invalid_video")

@@ -1,40 +1,59 @@
-"""The bytes behind a media URL: `data:` URLs decoded in place, `http(s)://` URLs fetched."""
+"""The bytes behind a media URL: `data:` decoded in place, `http(s)://` fetched under the network policy
+(app/media/http_fetch.py), `file://` read from the one allowed directory (app/media/local_files.py).
+Every failure is a ClientError: 400 `invalid_media_url`, `media_url_forbidden`, `media_fetch_failed`,
+`invalid_media`, or 413 `media_too_large`."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+from urllib.parse import unquote_to_bytes
 
+from ..config import MediaConfig
 from ..errors import ClientError
+from .http_fetch import HttpFetcher, fetcher_for
+from .local_files import read_local
+from .netpolicy import FetchPolicy
 
 
-async def fetch(url: str, *, timeout_s: float, max_bytes: int, param: str) -> bytes:
-    """Bytes behind a `data:` or `http(s):` URL."""
-    if url.startswith("data:"):
-        head, sep, payload = url.partition(",")
-        if not sep:
-            raise ClientError("malformed data URL: no ',' separator", param=param, code="invalid_media_url")
+def _too_large(n: int, max_bytes: int, param: str) -> ClientError:
+    return ClientError(f"media payload of {n} bytes exceeds the limit of {max_bytes}", param=param,
+                       code="media_too_large", status=413)
+
+
+def decode_data_url(url: str, *, max_bytes: int, param: str) -> bytes:
+    head, sep, payload = url.partition(",")
+    if not sep:
+        raise ClientError("malformed data URL: no ',' separator", param=param, code="invalid_media_url")
+    if head.lower().endswith(";base64"):
+        if len(payload) * 3 // 4 > max_bytes + 3:  # refused before the decoded copy exists
+            raise _too_large(len(payload) * 3 // 4, max_bytes, param)
         try:
-            data = base64.b64decode(payload, validate=False) if head.endswith(";base64") else payload.encode()
+            return base64.b64decode(payload, validate=False)
         except (binascii.Error, ValueError) as e:
             raise ClientError(f"malformed base64 in data URL: {e}", param=param, code="invalid_media_url") from e
-    elif url.startswith(("http://", "https://")):
-        import httpx
+    if len(payload) > 3 * (max_bytes + 1):  # percent-encoding at most triples a byte
+        raise _too_large(len(payload), max_bytes, param)
+    return unquote_to_bytes(payload)
 
-        try:
-            async with httpx.AsyncClient(timeout=timeout_s, follow_redirects=True) as client:
-                resp = await client.get(url)
-        except httpx.HTTPError as e:
-            raise ClientError(f"could not fetch {url}: {type(e).__name__}: {e}", param=param,
-                              code="media_fetch_failed") from e
-        if resp.status_code >= 400:
-            raise ClientError(f"could not fetch {url}: HTTP {resp.status_code}", param=param, code="media_fetch_failed")
-        data = resp.content
+
+async def fetch(url: str, cfg: MediaConfig, *, param: str, http: HttpFetcher | None = None) -> bytes:
+    """Bytes behind a `data:`, `http(s):` or `file:` URL, within `cfg`'s limits and network policy.
+    `http` replaces the process's pooled fetcher (tests inject a resolver through it)."""
+    scheme = url.partition(":")[0].lower() if ":" in url[:16] else ""
+    if scheme == "data":
+        data = decode_data_url(url, max_bytes=cfg.max_media_bytes, param=param)
+    elif scheme in ("http", "https"):
+        fetcher = http or fetcher_for(FetchPolicy.from_config(cfg))
+        data = await fetcher.fetch(url, timeout_s=cfg.fetch_timeout_s, max_bytes=cfg.max_media_bytes, param=param)
+    elif scheme == "file":
+        data = await asyncio.to_thread(read_local, url, root=cfg.allowed_local_media_path,
+                                       max_bytes=cfg.max_media_bytes, param=param)
     else:
-        raise ClientError("media URLs must be data: or http(s): URLs", param=param, code="invalid_media_url")
+        raise ClientError("media URLs must be data:, http(s): or file: URLs", param=param, code="invalid_media_url")
     if not data:
         raise ClientError("empty media payload", param=param, code="invalid_media")
-    if len(data) > max_bytes:
-        raise ClientError(f"media payload of {len(data)} bytes exceeds the limit of {max_bytes}", param=param,
-                          code="media_too_large", status=413)
+    if len(data) > cfg.max_media_bytes:
+        raise _too_large(len(data), cfg.max_media_bytes, param)
     return data

@@ -22,6 +22,7 @@ from ..api.prompt import MediaSlot
 from ..config import MediaConfig
 from .decode import IMAGE, VIDEO, decode_video, open_rgb_image
 from .fetch import fetch
+from .limits import Deadline
 from .preprocess import (
     Patches,
     PatchSpec,
@@ -32,6 +33,7 @@ from .preprocess import (
     video_frames,
 )
 from .ref import MediaRef
+from .workers import request_slots, run_item
 
 
 @dataclass
@@ -89,7 +91,17 @@ def _sliced_item(kind: str, images: list[np.ndarray], grid, spec: PatchSpec) -> 
     return PreparedItem(kind, parts[0], key=keys[0], parts=parts, part_keys=keys, slice_grid=grid)
 
 
-def prepare_sliced(data: bytes, ref: MediaRef, cfg: MediaConfig, spec: PatchSpec) -> PreparedItem:
+def _decode_video(data: bytes, ref: MediaRef, cfg: MediaConfig, deadline: Deadline | None):
+    """Both families' video decode under the same limits (streams, decoded bytes, the item's deadline)."""
+    return decode_video(data, param=ref.param, fps=cfg.video_fps, min_frames=cfg.video_min_frames,
+                        max_frames=cfg.video_max_frames, max_duration_s=cfg.max_video_duration_s,
+                        max_pixels=cfg.max_input_pixels, max_streams=cfg.max_video_streams,
+                        max_decoded_bytes=cfg.max_decoded_video_bytes,
+                        deadline=deadline or Deadline(cfg.decode_timeout_s, ref.param))
+
+
+def prepare_sliced(data: bytes, ref: MediaRef, cfg: MediaConfig, spec: PatchSpec,
+                   deadline: Deadline | None = None) -> PreparedItem:
     """MiniCPM-V: an image becomes its thumbnail and slices (app/media/slicing.py); a video its sampled
     frames, each resized as an unsliced image (about scale_resolution^2 pixels, patch multiples)."""
     from dataclasses import replace
@@ -99,23 +111,20 @@ def prepare_sliced(data: bytes, ref: MediaRef, cfg: MediaConfig, spec: PatchSpec
     if ref.kind == IMAGE:
         sliced = slice_image(open_rgb_image(data, param=ref.param, max_pixels=cfg.max_input_pixels), spec.slicing)
         return _sliced_item(IMAGE, sliced.images, sliced.grid, spec)
-    video = decode_video(data, param=ref.param, fps=cfg.video_fps, min_frames=cfg.video_min_frames,
-                         max_frames=cfg.video_max_frames, max_duration_s=cfg.max_video_duration_s,
-                         max_pixels=cfg.max_input_pixels)
+    video = _decode_video(data, ref, cfg, deadline)
     whole = replace(spec.slicing, slice_mode=False)
     return _sliced_item(VIDEO, [slice_image(f, whole).thumbnail for f in video.frames], None, spec)
 
 
-def prepare_bytes(data: bytes, ref: MediaRef, cfg: MediaConfig, spec: PatchSpec) -> PreparedItem:
+def prepare_bytes(data: bytes, ref: MediaRef, cfg: MediaConfig, spec: PatchSpec,
+                  deadline: Deadline | None = None) -> PreparedItem:
     if spec.slicing is not None:
-        return prepare_sliced(data, ref, cfg, spec)
+        return prepare_sliced(data, ref, cfg, spec, deadline)
     if ref.kind == IMAGE:
         img = open_rgb_image(data, param=ref.param, max_pixels=cfg.max_input_pixels)
         frames = image_frames(img, spec, cfg.image_min_pixels, cfg.image_max_pixels)
         return PreparedItem(IMAGE, patchify(frames, spec, normalize=False), key=cache_key(IMAGE, frames, spec))
-    video = decode_video(data, param=ref.param, fps=cfg.video_fps, min_frames=cfg.video_min_frames,
-                         max_frames=cfg.video_max_frames, max_duration_s=cfg.max_video_duration_s,
-                         max_pixels=cfg.max_input_pixels)
+    video = _decode_video(data, ref, cfg, deadline)
     frames = video_frames(video.frames, spec, cfg.video_min_pixels, cfg.video_max_pixels)
     return PreparedItem(VIDEO, patchify(frames, spec, normalize=False),
                         frame_timestamps(video.indices, video.fps, spec.temporal),
@@ -125,17 +134,32 @@ def prepare_bytes(data: bytes, ref: MediaRef, cfg: MediaConfig, spec: PatchSpec)
 
 
 class MediaPipeline:
+    """Fetches concurrently, then decodes in the worker pool with two guards (app/media/workers.py):
+    a request never holds every worker at once, and an item is answered by its deadline."""
+
     def __init__(self, cfg: MediaConfig, spec: PatchSpec, executor: Executor | None = None):
         self.cfg, self.spec, self.executor = cfg, spec, executor
 
-    async def prepare(self, ref: MediaRef) -> PreparedItem:
-        data = await fetch(ref.url, timeout_s=self.cfg.fetch_timeout_s, max_bytes=self.cfg.max_media_bytes,
-                           param=ref.param)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, prepare_bytes, data, ref, self.cfg, self.spec)
+    async def prepare(self, ref: MediaRef, slots: asyncio.Semaphore | None = None) -> PreparedItem:
+        data = await fetch(ref.url, self.cfg, param=ref.param)
+        return await run_item(self.executor, slots, self.cfg.decode_timeout_s, ref.param,
+                              prepare_bytes, data, ref, self.cfg, self.spec)
 
     async def prepare_all(self, refs: list[MediaRef]) -> list[PreparedItem]:
-        return list(await asyncio.gather(*(self.prepare(r) for r in refs)))
+        """All items, or the first failure; a failure (or the caller's cancellation) cancels the
+        request's other items, so a refused request stops taking workers."""
+        slots = request_slots(self.executor)
+        tasks = [asyncio.ensure_future(self.prepare(r, slots)) for r in refs]
+        try:
+            if tasks:
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in tasks:
+                if t.done() and not t.cancelled() and t.exception() is not None:
+                    raise t.exception()
+            return [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()
 
 
 def to_encoder_payload(items: list[PreparedItem]) -> list:

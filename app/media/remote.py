@@ -14,12 +14,20 @@ Who serialises what:
 - The encoder gets the object reference (`PreparedItem.encoder_ref`), nested in its argument list so
   that Ray does not resolve it on the way, and reads the item from the object store itself. The rows
   are never serialised again after the preprocessor.
+
+Failures: a bad item's ClientError comes back wrapped by Ray and cancels the request's other items
+(so a refused request stops taking preprocessor workers); a preprocessor replica that dies is a
+replica failure, and the item is asked for again (app/api/retry.py), so killing one loses nothing.
+Because the item belongs to this process, an encoder or preprocessor death never loses it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
+from collections.abc import Callable
 
+from ..api.retry import RetryPolicy, call_with_retries
 from .pipeline import PreparedItem
 from .preprocess import PatchSpec
 from .ref import MediaRef
@@ -28,14 +36,39 @@ from .ref import MediaRef
 class RemoteMedia:
     """Same interface as MediaPipeline (`spec`, `prepare_all`), backed by a DeploymentHandle."""
 
-    def __init__(self, preprocessor, spec: PatchSpec):
-        self.preprocessor, self.spec = preprocessor, spec
+    def __init__(self, preprocessor, spec: PatchSpec, retry: RetryPolicy | None = None,
+                 on_retry: Callable[[int], None] | None = None):
+        """`on_retry(n)`: n calls were sent again for one item (the Router's retry counter)."""
+        self.preprocessor, self.spec, self.retry = preprocessor, spec, retry or RetryPolicy()
+        self.on_retry = on_retry
 
-    async def prepare(self, ref: MediaRef) -> PreparedItem:
-        obj = await self.preprocessor.prepare.remote(ref)._to_object_ref()
-        item: PreparedItem = await obj  # raises the preprocessor's ClientError, wrapped by Ray
+    async def _once(self, ref: MediaRef, request_key: str | None) -> PreparedItem:
+        resp = self.preprocessor.prepare.remote(ref, request_key)
+        try:
+            obj = await resp._to_object_ref()
+            item: PreparedItem = await obj  # raises the preprocessor's ClientError, wrapped by Ray
+        except asyncio.CancelledError:
+            resp.cancel()  # a sibling item failed: stop this one in its replica too
+            raise
         item.encoder_ref = obj
         return item
 
+    async def prepare(self, ref: MediaRef, request_key: str | None = None) -> PreparedItem:
+        item, retries = await call_with_retries(lambda: self._once(ref, request_key), self.retry)
+        if retries and self.on_retry is not None:
+            self.on_retry(retries)
+        return item
+
     async def prepare_all(self, refs: list[MediaRef]) -> list[PreparedItem]:
-        return list(await asyncio.gather(*(self.prepare(r) for r in refs)))
+        key = uuid.uuid4().hex
+        tasks = [asyncio.ensure_future(self.prepare(r, key)) for r in refs]
+        try:
+            if tasks:
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in tasks:
+                if t.done() and not t.cancelled() and t.exception() is not None:
+                    raise t.exception()
+            return [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()

@@ -215,8 +215,8 @@ class MiniCPMVTower(GraphTower):
         return uniform[0] if uniform else seq_slots
 
     def metadata_rows(self, budget: int, uniform: tuple[int, int] | None, seq_slots: int) -> dict[str, int]:
-        rows = {"pos": budget, "rc": budget, "kseg": budget, "dead": self._slots(budget, uniform, seq_slots),
-                "cu": seq_slots + 1}
+        slots = self._slots(budget, uniform, seq_slots)  # a uniform graph's cu bounds its slices only
+        rows = {"pos": budget, "rc": budget, "kseg": budget, "dead": slots, "cu": slots + 1}
         if self.split_attention:
             rows["table"] = attention.table_rows(budget, seq_slots, attention.block_m_for(uniform[1] if uniform else None))
         return rows

@@ -1,0 +1,138 @@
+"""Retrying encoder + LLM calls that failed because a replica died.
+
+Ray Serve restarts a dead replica, but the calls it was serving fail with Ray's actor errors. A request
+that has not produced a token yet has shown the client nothing, so it is sent again (to another
+replica, or to the restarted one: the handle queues it until one is up), within `max_attempts` and
+`budget_s`. A non-streaming request has shown nothing until it finishes, so it is retried from
+scratch wherever it failed. A stream that already sent tokens cannot be replayed: it ends with an
+error event (503, `replica_failed`) and `[DONE]`, never a hang.
+
+Only replica failures are retried: a client error or an overloaded engine (503) is answered at once.
+Ray is imported lazily so that app/ stays importable without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from ..errors import ClientError
+
+_RAY_FAILURES = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
+                 "NodeDiedError", "OwnerDiedError", "ObjectLostError", "ReplicaUnavailableError",
+                 "DeploymentUnavailableError")
+
+
+def _failure_types() -> tuple[type, ...]:
+    out: list[type] = []
+    try:
+        import ray.exceptions as rex
+
+        out += [getattr(rex, n) for n in _RAY_FAILURES if hasattr(rex, n)]
+        import ray.serve.exceptions as sex
+
+        out += [getattr(sex, n) for n in _RAY_FAILURES if hasattr(sex, n)]
+    except ImportError:
+        pass
+    return tuple(out)
+
+
+def is_replica_failure(e: BaseException | None) -> bool:
+    """A replica (or its node or process) went away, anywhere in the exception's cause chain."""
+    types, seen = _failure_types(), 0
+    while e is not None and seen < 8:
+        if isinstance(e, ClientError):
+            return False
+        if types and isinstance(e, types):
+            return True
+        e = getattr(e, "cause", None) or e.__cause__
+        seen += 1
+    return False
+
+
+def replica_failed(retries: int = 0) -> ClientError:
+    return ClientError(f"a model replica failed while serving this request (after {retries} retries); retry it",
+                       status=503, type="server_error", code="replica_failed", headers={"retry-after": "5"})
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = 4
+    budget_s: float = 90.0
+    backoff_s: float = 0.5
+    is_retryable: Callable[[BaseException], bool] = is_replica_failure
+
+    @classmethod
+    def from_config(cls, cfg) -> RetryPolicy:
+        """From a RetryConfig."""
+        return cls(cfg.max_attempts, cfg.budget_s, cfg.backoff_s)
+
+    async def _wait_or_give_up(self, e: BaseException, attempt: int, t0: float) -> None:
+        """Raises when `e` is not retryable or the bounds are spent; else sleeps the backoff."""
+        if not self.is_retryable(e):
+            raise e
+        delay = self.backoff_s * 2 ** (attempt - 1)
+        if attempt >= self.max_attempts or time.monotonic() + delay - t0 > self.budget_s:
+            raise replica_failed(attempt - 1) from e
+        await asyncio.sleep(delay)
+
+
+async def _close(stream) -> None:
+    for name in ("aclose", "cancel"):
+        fn = getattr(stream, name, None)
+        if fn is not None:
+            try:
+                r = fn()
+                if asyncio.iscoroutine(r):
+                    await r
+            except Exception:
+                pass
+            return
+
+
+async def first_chunk(start: Callable[[], AsyncIterator[dict]], policy: RetryPolicy
+                      ) -> tuple[dict, AsyncIterator[dict], int]:
+    """(first chunk, the rest of its stream, retries): the call is retried until a chunk arrives."""
+    t0, attempt = time.monotonic(), 0
+    while True:
+        attempt += 1
+        stream = aiter(start())
+        try:
+            return await anext(stream), stream, attempt - 1
+        except StopAsyncIteration:
+            raise
+        except Exception as e:
+            await _close(stream)
+            await policy._wait_or_give_up(e, attempt, t0)
+
+
+async def collect(start: Callable[[], AsyncIterator[dict]], policy: RetryPolicy
+                  ) -> tuple[list[dict], float | None, int]:
+    """(every chunk, perf_counter() at the first chunk of the attempt that finished, retries): a
+    whole non-streamed answer, retried from scratch when a replica fails at any point."""
+    t0, attempt = time.monotonic(), 0
+    while True:
+        attempt += 1
+        chunks, first_at = [], None
+        stream = aiter(start())
+        try:
+            async for chunk in stream:
+                first_at = time.perf_counter() if first_at is None else first_at
+                chunks.append(chunk)
+            return chunks, first_at, attempt - 1
+        except Exception as e:
+            await _close(stream)
+            await policy._wait_or_give_up(e, attempt, t0)
+
+
+async def call_with_retries(start: Callable[[], Awaitable], policy: RetryPolicy) -> tuple[object, int]:
+    """(result, retries) of a single awaited call, sent again when its replica failed."""
+    t0, attempt = time.monotonic(), 0
+    while True:
+        attempt += 1
+        try:
+            return await start(), attempt - 1
+        except Exception as e:
+            await policy._wait_or_give_up(e, attempt, t0)
