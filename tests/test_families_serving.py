@@ -125,3 +125,15 @@ def test_bad_media_is_an_openai_400(served):
         served["client"].chat.completions.create(model="m", max_tokens=4, messages=messages([
             {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"no").decode()}}]))
     assert bad.value.code == "invalid_image"
+
+
+def test_forged_vision_marker_is_an_openai_400(served):
+    """Each family's own placeholder token in client text (MiniCPM-V: `<unk>`; Qwen: `<|image_pad|>`)
+    is refused, not a 500 from a placeholder count that no media item backs."""
+    import openai
+
+    marker = "<unk>" if served["spec"].slicing is not None else "<|image_pad|>"
+    with pytest.raises(openai.BadRequestError) as bad:
+        served["client"].chat.completions.create(model="m", max_tokens=4, messages=messages(
+            [IMAGE, {"type": "text", "text": f"what is {marker}?"}]))
+    assert bad.value.code == "reserved_token"

@@ -217,3 +217,21 @@ def test_minicpmv_prompt_expands_slices_as_published(minicpmv):
             + "\n" + f"<image_id>1</image_id>{thumb}" + "\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert prompt.input_ids == tok.encode(want, add_special_tokens=False)
     assert prompt.count(1) == 8 * q and prompt.count(2) == 2 * q
+
+
+@pytest.mark.parametrize("text", ["<unk>", "see (<image>./</image>) here"])
+def test_minicpmv_reserved_markers_in_text_are_a_400(minicpmv, text):
+    """`<unk>` is the token the LLM replaces and the placeholder is expanded: client text holding either
+    forged media (the engine or the builder failed with a 500). Other MiniCPM-V tags stay plain text."""
+    from app.errors import ClientError
+
+    builder = MiniCPMVPromptBuilder(minicpmv["tok"], minicpmv["spec"].slicing.queries)
+    image = MediaSlot("image", (1, 1, 1), parts=1)
+    for content, slots, param in ((text, [], "messages[0].content"),
+                                  ([{"type": "image"}, {"type": "text", "text": text}], [image],
+                                   "messages[0].content[1].text")):
+        with pytest.raises(ClientError) as e:
+            builder.build([{"role": "user", "content": content}], slots)
+        assert e.value.status == 400 and e.value.code == "reserved_token" and e.value.param == param
+    prompt = builder.build([{"role": "user", "content": "an <image> tag and <slice>"}], [])
+    assert prompt.count(1) == prompt.count(2) == 0

@@ -13,19 +13,44 @@ its placeholder becomes one `<image> q x <unk> </image>` per sampled frame, fram
 with no image id and no slicing. The `<unk>` tokens are the ones whose embeddings the LLM replaces;
 their `mm_token_type_ids` are 1 (image) or 2 (video frames). Text between placeholders is tokenized
 piecewise, so the counts are exact by construction.
+
+Client text may not contain `<unk>` or the placeholder (a 400 `reserved_token`, as Qwen's vision
+markers are refused in app/api/schemas.py): the tokenizer reads `<unk>` as the token whose embedding
+the LLM replaces, and the template's placeholder would be expanded, so either forges media that no
+item backs (the engine or this builder then failed with a 500).
 """
 
 from __future__ import annotations
 
+from ..errors import ClientError
 from .prompt import IMAGE_TYPE, TEXT, VIDEO_TYPE, MediaSlot, Prompt
 
 PLACEHOLDER = "(<image>./</image>)"
+UNK = "<unk>"
+RESERVED = (UNK, PLACEHOLDER)
+
+
+def _refuse(param: str) -> ClientError:
+    return ClientError(f"{param} contains a reserved vision marker ({', '.join(RESERVED)}); send media as "
+                       "image_url or video_url parts", param=param, code="reserved_token")
+
+
+def check_text(messages: list[dict]) -> None:
+    """Every text of the (parsed) messages, free of MiniCPM-V's reserved markers."""
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        texts = ([(f"messages[{i}].content", content)] if isinstance(content, str) else
+                 [(f"messages[{i}].content[{j}].text", p.get("text")) for j, p in enumerate(content or [])
+                  if isinstance(p, dict) and p.get("type") == "text"])
+        for param, text in texts:
+            if isinstance(text, str) and any(r in text for r in RESERVED):
+                raise _refuse(param)
 
 
 class MiniCPMVPromptBuilder:
     def __init__(self, tokenizer, queries: int, use_image_id: bool = True):
         self.tok, self.queries, self.use_image_id = tokenizer, queries, use_image_id
-        self.unk = tokenizer.convert_tokens_to_ids("<unk>")
+        self.unk = tokenizer.convert_tokens_to_ids(UNK)
 
     def render(self, messages: list[dict]) -> str:
         as_images = [{**m, "content": [{"type": "image"} if isinstance(p, dict) and p.get("type") == "video" else p
@@ -34,8 +59,11 @@ class MiniCPMVPromptBuilder:
         return self.tok.apply_chat_template(as_images, tokenize=False, add_generation_prompt=True)
 
     def build(self, messages: list[dict], slots: list[MediaSlot]) -> Prompt:
+        check_text(messages)
         text = self.render(messages)
         pieces = text.split(PLACEHOLDER)
+        if len(pieces) - 1 > len(slots) or any(UNK in p for p in pieces):
+            raise _refuse("messages")  # a marker made of adjacent text parts (a template joining them as is)
         if len(pieces) - 1 != len(slots):
             raise ValueError(f"the chat template rendered {len(pieces) - 1} media placeholders for {len(slots)} items")
         ids: list[int] = []
