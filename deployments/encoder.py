@@ -10,6 +10,7 @@ import ray
 from ray import serve
 
 from app.config import AppConfig
+from app.media.pipeline import expand_payload
 from app.model_builder import resolve_model
 from app.placement import pinned_gpu
 
@@ -54,7 +55,8 @@ class VisionEncoder:
         if refs:
             items = list(items)
             for i, prepared in zip(refs, await asyncio.gather(*(items[i] for i in refs))):
-                items[i] = (prepared.patches.pixel_values, prepared.patches.grid, prepared.key)
+                items[i] = prepared
+            items = expand_payload(items)  # a MiniCPM-V item is several tower items
         return await self.service.encode_async(items)
 
     def stats(self) -> dict:

@@ -128,7 +128,7 @@ def test_our_text_forward_equals_transformers_logits(world):
     from app.llm.model import VisionBatch
     from app.llm.sequence import Sequence
 
-    seq = Sequence(req, merge=2, vision_ids=eng.vision_ids, max_model_len=4096, block_size=4,
+    seq = Sequence(req, rope=eng.rope, vision_ids=eng.vision_ids, max_model_len=4096, block_size=4,
                    device=torch.device("cpu"), dtype=torch.float32)
     n = len(seq)
     s = eng.spec

@@ -25,6 +25,15 @@ CFG = MediaConfig()
 VIDEO = {"fps": 2, "min_frames": 4, "max_frames": 64, "max_duration_s": 3600, "max_pixels": 64_000_000}
 
 
+def _minicpmv_spec() -> PatchSpec:
+    from dataclasses import replace
+
+    from app.media.slicing import SliceSpec
+
+    slicing = SliceSpec(scale_resolution=112, queries=16)
+    return replace(slicing.patch_spec, slicing=slicing)
+
+
 def refusal(fn) -> ClientError:
     with pytest.raises(ClientError) as e:
         fn()
@@ -138,6 +147,18 @@ def test_truncated_or_corrupt_media_at_any_offset_is_a_client_error_never_an_exc
 
 def test_a_video_stops_at_its_deadline():
     err = refusal(lambda: decode_video(bombs.long_mp4(), param="p", deadline=Deadline(0.01, "p"), **VIDEO))
+    assert err.code == "media_decode_timeout"
+
+
+@pytest.mark.parametrize("spec", [PatchSpec(), _minicpmv_spec()], ids=["smart-resize", "minicpmv-slicing"])
+def test_every_family_s_video_path_keeps_the_limits(spec):
+    """MiniCPM-V's sliced path decodes videos itself: the same stream cap, decoded-byte cap and deadline."""
+    ref = MediaRef("video", "u", "p")
+    err = refusal(lambda: prepare_bytes(bombs.mkv_with_streams(300), ref, CFG, spec))
+    assert err.code == "invalid_video" and "300 streams" in err.message
+    small = MediaConfig(max_decoded_video_bytes=3 * 64 * 64 * 2)
+    assert refusal(lambda: prepare_bytes(bombs.webm_bytes(), ref, small, spec)).code == "video_too_large"
+    err = refusal(lambda: prepare_bytes(bombs.long_mp4(), ref, CFG, spec, Deadline(0.01, "p")))
     assert err.code == "media_decode_timeout"
 
 

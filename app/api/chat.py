@@ -20,7 +20,8 @@ from ..errors import ClientError
 from ..media.pipeline import PreparedItem, to_encoder_payload
 from ..media.preprocess import PatchSpec
 from . import fastjson
-from .prompt import IMAGE_TYPE, VIDEO_TYPE, PromptBuilder
+from .minicpmv_prompt import prompt_builder_for
+from .prompt import IMAGE_TYPE, VIDEO_TYPE
 from .retry import RetryPolicy, collect, first_chunk, is_replica_failure, replica_failed
 from .schemas import ChatRequest, completion_response, parse_chat_request, stream_chunk, usage
 
@@ -57,7 +58,7 @@ class ChatService:
                  observer: Callable[[dict], None] | None = None):
         """`observer(record)` receives one record per finished request (metrics)."""
         self.cfg, self.media, self.backend, self.observer = cfg, media, backend, observer
-        self.prompts = PromptBuilder(tokenizer)
+        self.prompts = prompt_builder_for(tokenizer, media.spec)
         self.merge = media.spec.merge
         self.retry = RetryPolicy.from_config(cfg.retry)  # replica failures before the first token
 
@@ -75,7 +76,7 @@ class ChatService:
     async def prepare(self, body) -> tuple[ChatRequest, dict, list]:
         req = parse_chat_request(body, self.cfg.llm.default_max_tokens, self.cfg.media.max_items_per_request)
         items = await self.media.prepare_all(req.media)
-        frames = sum(it.patches.grid[0] * self.media.spec.temporal for it in items if it.kind == "video")
+        frames = sum(it.frames(self.media.spec.temporal) for it in items)
         if frames > self.cfg.media.max_frames_per_request:
             raise ClientError(f"{frames} sampled video frames exceed the limit of {self.cfg.media.max_frames_per_request} "
                               "per request", param="messages", code="too_many_frames")
@@ -83,10 +84,11 @@ class ChatService:
         if len(prompt.input_ids) >= self.cfg.llm.max_model_len:
             raise ClientError(f"prompt of {len(prompt.input_ids)} tokens exceeds max_model_len "
                               f"{self.cfg.llm.max_model_len}", param="messages", code="context_length_exceeded")
+        tower = [t for it in items for t in it.tower_inputs()]  # per tower item (MiniCPM-V: several per item)
         gen = {"input_ids": prompt.input_ids, "mm_token_type_ids": prompt.mm_token_type_ids,
-               "grids": [it.patches.grid for it in items], "media_keys": [it.key for it in items],
+               "grids": [g for _, g, _ in tower], "media_keys": [k for _, _, k in tower],
                # Qwen2.5-VL's video temporal positions (None for images; other families ignore it)
-               "second_per_grid_ts": [it.seconds_per_group for it in items],
+               "second_per_grid_ts": [s for it in items for s in it.tower_seconds()],
                "params": asdict(req.params),
                "image_tokens": prompt.count(IMAGE_TYPE), "video_tokens": prompt.count(VIDEO_TYPE)}
         return req, gen, to_encoder_payload(items)

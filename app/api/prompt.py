@@ -31,6 +31,9 @@ class MediaSlot:
     grid: tuple[int, int, int]  # (t, h, w) in patches
     timestamps: list[float] = field(default_factory=list)  # video: seconds per temporal group
     merge: int = 2
+    # MiniCPM-V: tower items of this media item (thumbnail + slices, or frames) and the slice grid
+    parts: int = 1
+    slice_grid: tuple[int, int] | None = None
 
     @property
     def tokens_per_group(self) -> int:

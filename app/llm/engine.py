@@ -32,6 +32,7 @@ from ..errors import ClientError
 from .block_manager import BlockManager
 from .model import TextModel, TextSpec, load_text_model
 from .model_runner import ModelRunner
+from .mrope import Rope
 from .scheduler import Scheduler, StepPlan
 from .sequence import GenerationRequest, Sequence, VisionInput
 from .stream import Chunk, OutputStream, ThreadReader, TokenDelta
@@ -48,9 +49,11 @@ def request_from_dict(gen: dict, encoded: list) -> GenerationRequest:
     """The router's generation dict plus the encoder's (main, deepstack) per item, in prompt order."""
     from .sampling import SamplingParams
 
-    keys = gen.get("media_keys") or [None] * len(gen["grids"])
-    vision = [VisionInput(tuple(g), main, ds, key)
-              for g, (main, ds), key in zip(gen["grids"], encoded, keys, strict=True)]
+    n = len(gen["grids"])
+    keys = gen.get("media_keys") or [None] * n
+    seconds = gen.get("second_per_grid_ts") or [None] * n
+    vision = [VisionInput(tuple(g), main, ds, key, secs)
+              for g, (main, ds), key, secs in zip(gen["grids"], encoded, keys, seconds, strict=True)]
     return GenerationRequest(gen["input_ids"], gen["mm_token_type_ids"], vision, SamplingParams(**gen["params"]))
 
 
@@ -89,8 +92,8 @@ class Engine:
             generation = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.tokenizer = tokenizer
         self.spec = self.model.spec
-        self.merge = (config_json.get("vision_config") or {}).get("spatial_merge_size", 2)
-        self.vision_ids = (config_json.get("image_token_id", -1), config_json.get("video_token_id", -1))
+        self.rope = Rope.from_config(config_json)
+        self.vision_ids = _vision_ids(config_json, tokenizer)
         self.eos_ids = generation | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self.runner = ModelRunner(self.model, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
@@ -139,7 +142,7 @@ class Engine:
         if length >= capacity:
             raise ClientError(f"prompt of {length} tokens exceeds the KV cache ({capacity} tokens)",
                               param="messages", code="context_length_exceeded")
-        seq = Sequence(req, merge=self.merge, vision_ids=self.vision_ids, max_model_len=min(self.max_model_len, capacity),
+        seq = Sequence(req, rope=self.rope, vision_ids=self.vision_ids, max_model_len=min(self.max_model_len, capacity),
                        block_size=self.blocks.block_size, device=self.device, dtype=self.dtype)
         if sink is None:
             reader = ThreadReader(OutputStream(self.tokenizer, req.params, length, _rows(req)), seq.cancel)
@@ -303,6 +306,14 @@ def _rows(req: GenerationRequest) -> int:
 
 def _resolve(name: str, device: torch.device) -> torch.dtype:
     return resolve_dtype(name, device)
+
+
+def _vision_ids(config: dict, tokenizer) -> tuple[int, ...]:
+    """Token ids whose embeddings the encoder's rows replace: Qwen's image and video pads, or
+    MiniCPM-V's `<unk>` placeholder (its config names no id; the tokenizer does)."""
+    if config.get("model_type") == "minicpmv":
+        return (tokenizer.convert_tokens_to_ids("<unk>"),)
+    return config.get("image_token_id", -1), config.get("video_token_id", -1)
 
 
 def _generation_eos(path: str) -> set[int]:

@@ -44,11 +44,18 @@ class TextSpec:
     qkv_bias: bool = False
     qk_norm: bool = True
     tie_embeddings: bool = False
-    prefix: str = "model.language_model."
+    # where the text model's tensors live in the checkpoint: the decoder's prefixes (the first one that
+    # matches a name wins) and the LM head's name
+    prefixes: tuple[str, ...] = ("model.language_model.",)
+    head_name: str = "lm_head.weight"
 
     @classmethod
     def from_config(cls, config: dict) -> TextSpec:
-        """From a checkpoint's config.json (Qwen3-VL, Qwen2.5-VL, or a Qwen2/Qwen3 text model)."""
+        """From a checkpoint's config.json (Qwen3-VL, Qwen2.5-VL, MiniCPM-V, or a Qwen2/Qwen3 text model).
+
+        Tensor names: transformers 5.x holds a VL model's decoder under `model.language_model.`, but
+        saves Qwen2.5-VL under its legacy names (`model.layers.*`), so both are accepted; MiniCPM-V
+        keeps a whole Qwen3 causal LM under `llm.` (`llm.model.*`, `llm.lm_head.weight`)."""
         text = config.get("text_config") or config
         head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
@@ -69,12 +76,17 @@ class TextSpec:
         family = config.get("model_type", "")
         qwen2 = family.startswith(("qwen2", "qwen2_5"))
         tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-        prefix = "model.language_model." if "text_config" in config else "model."
+        if family == "minicpmv":
+            prefixes, head = ("llm.model.",), "llm.lm_head.weight"
+        elif "text_config" in config:
+            prefixes, head = ("model.language_model.", "model."), "lm_head.weight"
+        else:
+            prefixes, head = ("model.",), "lm_head.weight"
         return cls(vocab=text["vocab_size"], hidden=text["hidden_size"], layers=text["num_hidden_layers"],
                    heads=text["num_attention_heads"], kv_heads=text["num_key_value_heads"], head_dim=head_dim,
                    intermediate=text["intermediate_size"], eps=text.get("rms_norm_eps", 1e-6), rope_theta=theta,
                    rope_axes=tuple(axes), qkv_bias=text.get("attention_bias", qwen2), qk_norm=not qwen2,
-                   tie_embeddings=bool(tie), prefix=prefix)
+                   tie_embeddings=bool(tie), prefixes=prefixes, head_name=head)
 
 
 @dataclass
@@ -182,10 +194,11 @@ class TextModel(nn.Module):
 
     def _target(self, name: str) -> tuple[str, int | None] | None:
         """transformers' tensor name -> (our parameter, first row for a fused one, else None)."""
-        s, pre = self.spec, self.spec.prefix
-        if name == "lm_head.weight":
+        s = self.spec
+        if name == s.head_name:
             return ("lm_head", None) if self.lm_head is not None else None
-        if not name.startswith(pre):
+        pre = next((p for p in s.prefixes if name.startswith(p)), None)
+        if pre is None:
             return None
         rest = name[len(pre):]
         if rest in ("embed_tokens.weight", "norm.weight"):
@@ -242,5 +255,5 @@ def load_text_model(path: str | Path, dtype: torch.dtype, device: torch.device, 
     config = json.loads((Path(path) / "config.json").read_text())
     spec = TextSpec.from_config(config)
     model = TextModel(spec, dtype, device, max_position)
-    model.load_weights(checkpoint_tensors(path, device, (spec.prefix, "lm_head.")))
+    model.load_weights(checkpoint_tensors(path, device, (*spec.prefixes, spec.head_name)))
     return model.eval()

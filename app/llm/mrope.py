@@ -1,22 +1,48 @@
-"""Qwen3-VL's multimodal rotary positions (M-RoPE) for one prompt, from its token types and grids.
+"""Rotary positions for one prompt, per family, from its token types and its items' grids.
 
-Text advances all three axes together; each image, and each temporal group of a video (they are
-separated by timestamp text), is a block placed at the current position with height and width
-spread over its merged grid, after which the position jumps past its larger side.
+- Qwen3-VL (`mrope_positions`, `Rope("qwen3_vl")`): text advances all three axes together; each image,
+  and each temporal group of a video (they are separated by timestamp text), is a block placed at the
+  current position with height and width spread over its merged grid, after which the position jumps
+  past its larger side.
+- Qwen2.5-VL (`Rope("qwen2_5_vl")`): the same, except that a video is one block of all its temporal
+  groups and its time axis is spaced by `tokens_per_second x second_per_grid_ts` per group (truncated
+  to an integer, as transformers' `get_rope_index` does in float32), so that positions follow seconds
+  rather than frames. The position after a video still advances by its larger spatial side only.
+- 1-D RoPE (`Rope("1d")`, MiniCPM-V's Qwen3): every token's position is its index; placeholders too.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
+MROPE_FAMILIES = ("qwen3_vl", "qwen2_5_vl")
 
-def mrope_positions(mm_token_type_ids: list[int], grids: list[tuple[int, int, int]], merge: int
+
+def _block(cur: int, t: int, gh: int, gw: int, interval) -> torch.Tensor:
+    """[3, t*gh*gw] positions of a vision block starting at `cur`."""
+    tt = (torch.arange(t) * interval).long() if t > 1 else torch.zeros(1, dtype=torch.long)
+    return torch.stack([tt.repeat_interleave(gh * gw) + cur,
+                        torch.arange(gh).repeat_interleave(gw).repeat(t) + cur,
+                        torch.arange(gw).repeat(gh * t) + cur])
+
+
+def mrope_positions(mm_token_type_ids: list[int], grids: list[tuple[int, int, int]], merge: int,
+                    seconds_per_group: list[float | None] | None = None, tokens_per_second: float | None = None
                     ) -> tuple[torch.Tensor, int]:
-    """Positions [3, L] and the delta that later (text-only) positions add to their index."""
-    # one grid per contiguous vision run: images as they are, videos split per temporal group
-    blocks = iter([g for t, h, w in grids for g in [(1, h, w)] * t])
+    """Positions [3, L] and the delta that later (text-only) positions add to their index.
+
+    Without `tokens_per_second`: Qwen3-VL's layout (one block per image and per video group). With it:
+    Qwen2.5-VL's (one block per item; a video's groups spaced by `tokens_per_second` x its
+    `seconds_per_group` entry, 1 s when None)."""
+    per_item = tokens_per_second is not None
+    if per_item:
+        seconds = seconds_per_group or [None] * len(grids)
+        blocks = iter([(g, s) for g, s in zip(grids, seconds, strict=True)])
+    else:  # one grid per contiguous vision run: images as they are, videos split per temporal group
+        blocks = iter([((1, h, w), None) for t, h, w in grids for _ in range(t)])
     parts, cur = [], 0
     for kind, run in itertools.groupby(mm_token_type_ids):
         n = len(list(run))
@@ -24,15 +50,42 @@ def mrope_positions(mm_token_type_ids: list[int], grids: list[tuple[int, int, in
             parts.append(torch.arange(cur, cur + n).expand(3, n))
             cur += n
             continue
-        _, h, w = next(blocks)
+        (t, h, w), secs = next(blocks)
         gh, gw = h // merge, w // merge
-        if gh * gw != n:
-            raise ValueError(f"vision run of {n} tokens does not match its grid ({gh} x {gw})")
-        hh = torch.arange(gh).repeat_interleave(gw)
-        ww = torch.arange(gw).repeat(gh)
-        parts.append(torch.stack([torch.full((n,), cur), hh + cur, ww + cur]))
+        if t * gh * gw != n:
+            raise ValueError(f"vision run of {n} tokens does not match its grid ({t} x {gh} x {gw})")
+        interval = 1
+        if per_item and kind == 2:  # float32 product, as the reference computes it
+            interval = tokens_per_second * torch.tensor(1.0 if secs is None else secs, dtype=torch.float32)
+        parts.append(_block(cur, t, gh, gw, interval))
         cur += max(gh, gw)
     pos = torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
     length = len(mm_token_type_ids)
     delta = int(pos.max()) + 1 - length if length else 0
     return pos, delta
+
+
+@dataclass(frozen=True)
+class Rope:
+    """How a family positions a prompt: `kind` is a model_type of MROPE_FAMILIES or "1d"."""
+
+    kind: str = "qwen3_vl"
+    merge: int = 2
+    tokens_per_second: float = 1.0
+
+    @classmethod
+    def from_config(cls, config: dict) -> Rope:
+        family = config.get("model_type", "")
+        vision = config.get("vision_config") or {}
+        if family not in MROPE_FAMILIES:
+            return cls("1d", 1)
+        return cls(family, vision.get("spatial_merge_size", 2), vision.get("tokens_per_second", 1.0))
+
+    def positions(self, mm_token_type_ids: list[int], grids: list[tuple[int, int, int]],
+                  seconds_per_group: list[float | None] | None = None) -> tuple[torch.Tensor, int]:
+        if self.kind == "1d":
+            n = len(mm_token_type_ids)
+            return torch.arange(n).expand(3, n), 0
+        if self.kind == "qwen2_5_vl":
+            return mrope_positions(mm_token_type_ids, grids, self.merge, seconds_per_group, self.tokens_per_second)
+        return mrope_positions(mm_token_type_ids, grids, self.merge)

@@ -1,6 +1,6 @@
 """One request inside the engine: its tokens, where its KV lives, and how far it has been computed.
 
-Everything that depends only on the request (M-RoPE positions, which prompt tokens are vision
+Everything that depends only on the request (rotary positions, per the family's `Rope`, which prompt tokens are vision
 tokens, the keys that identify each KV block for prefix caching, the vision embeddings on the
 device) is built once, in `Sequence.__init__`, on the caller's thread, so the engine's step loop
 only moves counters and lists.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .mrope import mrope_positions
+from .mrope import Rope
 from .sampling import SamplingParams
 
 _ids = itertools.count()
@@ -33,6 +33,7 @@ class VisionInput:
     main: torch.Tensor  # [n, hidden]
     deepstack: list[torch.Tensor]
     key: str | None = None
+    seconds_per_group: float | None = None  # a Qwen2.5-VL video: its second_per_grid_ts (time positions)
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Status(enum.Enum):
 class Sequence:
     """Owned by the engine thread once submitted; `cancel()` may be called from any thread."""
 
-    def __init__(self, req: GenerationRequest, *, merge: int, vision_ids: tuple[int, int], max_model_len: int,
+    def __init__(self, req: GenerationRequest, *, rope: Rope, vision_ids: tuple[int, int], max_model_len: int,
                  block_size: int, device: torch.device, dtype: torch.dtype):
         self.arrival_time = time.perf_counter()
         self.id = next(_ids)
@@ -67,7 +68,8 @@ class Sequence:
         rows = sum(v.main.shape[0] for v in req.vision)
         if placeholders != rows or int(self.is_vision.sum()) != rows:
             raise ValueError(f"prompt has {placeholders} vision placeholders but the encoder produced {rows} embeddings")
-        pos, self.rope_delta = mrope_positions(req.mm_token_type_ids, [v.grid for v in req.vision], merge)
+        pos, self.rope_delta = rope.positions(req.mm_token_type_ids, [v.grid for v in req.vision],
+                                             [v.seconds_per_group for v in req.vision])
         self.prompt_positions = pos.numpy().astype(np.int32)  # [3, prompt_len]
         # rows of the vision embeddings before each prompt index: a chunk [a, b) uses rows [r[a], r[b])
         self.vision_rows_before = np.concatenate([[0], np.cumsum(self.is_vision)]).astype(np.int64)

@@ -46,9 +46,33 @@ class PreparedItem:
     # Where the encoder gets this item when it was prepared in another process: the object-store
     # reference of the whole item (app/media/remote.py). None: the rows are here, send them.
     encoder_ref: Any = None
+    # MiniCPM-V: the tower items of this media item (thumbnail then slices, or one per video frame),
+    # each with its own cache key, and the slice grid (cols, rows) of a sliced image. `patches` is
+    # then the first part.
+    parts: list[Patches] | None = None
+    part_keys: list[str] | None = None
+    slice_grid: tuple[int, int] | None = None
 
     def slot(self, merge: int) -> MediaSlot:
+        if self.parts is not None:
+            return MediaSlot(self.kind, self.patches.grid, self.timestamps, merge, len(self.parts), self.slice_grid)
         return MediaSlot(self.kind, self.patches.grid, self.timestamps, merge)
+
+    def frames(self, temporal: int) -> int:
+        """Sampled video frames (0 for an image)."""
+        if self.kind != VIDEO:
+            return 0
+        return len(self.parts) if self.parts is not None else self.patches.grid[0] * temporal
+
+    def tower_inputs(self) -> list[tuple[np.ndarray, tuple[int, int, int], str | None]]:
+        """(uint8 rows, grid, cache key) per tower item: one, or MiniCPM-V's parts."""
+        if self.parts is None:
+            return [(self.patches.pixel_values, self.patches.grid, self.key)]
+        return [(p.pixel_values, p.grid, k) for p, k in zip(self.parts, self.part_keys, strict=True)]
+
+    def tower_seconds(self) -> list[float | None]:
+        """Per tower item, Qwen2.5-VL's second_per_grid_ts (None but for its videos)."""
+        return [self.seconds_per_group] * (1 if self.parts is None else len(self.parts))
 
 
 def cache_key(kind: str, frames: np.ndarray, spec: PatchSpec) -> str:
@@ -61,17 +85,46 @@ def cache_key(kind: str, frames: np.ndarray, spec: PatchSpec) -> str:
     return h.hexdigest()
 
 
+def _sliced_item(kind: str, images: list[np.ndarray], grid, spec: PatchSpec) -> PreparedItem:
+    parts = [patchify(im[None], spec, normalize=False) for im in images]
+    keys = [cache_key(IMAGE, im[None], spec) for im in images]
+    return PreparedItem(kind, parts[0], key=keys[0], parts=parts, part_keys=keys, slice_grid=grid)
+
+
+def _decode_video(data: bytes, ref: MediaRef, cfg: MediaConfig, deadline: Deadline | None):
+    """Both families' video decode under the same limits (streams, decoded bytes, the item's deadline)."""
+    return decode_video(data, param=ref.param, fps=cfg.video_fps, min_frames=cfg.video_min_frames,
+                        max_frames=cfg.video_max_frames, max_duration_s=cfg.max_video_duration_s,
+                        max_pixels=cfg.max_input_pixels, max_streams=cfg.max_video_streams,
+                        max_decoded_bytes=cfg.max_decoded_video_bytes,
+                        deadline=deadline or Deadline(cfg.decode_timeout_s, ref.param))
+
+
+def prepare_sliced(data: bytes, ref: MediaRef, cfg: MediaConfig, spec: PatchSpec,
+                   deadline: Deadline | None = None) -> PreparedItem:
+    """MiniCPM-V: an image becomes its thumbnail and slices (app/media/slicing.py); a video its sampled
+    frames, each resized as an unsliced image (about scale_resolution^2 pixels, patch multiples)."""
+    from dataclasses import replace
+
+    from .slicing import slice_image
+
+    if ref.kind == IMAGE:
+        sliced = slice_image(open_rgb_image(data, param=ref.param, max_pixels=cfg.max_input_pixels), spec.slicing)
+        return _sliced_item(IMAGE, sliced.images, sliced.grid, spec)
+    video = _decode_video(data, ref, cfg, deadline)
+    whole = replace(spec.slicing, slice_mode=False)
+    return _sliced_item(VIDEO, [slice_image(f, whole).thumbnail for f in video.frames], None, spec)
+
+
 def prepare_bytes(data: bytes, ref: MediaRef, cfg: MediaConfig, spec: PatchSpec,
                   deadline: Deadline | None = None) -> PreparedItem:
+    if spec.slicing is not None:
+        return prepare_sliced(data, ref, cfg, spec, deadline)
     if ref.kind == IMAGE:
         img = open_rgb_image(data, param=ref.param, max_pixels=cfg.max_input_pixels)
         frames = image_frames(img, spec, cfg.image_min_pixels, cfg.image_max_pixels)
         return PreparedItem(IMAGE, patchify(frames, spec, normalize=False), key=cache_key(IMAGE, frames, spec))
-    video = decode_video(data, param=ref.param, fps=cfg.video_fps, min_frames=cfg.video_min_frames,
-                         max_frames=cfg.video_max_frames, max_duration_s=cfg.max_video_duration_s,
-                         max_pixels=cfg.max_input_pixels, max_streams=cfg.max_video_streams,
-                         max_decoded_bytes=cfg.max_decoded_video_bytes,
-                         deadline=deadline or Deadline(cfg.decode_timeout_s, ref.param))
+    video = _decode_video(data, ref, cfg, deadline)
     frames = video_frames(video.frames, spec, cfg.video_min_pixels, cfg.video_max_pixels)
     return PreparedItem(VIDEO, patchify(frames, spec, normalize=False),
                         frame_timestamps(video.indices, video.fps, spec.temporal),
@@ -110,7 +163,21 @@ class MediaPipeline:
 
 
 def to_encoder_payload(items: list[PreparedItem]) -> list:
-    """Per item, (uint8 rows, grid, cache key), or the object-store reference of an item prepared
-    elsewhere (the encoder resolves it; its rows are never serialised again on the way)."""
-    return [it.encoder_ref if it.encoder_ref is not None else (it.patches.pixel_values, it.patches.grid, it.key)
-            for it in items]
+    """Per item, its tower inputs ((uint8 rows, grid, cache key) each; MiniCPM-V's parts one after the
+    other), or the object-store reference of an item prepared elsewhere (the encoder resolves it and
+    expands it to its tower inputs: `expand_payload`; its rows are never serialised again on the way)."""
+    out: list = []
+    for it in items:
+        if it.encoder_ref is not None:
+            out.append(it.encoder_ref)
+        else:
+            out.extend(it.tower_inputs())
+    return out
+
+
+def expand_payload(resolved: list) -> list:
+    """The encoder's side: PreparedItems (resolved references) become their tower inputs, in order."""
+    out: list = []
+    for it in resolved:
+        out.extend(it.tower_inputs() if isinstance(it, PreparedItem) else [it])
+    return out

@@ -6,10 +6,12 @@ temporal group, then merge block, then patch inside the block, and `grid_thw` in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +27,8 @@ class PatchSpec:
     merge: int = 2
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    # MiniCPM-V: its slicing settings (app.media.slicing.SliceSpec); images are sliced, not smart-resized
+    slicing: Any = None
 
     @property
     def factor(self) -> int:
@@ -43,6 +47,11 @@ class PatchSpec:
     def from_checkpoint(cls, path: str | Path) -> PatchSpec:
         cfg_path = Path(path) / "preprocessor_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        if cfg.get("image_processor_type") == "MiniCPMVImageProcessor":
+            from .slicing import SliceSpec
+
+            slicing = SliceSpec.from_checkpoint(path)
+            return dataclasses.replace(slicing.patch_spec, slicing=slicing)
         return cls(patch=cfg.get("patch_size", 16), temporal=cfg.get("temporal_patch_size", 2),
                    merge=cfg.get("merge_size", 2), mean=tuple(cfg.get("image_mean", (0.5,) * 3)),
                    std=tuple(cfg.get("image_std", (0.5,) * 3)))
