@@ -137,9 +137,6 @@ class LLMConfig(_Strict):
     switch_interval_ms: float | None = Field(0.5, gt=0, description="the LLM replica's GIL switch interval "
                                              "(sys.setswitchinterval; Python's default is 5 ms): how long its event "
                                              "loop can wait for the engine thread's turn; None leaves the default")
-    stream_interval_per_stream_ms: float = Field(0.5, ge=0, description="under load the interval is at least this "
-                                                 "times the open streams (256 streams: 128 ms), which bounds the "
-                                                 "replica event loop's chunk work; 0 = a fixed interval")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
 
     def resolved_max_num_seqs(self, device_type: str) -> int:

@@ -44,7 +44,7 @@ RNG = np.random.default_rng(0)
 def image_request(engine: Engine, text: int, side: int, new: int, hidden: int, deepstack: int, i: int,
                   dtype: torch.dtype = torch.bfloat16) -> GenerationRequest:
     """A prompt of `text` random tokens around one image of side x side patches (merge 2)."""
-    rows = (side // engine.merge) ** 2
+    rows = (side // engine.rope.merge) ** 2
     before = RNG.integers(0, 150000, 8).tolist()
     after = RNG.integers(0, 150000, max(text - 8, 1)).tolist()
     ids = before + [engine.vision_ids[0]] * rows + after
@@ -126,9 +126,6 @@ def main() -> None:
     p.add_argument("--switch-interval-ms", type=float, nargs="+", default=[None],
                    help="sys.setswitchinterval for the run (the GIL hand-off between the engine thread and the loop); "
                         "several values: the concurrencies are run once per value")
-    p.add_argument("--per-stream-ms", type=float, nargs="+", default=[None],
-                   help="AsyncEngine's stream interval per open stream (default: the config's); several values: "
-                        "the concurrencies are run once per value")
     p.add_argument("--profile-loop", action="store_true", help="cProfile the event loop's thread (top functions)")
     p.add_argument("--device", default="cuda", help="cpu with --preset tiny: a smoke run")
     p.add_argument("--out", default="benchmarks/llm_load.json")
@@ -151,16 +148,13 @@ def main() -> None:
         warm = [image_request(engine, a.text, a.side, a.new, hidden, deepstack, -i - 1, dtype) for i in range(32)]
         await closed_loop(engine, streams, warm, 16)
         default = sys.getswitchinterval()
-        cases = [(sw, ps) for sw in a.switch_interval_ms for ps in a.per_stream_ms]
-        for k, (interval, per_stream) in enumerate(cases):
+        for k, interval in enumerate(a.switch_interval_ms):
             sys.setswitchinterval(default if interval is None else interval / 1e3)
-            streams.per_stream = (engine.cfg.stream_interval_per_stream_ms if per_stream is None else per_stream) / 1e3
             for c in a.concurrency:
                 n = max(a.requests, 4 * c) if c > 1 else min(a.requests, 64)
                 reqs = [image_request(engine, a.text, a.side, a.new, hidden, deepstack, 10**6 * k + 1000 * c + i, dtype)
                         for i in range(n)]
-                r = {"switch_interval_ms": 1e3 * sys.getswitchinterval(), "per_stream_ms": 1e3 * streams.per_stream,
-                     **await closed_loop(engine, streams, reqs, c)}
+                r = {"switch_interval_ms": 1e3 * sys.getswitchinterval(), **await closed_loop(engine, streams, reqs, c)}
                 res["runs"].append(r)
                 print(json.dumps(r), flush=True)
                 Path(a.out).write_text(json.dumps(res, indent=1))
@@ -181,11 +175,11 @@ def main() -> None:
     else:
         asyncio.run(run_all())
     engine.shutdown()
-    print("\n| switch ms | per-stream ms | c | req/s | TTFT p50 ms | TTFT p99 ms | latency p50 ms | steps graph/eager | graph step ms | "
+    print("\n| switch ms | c | req/s | TTFT p50 ms | TTFT p99 ms | latency p50 ms | steps graph/eager | graph step ms | "
           "eager step ms (tokens, seqs) | submit ms p50 | engine ms p50 | delivery ms p50 | engine busy |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res["runs"]:
-        print(f"| {r['switch_interval_ms']:g} | {r['per_stream_ms']:g} | {r['concurrency']} | {r['req_s']} | {r['ttft_ms']['p50']:.1f} | {r['ttft_ms']['p99']:.1f} | "
+        print(f"| {r['switch_interval_ms']:g} | {r['concurrency']} | {r['req_s']} | {r['ttft_ms']['p50']:.1f} | {r['ttft_ms']['p99']:.1f} | "
               f"{r['latency_ms']['p50']:.1f} | {r['graph_steps']}/{r['eager_steps']} | {r['graph_step_ms_median']} | "
               f"{r['eager_step_ms_median']} ({r['eager_step_tokens_median']}, {r['eager_step_seqs_median']}) | "
               f"{r['submit_ms']['p50']:.2f} | {r['engine_ms']['p50']:.1f} | {r['delivery_ms']['p50']:.1f} | "

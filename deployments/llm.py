@@ -30,8 +30,7 @@ class LLM:
         if cfg.llm.switch_interval_ms:  # the event loop and the engine thread share the GIL (app/config.py)
             sys.setswitchinterval(cfg.llm.switch_interval_ms / 1e3)
         self.engine = Engine(str(resolve_model(cfg.model, cfg.cache_dir)), pick_device(cfg.device), cfg.llm)
-        self.streams = AsyncEngine(self.engine, cfg.llm.stream_interval_ms / 1e3,
-                                   cfg.llm.stream_interval_per_stream_ms / 1e3)
+        self.streams = AsyncEngine(self.engine, cfg.llm.stream_interval_ms / 1e3)
         self.metrics = LLMMetrics(self.engine.load)
 
     async def generate(self, gen: dict, encoded: list):

@@ -56,22 +56,3 @@ def test_closing_the_stream_cancels_the_request(world, tiny_checkpoint):
 
     assert run(first_then_close())
 
-
-def test_the_interval_grows_with_the_open_streams(world, tiny_checkpoint):
-    """No base interval, 5 s per open stream: with two streams open the interval is 10 s, so each
-    stream sends its first token, then the rest at its end (2 or 3 chunks); one stream open alone
-    with no per-stream interval sends a chunk per step."""
-    engine = Engine(str(tiny_checkpoint))
-
-    async def both(streams):
-        reqs = [make_request(world, [], max_tokens=40, ignore_eos=True, data_seed=s)[0] for s in (1, 2)]
-        return await asyncio.gather(*(read_all(streams, r) for r in reqs))
-
-    loaded = AsyncEngine(engine, stream_interval_s=0.0, per_stream_s=5.0)
-    t0 = time.monotonic()
-    for chunks in run(both(loaded)):
-        assert len(chunks) <= 3 and sum(len(c.token_ids) for c in chunks) == 40
-    assert time.monotonic() - t0 < 10 and loaded.open_streams == 0
-    alone = run(read_all(AsyncEngine(engine, stream_interval_s=0.0), make_request(world, [], max_tokens=40,
-                                                                                 ignore_eos=True)[0]))
-    assert len(alone) >= 20

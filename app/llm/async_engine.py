@@ -9,10 +9,9 @@ stream sends a bounded number of messages however fast it decodes, and the loop'
 does not grow with wake-ups of every stream: the engine thread, which shares the GIL with this
 loop, keeps its steps short.
 
-Under load the interval grows with the number of open streams (`per_stream_s` each): the loop's
-chunk work per second is then bounded however many requests it serves. Measured on an H200 with
-the 2B shape (benchmarks/llm_load.py), a fixed 10 ms interval with 64-256 streams left the loop
-hundreds of milliseconds behind the engine, waking every stream 100 times a second.
+The loop shares the GIL with the engine thread: the LLM replica shortens the GIL switch interval
+(`llm.switch_interval_ms`), else the loop waits up to 5 ms for each turn and, with 64 or more streams,
+falls hundreds of milliseconds behind the engine (benchmarks/llm_load.py, RESULTS.md).
 """
 
 from __future__ import annotations
@@ -35,9 +34,8 @@ class _Pending:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, stream_interval_s: float = 0.01, per_stream_s: float = 0.0):
-        self.engine, self.interval, self.per_stream = engine, stream_interval_s, per_stream_s
-        self.open_streams = 0
+    def __init__(self, engine: Engine, stream_interval_s: float = 0.01):
+        self.engine, self.interval = engine, stream_interval_s
         self.loop: asyncio.AbstractEventLoop | None = None
         self._due: set[_Pending] = set()
         self._timer: asyncio.TimerHandle | None = None
@@ -48,7 +46,7 @@ class AsyncEngine:
         self.loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _dispatch(self, outputs: list[tuple[Sequence, TokenDelta]]) -> None:
-        interval = self.current_interval()
+        interval = self.interval
         for seq, delta in outputs:
             p = seq.sink
             if not isinstance(p, _Pending):  # submitted by other code with a plain callable sink
@@ -61,10 +59,6 @@ class AsyncEngine:
                 self._due.add(p)
         if self._due and self._timer is None:
             self._timer = self.loop.call_later(interval, self._flush)
-
-    def current_interval(self) -> float:
-        """Seconds between a stream's chunks after its first: the base interval, or more with many open."""
-        return max(self.interval, self.per_stream * self.open_streams)
 
     def _flush(self) -> None:
         self._timer = None
@@ -82,7 +76,6 @@ class AsyncEngine:
         seq = self.engine.submit(req, sink=pending)
         if on_submit is not None:
             on_submit(seq)
-        self.open_streams += 1
         try:
             while True:
                 await pending.event.wait()
@@ -99,6 +92,5 @@ class AsyncEngine:
                 if stream.finished:
                     return
         finally:
-            self.open_streams -= 1
             seq.cancel()
             self._due.discard(pending)
