@@ -235,3 +235,19 @@ def test_minicpmv_reserved_markers_in_text_are_a_400(minicpmv, text):
         assert e.value.status == 400 and e.value.code == "reserved_token" and e.value.param == param
     prompt = builder.build([{"role": "user", "content": "an <image> tag and <slice>"}], [])
     assert prompt.count(1) == prompt.count(2) == 0
+
+
+def test_a_qwen25_video_at_another_pace_never_shares_prefix_kv():
+    """Qwen2.5-VL's video time positions depend on seconds_per_group: the same frames (same content
+    key) sampled at another pace are rotated differently, so their KV blocks must not be shared."""
+    import numpy as np
+    import torch
+
+    from app.llm.sequence import VisionInput, _block_keys
+
+    def keys(spg):
+        v = VisionInput((2, 4, 4), torch.zeros(8, 4), [], key="frames", seconds_per_group=spg)
+        return _block_keys([7] * 8, np.ones(8, dtype=bool), [v], block_size=4)
+
+    assert keys(0.5) == keys(0.5) and keys(None) == keys(None)
+    assert keys(0.5) != keys(1.0) and keys(0.5) != keys(None)

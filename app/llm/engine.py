@@ -210,7 +210,6 @@ class Engine:
                     return
                 inbox, self._inbox = self._inbox, []
             for seq in inbox:
-                seq.vision_to_device()
                 self.scheduler.add(seq)
             try:
                 self._step()

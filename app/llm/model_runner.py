@@ -327,7 +327,7 @@ class ModelRunner:
                 logit_rows.append(offset + n - 1)
             offs, r0, r1 = s.vision_rows(start, end)
             if len(offs):
-                s.vision_to_device()  # a no-op once the engine moved them at admission
+                s.vision_to_device()  # first chunk: start the pinned copy (inside the step's error handling)
                 vis_idx.append(offs + offset)
                 vis_parts.append((s, r0, r1))
             offset += n

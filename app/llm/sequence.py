@@ -1,8 +1,8 @@
 """One request inside the engine: its tokens, where its KV lives, and how far it has been computed.
 
 Everything that depends only on the request (rotary positions, per the family's `Rope`, which prompt tokens are vision
-tokens, the keys that identify each KV block for prefix caching, the vision embeddings on the
-device) is built once, in `Sequence.__init__`, on the caller's thread, so the engine's step loop
+tokens, the keys that identify each KV block for prefix caching, the vision embeddings, pinned
+on the host) is built once, in `Sequence.__init__`, on the caller's thread, so the engine's step loop
 only moves counters and lists.
 """
 
@@ -76,11 +76,11 @@ class Sequence:
         # The embeddings stay on the host here: this runs on the submitting thread (the LLM replica's
         # event loop), and a copy to the GPU from there would wait for the engine's queued step (a
         # pageable copy synchronises the stream), stalling every other request's stream on that loop.
-        # They are pinned, and the engine thread copies them asynchronously at admission (`to_device`).
+        # They are pinned, and the engine thread copies them asynchronously before the request's first
+        # prefill chunk (`vision_to_device`).
         self.device = device
         self.vision_main: torch.Tensor | None = None
         self.vision_deepstack: torch.Tensor | None = None  # [layers, n, hidden]
-        self._host_vision: tuple | None = None  # the pinned sources, kept until the copies are done
         if req.vision:
             self.vision_main = _host(torch.cat([v.main for v in req.vision]), dtype, device)
             if req.vision[0].deepstack:
@@ -159,17 +159,18 @@ class Sequence:
         return self._cancel.is_set()
 
     def vision_to_device(self) -> None:
-        """Engine thread, at admission: start the embeddings' copies to the device on the engine's
-        stream (ordered before the steps that read them; no host wait from pinned memory)."""
+        """Engine thread, before the first prefill chunk that reads them: start the embeddings' copies
+        on the engine's stream (ordered before that step's kernels; no host wait from pinned memory).
+        The pinned sources may be dropped at once: PyTorch's pinned-memory allocator keeps a block
+        until the copies recorded on it have finished."""
         if self.vision_main is None or self.vision_main.device.type == self.device.type:
             return
-        self._host_vision = (self.vision_main, self.vision_deepstack)
         self.vision_main = self.vision_main.to(self.device, non_blocking=True)
         if self.vision_deepstack is not None:
             self.vision_deepstack = self.vision_deepstack.to(self.device, non_blocking=True)
 
     def release_vision(self) -> None:
-        self.vision_main = self.vision_deepstack = self._host_vision = None
+        self.vision_main = self.vision_deepstack = None
 
 
 def _host(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -190,6 +191,8 @@ def _block_keys(token_ids: list[int], is_vision: np.ndarray, vision: list[Vision
         for v in vision:
             n = v.main.shape[0]
             content = v.key if v.key is not None else f"unkeyed-{random.getrandbits(64)}"
+            if v.seconds_per_group is not None:  # Qwen2.5-VL: the same frames at another pace rotate differently
+                content = (content, v.seconds_per_group)
             for j, t in enumerate(vis_idx[i:i + n]):
                 keys[t] = (content, j)
             i += n
