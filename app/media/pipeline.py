@@ -33,7 +33,7 @@ from .preprocess import (
     video_frames,
 )
 from .ref import MediaRef
-from .workers import request_slots, run_item
+from .workers import all_or_first_failure, request_slots, run_item
 
 
 @dataclass
@@ -149,17 +149,7 @@ class MediaPipeline:
         """All items, or the first failure; a failure (or the caller's cancellation) cancels the
         request's other items, so a refused request stops taking workers."""
         slots = request_slots(self.executor)
-        tasks = [asyncio.ensure_future(self.prepare(r, slots)) for r in refs]
-        try:
-            if tasks:
-                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in tasks:
-                if t.done() and not t.cancelled() and t.exception() is not None:
-                    raise t.exception()
-            return [t.result() for t in tasks]
-        finally:
-            for t in tasks:
-                t.cancel()
+        return await all_or_first_failure([self.prepare(r, slots) for r in refs])
 
 
 def to_encoder_payload(items: list[PreparedItem]) -> list:

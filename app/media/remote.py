@@ -31,6 +31,7 @@ from ..api.retry import RetryPolicy, call_with_retries
 from .pipeline import PreparedItem
 from .preprocess import PatchSpec
 from .ref import MediaRef
+from .workers import all_or_first_failure
 
 
 class RemoteMedia:
@@ -61,14 +62,4 @@ class RemoteMedia:
 
     async def prepare_all(self, refs: list[MediaRef]) -> list[PreparedItem]:
         key = uuid.uuid4().hex
-        tasks = [asyncio.ensure_future(self.prepare(r, key)) for r in refs]
-        try:
-            if tasks:
-                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in tasks:
-                if t.done() and not t.cancelled() and t.exception() is not None:
-                    raise t.exception()
-            return [t.result() for t in tasks]
-        finally:
-            for t in tasks:
-                t.cancel()
+        return await all_or_first_failure([self.prepare(r, key) for r in refs])

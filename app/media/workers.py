@@ -82,3 +82,19 @@ class SharedSlots:
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+async def all_or_first_failure(coros: list) -> list:
+    """Run a request's items together: all results in order, or the first failure. A failure (or the
+    caller's cancellation) cancels the other items, so a refused request stops taking workers."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        if tasks:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
