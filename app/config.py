@@ -146,11 +146,13 @@ class LLMConfig(_Strict):
 class PlacementConfig(_Strict):
     """Where replicas go (app/placement.py turns this and the cluster's GPU count into Ray options).
 
-    Policies: `colocate` puts one encoder and one LLM replica on every GPU; `split` gives the encoder
-    `encoder_gpus` GPUs and the LLM the others; `auto` picks (README, "Placement"). Without GPUs every
-    replica runs on the CPU, one of each unless autoscaling says otherwise."""
+    Policies: `colocate` puts one encoder and one LLM replica on every GPU; `fused` puts one LLM
+    replica on every GPU with the vision tower inside it (the embeddings never leave the GPU; no
+    VisionEncoder replicas run); `split` gives the encoder `encoder_gpus` GPUs and the LLM the others;
+    `auto` picks (README, "Placement"). Without GPUs every replica runs on the CPU, one of each unless
+    autoscaling says otherwise (`fused` is kept there: one LLM replica that also encodes)."""
 
-    policy: Literal["auto", "colocate", "split"] = "auto"
+    policy: Literal["auto", "colocate", "fused", "split"] = "auto"
     encoder_gpus: int | Literal["auto"] = Field("auto", description="split: GPUs for the encoder (auto: 1)")
     llm_gpus: int | Literal["auto"] = Field("auto", description="split: GPUs for the LLM (auto: the rest)")
     encoder_replicas: int | Literal["auto"] = Field("auto", description="auto: one per encoder GPU (colocate: one "

@@ -5,7 +5,10 @@ encoders land on the same GPU and the two 0.5-GPU LLMs on the next: fractional s
 encoder with an LLM on every GPU of a multi-GPU node. `colocate` therefore lets each LLM replica
 reserve a whole GPU in Ray's accounting (two cannot share one, so Ray spreads them one per GPU) and
 the encoder replicas reserve none: each pins itself to the GPU of its rank on the node
-(`pinned_gpu`). `split` is plain Ray accounting: whole GPUs for the encoder, the rest for the LLM.
+(`pinned_gpu`). `split` is plain Ray accounting: whole GPUs for the encoder, the rest for the LLM. `fused` runs no
+VisionEncoder replicas: each LLM replica (a whole GPU) loads the tower itself and hands its
+embeddings to the engine on the GPU (app/fused.py), with no copy to the host, no serialisation and no
+second call per request.
 
 No Ray import here: the builder (deployments/app.py) turns a Plan into deployment options.
 """
@@ -20,12 +23,17 @@ from .config import PlacementConfig
 
 @dataclass(frozen=True)
 class Plan:
-    policy: str  # what ran: "cpu", "colocate" or "split"
+    policy: str  # what ran: "cpu", "colocate", "fused" or "split"
     encoder_replicas: int
     encoder_num_gpus: float
     llm_replicas: int
     llm_num_gpus: float
     encoder_pins_gpu: bool  # colocate on GPUs: encoders take no GPU from Ray and pin one by rank
+
+    @property
+    def fused(self) -> bool:
+        """The LLM replicas encode their requests' media themselves (no VisionEncoder replicas)."""
+        return self.policy == "fused"
 
     def describe(self) -> str:
         pin = ", encoders pinned by rank" if self.encoder_pins_gpu else ""
@@ -47,6 +55,9 @@ def _pick(value, default):
 
 def plan(p: PlacementConfig, gpus: int) -> Plan:
     """The replica counts and GPU shares for a cluster with `gpus` GPUs (0: everything on the CPU)."""
+    if p.policy == "fused":
+        llm = _pick(p.llm_replicas, max(gpus, 1))
+        return Plan("fused", 0, 0.0, llm, _pick(p.llm_num_gpus, _share(llm, gpus) if gpus > 0 else 0.0), False)
     if gpus <= 0:
         enc, llm = _pick(p.encoder_replicas, 1), _pick(p.llm_replicas, 1)
         return Plan("cpu", enc, _pick(p.encoder_num_gpus, 0.0), llm, _pick(p.llm_num_gpus, 0.0), False)

@@ -456,7 +456,7 @@ def main() -> None:
     p.add_argument("--start", action="store_true", help="start Ray and the application here, then measure it")
     p.add_argument("--serve-config", default=None, help="with --start: deploy this file as `serve run FILE` does")
     p.add_argument("--num-gpus", type=int, default=None, help="with --start: give Ray the first N GPUs only")
-    p.add_argument("--placement", default=None, choices=["auto", "colocate", "split"], help="args.placement.policy")
+    p.add_argument("--placement", default=None, choices=["auto", "colocate", "fused", "split"], help="args.placement.policy")
     p.add_argument("--encoder-gpus", type=int, default=None, help="split: GPUs for the encoder")
     p.add_argument("--llm-gpus", type=int, default=None, help="split: GPUs for the LLM")
     p.add_argument("--compare", action="store_true", help="start the app with graphs on, then off; same workload")

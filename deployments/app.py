@@ -10,6 +10,10 @@ The options set here are defaults. A config file's `deployments:` entry replaces
 - VisionEncoder and LLM get `num_replicas` and GPU shares from the placement policy
   (app/placement.py); a config file may give either an `autoscaling_config` or a `num_replicas`.
   Listing `ray_actor_options` for them drops the builder's GPU shares.
+- Under `fused` the VisionEncoder deployment is still part of the application (so that a config file
+  listing it stays valid) but runs no replica: the LLM replicas encode. Ray Serve refuses
+  `num_replicas=0`, so it gets an autoscaling range of 0 to 1 starting at 0, and no caller ever sends
+  it a request that would scale it up.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ def deployment_options(cfg: AppConfig, gpus: int, cpus: float) -> tuple[dict[str
     pl = plan(p, gpus)
     ongoing = p.max_ongoing_requests
     media_max = max(1, int(cpus // 2))  # half the cluster's cores at most, one replica each
-    return {
+    opts = {
         "Router": {"max_ongoing_requests": ongoing, "ray_actor_options": {"num_cpus": p.router_num_cpus},
                    "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 64,
                                           "upscale_delay_s": 5, "downscale_delay_s": 60}},
@@ -70,7 +74,16 @@ def deployment_options(cfg: AppConfig, gpus: int, cpus: float) -> tuple[dict[str
         "LLM": {"num_replicas": pl.llm_replicas, "max_ongoing_requests": ongoing,
                 "ray_actor_options": {"num_gpus": pl.llm_num_gpus, "num_cpus": p.num_cpus},
                 "request_router_config": llm_request_router()},
-    }, pl
+    }
+    if pl.fused:
+        opts["VisionEncoder"] = dormant_encoder(opts["VisionEncoder"])
+    return opts, pl
+
+
+def dormant_encoder(opts: dict) -> dict:
+    """The `fused` placement's VisionEncoder options: no replica (see the module's docstring)."""
+    opts = {k: v for k, v in opts.items() if k != "num_replicas"}
+    return opts | {"autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}}
 
 
 def build_app(args: dict):
@@ -85,8 +98,8 @@ def build_app(args: dict):
     config = cfg.model_dump()
     media = MediaPreprocessor.options(**opts["MediaPreprocessor"]).bind(config)
     encoder = VisionEncoder.options(**opts["VisionEncoder"]).bind(config, pl.encoder_pins_gpu)
-    llm = LLM.options(**opts["LLM"]).bind(config)
-    return Router.options(**opts["Router"]).bind(config, media, encoder, llm)
+    llm = LLM.options(**opts["LLM"]).bind(config, pl.fused)
+    return Router.options(**opts["Router"]).bind(config, media, encoder, llm, pl.fused)
 
 
 def build(args: dict | None = None):

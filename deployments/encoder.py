@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 
@@ -10,12 +9,12 @@ import ray
 from ray import serve
 
 from app.config import AppConfig
-from app.media.pipeline import expand_payload
 from app.model_builder import resolve_model
 from app.placement import pinned_gpu
 
 from .logs import route_app_logs
 from .metrics import EncoderMetrics
+from .payload import resolve_payload
 
 log = logging.getLogger("ray.serve")
 
@@ -51,13 +50,7 @@ class VisionEncoder:
         """One request's items, batched with other requests' items. Each item is an object-store
         reference of a PreparedItem (from a MediaPreprocessor replica; read here, zero-copy on the same
         node) or a (uint8 rows, grid, cache key) tuple."""
-        refs = [i for i, it in enumerate(items) if isinstance(it, ray.ObjectRef)]
-        if refs:
-            items = list(items)
-            for i, prepared in zip(refs, await asyncio.gather(*(items[i] for i in refs))):
-                items[i] = prepared
-            items = expand_payload(items)  # a MiniCPM-V item is several tower items
-        return await self.service.encode_async(items)
+        return await self.service.encode_async(await resolve_payload(items))
 
     def stats(self) -> dict:
         """The service's counters, with which replica and GPU they come from."""

@@ -2,6 +2,8 @@
 
 The engine runs on its own thread; `AsyncEngine` hands each step's tokens to this replica's event
 loop in one call and turns them into (coalesced) text chunks there (app/llm/async_engine.py).
+Under the `fused` placement the replica also holds the vision tower and encodes its requests' media
+itself, the embeddings staying on the GPU (app/fused.py): the Router calls `generate_from_media`.
 """
 
 from __future__ import annotations
@@ -13,30 +15,55 @@ from dataclasses import asdict
 from ray import serve
 
 from app.config import AppConfig
+from app.fused import FusedBackend
 from app.llm.async_engine import AsyncEngine
 from app.llm.engine import Engine, request_from_dict
 from app.model_builder import resolve_model
 from app.vision.service import pick_device
 
 from .logs import route_app_logs
-from .metrics import LLMMetrics
+from .metrics import EncoderMetrics, LLMMetrics
+from .payload import resolve_payload
 
 
 @serve.deployment(name="LLM", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=2)
 class LLM:
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, fused: bool = False):
         route_app_logs()
         cfg = AppConfig(**config)
         if cfg.llm.switch_interval_ms:  # the event loop and the engine thread share the GIL (app/config.py)
             sys.setswitchinterval(cfg.llm.switch_interval_ms / 1e3)
-        self.engine = Engine(str(resolve_model(cfg.model, cfg.cache_dir)), pick_device(cfg.device), cfg.llm)
-        self.streams = AsyncEngine(self.engine, cfg.llm.stream_interval_ms / 1e3)
+        ckpt = str(resolve_model(cfg.model, cfg.cache_dir))
+        self.fused: FusedBackend | None = None
+        if fused:
+            self.fused = FusedBackend.build(cfg, ckpt)
+            self.engine, self.streams = self.fused.engine, self.fused.streams
+            self.encoder_metrics = EncoderMetrics(self.fused.encoder.stats)
+            self.fused.encoder.batcher.on_batch = self.encoder_metrics.on_batch
+        else:
+            self.engine = Engine(ckpt, pick_device(cfg.device), cfg.llm)
+            self.streams = AsyncEngine(self.engine, cfg.llm.stream_interval_ms / 1e3)
         self.metrics = LLMMetrics(self.engine.load)
 
     async def generate(self, gen: dict, encoded: list):
         """Async generator of chunk dicts; `encoded` arrives resolved from the encoder's response."""
         async for chunk in self.streams.generate(request_from_dict(gen, encoded)):
             yield asdict(chunk)
+
+    async def generate_from_media(self, gen: dict, payload: list):
+        """`fused` placement: the request's encoder payload (object-store references of prepared
+        items, nested so that Ray passes them unresolved) is encoded here, then generated from."""
+        if self.fused is None:
+            raise RuntimeError("generate_from_media needs the fused placement (this replica has no tower)")
+        async for chunk in self.fused.chunks(gen, await resolve_payload(payload)):
+            yield asdict(chunk)
+
+    def encoder_stats(self) -> dict:
+        """`fused`: this replica's encoder counters (`/v1/encoder/stats` merges every replica's)."""
+        if self.fused is None:
+            raise RuntimeError("encoder_stats needs the fused placement (this replica has no tower)")
+        return {**self.fused.encoder.stats(), "replica": serve.get_replica_context().replica_id.unique_id,
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     # ------------------------------------------------------------ routing and autoscaling
     def replica_load(self) -> dict:

@@ -1,8 +1,8 @@
 """Router deployment: the FastAPI ingress. Wiring only; the logic is app.api.chat.ChatService.
 
 It keeps HTTP, JSON parsing, prompt building and orchestration. Media preparation runs in
-MediaPreprocessor replicas (app/media/remote.py), encoding in VisionEncoder replicas and generation in
-LLM replicas; the router passes object references between them and never re-serialises patch rows or
+MediaPreprocessor replicas (app/media/remote.py), encoding in VisionEncoder replicas (or, under the
+`fused` placement, in the LLM replicas) and generation in LLM replicas; the router passes object references between them and never re-serialises patch rows or
 embeddings. Several Router replicas run behind Ray Serve's HTTP proxy (autoscaled)."""
 
 import logging
@@ -50,12 +50,15 @@ async def http_error(request: Request, exc: StarletteHTTPException):
 
 
 class RayBackend:
-    """Encoder response handed straight to the LLM call: the embeddings never pass through the router."""
+    """Encoder response handed straight to the LLM call: the embeddings never pass through the router.
+    Under the `fused` placement one call does both: the LLM replica encodes the payload itself."""
 
-    def __init__(self, encoder: DeploymentHandle, llm: DeploymentHandle):
-        self.encoder, self.llm = encoder, llm
+    def __init__(self, encoder: DeploymentHandle, llm: DeploymentHandle, fused: bool = False):
+        self.encoder, self.llm, self.fused = encoder, llm, fused
 
     def stream(self, gen: dict, payload: list):
+        if self.fused:
+            return self.llm.options(stream=True).generate_from_media.remote(gen, payload)
         encoded = self.encoder.encode.remote(payload) if payload else []
         return self.llm.options(stream=True).generate.remote(gen, encoded)
 
@@ -67,7 +70,9 @@ def error_response(e: ClientError) -> JSONResponse:
 @serve.deployment(name="Router", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=2)
 @serve.ingress(api)
 class Router:
-    def __init__(self, config: dict, media: DeploymentHandle, encoder: DeploymentHandle, llm: DeploymentHandle):
+    def __init__(self, config: dict, media: DeploymentHandle, encoder: DeploymentHandle, llm: DeploymentHandle,
+                 fused: bool = False):
+        """`fused`: the placement runs the tower inside the LLM replicas (no VisionEncoder replicas)."""
         from transformers import AutoTokenizer
 
         route_app_logs()
@@ -81,9 +86,9 @@ class Router:
         self.metrics = RouterMetrics()
         remote_media = RemoteMedia(media, PatchSpec.from_checkpoint(ckpt), RetryPolicy.from_config(self.cfg.retry),
                                    on_retry=self.metrics.retries.inc)
-        self.chat = ChatService(self.cfg, AutoTokenizer.from_pretrained(ckpt), remote_media, RayBackend(encoder, llm),
+        self.chat = ChatService(self.cfg, AutoTokenizer.from_pretrained(ckpt), remote_media, RayBackend(encoder, llm, fused),
                                 observer=self.metrics.observe)
-        self.encoder, self.llm = encoder, llm
+        self.encoder, self.llm, self.fused = encoder, llm, fused
 
     @api.get("/health")
     async def health(self) -> dict:
@@ -96,7 +101,10 @@ class Router:
 
     @api.get("/v1/encoder/stats")
     async def encoder_stats(self) -> dict:
-        """Every encoder replica's counters, summed (per replica under "replicas")."""
+        """Every encoder replica's counters, summed (per replica under "replicas"); under `fused`, the
+        LLM replicas' towers."""
+        if self.fused:
+            return merge_encoder_stats(await self.llm.broadcast("encoder_stats").results_async())
         return merge_encoder_stats(await self.encoder.broadcast("stats").results_async())
 
     @api.get("/v1/llm/load")

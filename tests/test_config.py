@@ -52,6 +52,13 @@ def test_builder_options_follow_the_placement_policy():
     assert opts["LLM"]["num_replicas"] == opts["VisionEncoder"]["num_replicas"] == 4
     assert opts["LLM"]["ray_actor_options"]["num_gpus"] == 1 and opts["VisionEncoder"]["ray_actor_options"]["num_gpus"] == 0
 
+    # fused: the VisionEncoder stays in the application (config files name it) with no replica
+    # (Ray Serve refuses num_replicas=0; an autoscaling range starting at 0 that nothing scales up)
+    opts, pl = deployment_options(AppConfig(placement={"policy": "fused"}), 2, 32)
+    assert pl.fused and opts["LLM"]["num_replicas"] == 2 and opts["LLM"]["ray_actor_options"]["num_gpus"] == 1
+    assert "num_replicas" not in opts["VisionEncoder"]
+    assert opts["VisionEncoder"]["autoscaling_config"] == {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}
+
 
 @pytest.mark.parametrize("placement,gpus,want", [
     ({}, 1, ("colocate", 1, 0.0, 1, 1.0, True)),
@@ -62,6 +69,9 @@ def test_builder_options_follow_the_placement_policy():
     ({"policy": "split", "encoder_gpus": 1, "encoder_replicas": 3}, 2, ("split", 3, 1 / 3, 1, 1.0, False)),
     ({"encoder_replicas": 2, "encoder_num_gpus": 0.25}, 1, ("colocate", 2, 0.25, 1, 1.0, False)),
     ({"policy": "split"}, 0, ("cpu", 1, 0.0, 1, 0.0, False)),
+    ({"policy": "fused"}, 4, ("fused", 0, 0.0, 4, 1.0, False)),
+    ({"policy": "fused", "llm_replicas": 2}, 1, ("fused", 0, 0.0, 2, 0.5, False)),
+    ({"policy": "fused"}, 0, ("fused", 0, 0.0, 1, 0.0, False)),  # kept on the CPU: one replica that encodes
 ])
 def test_placement_plans(placement, gpus, want):
     from app.placement import plan

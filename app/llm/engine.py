@@ -57,6 +57,11 @@ def request_from_dict(gen: dict, encoded: list) -> GenerationRequest:
     return GenerationRequest(gen["input_ids"], gen["mm_token_type_ids"], vision, SamplingParams(**gen["params"]))
 
 
+def _overloaded() -> ClientError:
+    return ClientError("the server is at capacity; retry shortly", status=503, type="server_busy",
+                       code="overloaded", headers={"Retry-After": "1"})
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -135,13 +140,7 @@ class Engine:
         """Queue a request. Its token deltas go to `sink` if given (the caller makes text of them with
         an `OutputStream`); otherwise `seq.next_chunk()` returns text chunks on any thread."""
         length = len(req.input_ids)
-        if length >= self.max_model_len:
-            raise ClientError(f"prompt of {length} tokens exceeds max_model_len {self.max_model_len}",
-                              param="messages", code="context_length_exceeded")
-        capacity = self.blocks.usable_blocks * self.blocks.block_size
-        if length >= capacity:
-            raise ClientError(f"prompt of {length} tokens exceeds the KV cache ({capacity} tokens)",
-                              param="messages", code="context_length_exceeded")
+        capacity = self.check_admission(length)
         seq = Sequence(req, rope=self.rope, vision_ids=self.vision_ids, max_model_len=min(self.max_model_len, capacity),
                        block_size=self.blocks.block_size, device=self.device, dtype=self.dtype)
         if sink is None:
@@ -150,12 +149,26 @@ class Engine:
         seq.sink = sink
         with self._cv:
             if len(self._inbox) + len(self.scheduler.waiting) >= self.max_waiting:
-                raise ClientError("the server is at capacity; retry shortly", status=503, type="server_busy",
-                                  code="overloaded", headers={"Retry-After": "1"})
+                raise _overloaded()
             seq.queued_time = time.perf_counter()
             self._inbox.append(seq)
             self._cv.notify()
         return seq
+
+    def check_admission(self, length: int) -> int:
+        """Raise the ClientError `submit` would raise for a prompt of `length` tokens now (too long:
+        400; queue full: 503), so that a caller can refuse before costly work such as encoding its
+        media. Returns the KV cache's capacity in tokens."""
+        if length >= self.max_model_len:
+            raise ClientError(f"prompt of {length} tokens exceeds max_model_len {self.max_model_len}",
+                              param="messages", code="context_length_exceeded")
+        capacity = self.blocks.usable_blocks * self.blocks.block_size
+        if length >= capacity:
+            raise ClientError(f"prompt of {length} tokens exceeds the KV cache ({capacity} tokens)",
+                              param="messages", code="context_length_exceeded")
+        if len(self._inbox) + len(self.scheduler.waiting) >= self.max_waiting:
+            raise _overloaded()
+        return capacity
 
     def output_stream(self, req: GenerationRequest) -> OutputStream:
         """The text side of a request submitted with a `sink`."""

@@ -77,7 +77,8 @@ class Sequence:
         # event loop), and a copy to the GPU from there would wait for the engine's queued step (a
         # pageable copy synchronises the stream), stalling every other request's stream on that loop.
         # They are pinned, and the engine thread copies them asynchronously before the request's first
-        # prefill chunk (`vision_to_device`).
+        # prefill chunk (`vision_to_device`). Embeddings that arrive on the GPU (`fused` placement) stay
+        # there: concatenating them only queues kernels, behind the encoder's on the same stream.
         self.device = device
         self.vision_main: torch.Tensor | None = None
         self.vision_deepstack: torch.Tensor | None = None  # [layers, n, hidden]
@@ -174,7 +175,11 @@ class Sequence:
 
 
 def _host(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`t` on the host in `dtype`, pinned when it is bound for a CUDA device."""
+    """`t` on the host in `dtype`, pinned when it is bound for a CUDA device. Embeddings that are
+    already on the engine's GPU (the `fused` placement: the tower ran in this process, on the same
+    stream as the engine) stay there: no copy to the host and back."""
+    if t.is_cuda and device.type == "cuda":
+        return t.to(device, dtype)
     t = t.to("cpu", dtype)
     return t.pin_memory() if device.type == "cuda" else t
 

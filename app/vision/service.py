@@ -18,12 +18,23 @@ from .packing import Limits
 
 log = logging.getLogger(__name__)
 
-EncodedItem = tuple[torch.Tensor, list[torch.Tensor]]  # (main, deepstack) on the CPU
+EncodedItem = tuple[torch.Tensor, list[torch.Tensor]]  # (main, deepstack): on the CPU, or kept on the device
 
 
 def _to_cpu(o) -> EncodedItem:
     # Each item gets its own storage: a view would ship the whole batch to every request.
     return o.main.to("cpu", copy=True), [d.to("cpu", copy=True) for d in o.deepstack]
+
+
+def _on_device(o) -> EncodedItem:
+    # Views of the batch's output: the engine copies them into its own tensors at once (Sequence), so
+    # the batch's storage lives only until every request of the batch has been admitted.
+    return o.main, list(o.deepstack)
+
+
+def _compact(e: EncodedItem) -> EncodedItem:
+    """An item's own copy, for the cache (a view would keep the whole batch's output alive)."""
+    return e[0].clone(), [d.clone() for d in e[1]]
 
 
 def pick_device(name: str) -> str:
@@ -33,7 +44,10 @@ def pick_device(name: str) -> str:
 
 
 class EncoderService:
-    def __init__(self, cfg: AppConfig, checkpoint: str):
+    def __init__(self, cfg: AppConfig, checkpoint: str, keep_on_device: bool = False):
+        """`keep_on_device`: `encode_async` returns the embeddings where the tower ran (the `fused`
+        placement's LLM replica reads them there) instead of copying them to the host for Ray; the
+        embedding cache then holds device memory too (`encoder.cache_bytes`)."""
         enc = cfg.encoder
         device = pick_device(cfg.device)
         dtype = resolve_dtype(enc.dtype, torch.device(device))
@@ -49,6 +63,7 @@ class EncoderService:
             uniform_capture_after=enc.uniform_capture_after, max_uniform_graphs=enc.max_uniform_graphs,
             eager_margin=enc.eager_margin, uint8_pixels=True))
         self.manager.capture()
+        self.keep_on_device = keep_on_device
         self.cache = EmbeddingCache(enc.cache_bytes)
         self.batcher = EncodeBatcher(self.manager.encode_batch,
                                      Limits(self.manager.max_budget, enc.max_items_per_batch, enc.max_frames_per_batch),
@@ -72,8 +87,14 @@ class EncoderService:
         if todo:
             outs = await self.batcher.submit([(torch.from_numpy(items[i][0]), tuple(items[i][1])) for i in todo])
             for i, o in zip(todo, outs):
-                results[i] = _to_cpu(o)
-                self.cache.put(items[i][2], results[i])
+                key = items[i][2]
+                if self.keep_on_device:
+                    results[i] = _on_device(o)
+                    if self.cache.wants(key):
+                        self.cache.put(key, _compact(results[i]))
+                else:
+                    results[i] = _to_cpu(o)
+                    self.cache.put(key, results[i])
         return results
 
     def stats(self) -> dict:

@@ -1,0 +1,70 @@
+"""The `fused` placement's LLM replica: the vision tower and the engine in one process, on one GPU.
+
+Why. Under `colocate` the encoder and the LLM are separate replicas on the same GPU, and each item's
+embeddings make a round trip through the host: the encoder copies them off the GPU (3.2 MB for a 448²
+image at the 2B width: the main rows plus three deepstack layers), Ray serialises them into the
+object store, and the LLM replica reads, pins and copies them back to the same GPU. Each request also
+costs the Router a second replica call. On an H200 that host path, not the GPU, was the queue
+(benchmarks/RESULTS.md, "Serving: the bottleneck sweep").
+
+Here the tower's output is handed to the engine as device tensors. No event or host wait is needed:
+the encoder's batches (a worker thread) and the engine's steps (its thread) both run on the device's
+default stream, so the engine's first prefill of a request is queued behind the batch that made its
+embeddings.
+
+What it gives up: the encoder's host work (batching, copying patch rows to the GPU) now shares this
+process's GIL with the engine thread and the event loop. Graphs captured while serving are turned
+off here (`encoder.uniform_capture_after`): a capture would run while the engine launches kernels
+from its own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+
+from .config import AppConfig
+from .llm.async_engine import AsyncEngine
+from .llm.engine import Engine, request_from_dict
+from .llm.stream import Chunk
+from .vision.service import EncoderService, pick_device
+
+log = logging.getLogger(__name__)
+
+
+class FusedBackend:
+    """ChatService's backend for one process: encode (batched across requests, cached), then generate."""
+
+    def __init__(self, encoder: EncoderService, streams: AsyncEngine):
+        self.encoder, self.streams = encoder, streams
+
+    @property
+    def engine(self) -> Engine:
+        return self.streams.engine
+
+    @classmethod
+    def build(cls, cfg: AppConfig, checkpoint: str) -> FusedBackend:
+        if cfg.encoder.uniform_capture_after:
+            log.warning("encoder.uniform_capture_after is ignored under the fused placement: no graph is "
+                        "captured while the engine runs in the same process")
+            cfg = cfg.model_copy(update={"encoder": cfg.encoder.model_copy(update={"uniform_capture_after": 0})})
+        # The tower first: its weights, graphs and buffers take their memory before the engine sizes
+        # its KV cache from what is left (llm.gpu_memory_utilization).
+        encoder = EncoderService(cfg, checkpoint, keep_on_device=True)
+        engine = Engine(checkpoint, pick_device(cfg.device), cfg.llm)
+        return cls(encoder, AsyncEngine(engine, cfg.llm.stream_interval_ms / 1e3))
+
+    async def chunks(self, gen: dict, items: list) -> AsyncIterator[Chunk]:
+        """One request: `gen` is the Router's generation dict, `items` its tower inputs (uint8 rows,
+        grid, cache key), in prompt order. A request the engine would refuse (queue full, prompt too
+        long) is refused before its media is encoded."""
+        self.engine.check_admission(len(gen["input_ids"]))
+        encoded = await self.encoder.encode_async(items) if items else []
+        async for chunk in self.streams.generate(request_from_dict(gen, encoded)):
+            yield chunk
+
+    async def stream(self, gen: dict, payload: list) -> AsyncIterator[dict]:
+        """app.api.chat.Backend: chunks as dicts."""
+        async for chunk in self.chunks(gen, payload):
+            yield asdict(chunk)

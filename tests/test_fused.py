@@ -1,0 +1,182 @@
+"""The `fused` placement: the tower inside the LLM replica, its embeddings handed to the engine where
+they were made. Its answers must equal the reference pipeline's (ChatService + LocalBackend: no Ray,
+no batching, no cache) for concurrent requests batched together, images and videos mixed; a request
+the engine would refuse is refused before its media is encoded. The Ray test deploys
+serve_config.yaml with `placement.policy: fused` and checks the same through HTTP and the `openai`
+client."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import pytest
+
+from helpers import mp4_bytes, png_bytes
+
+ARGS = {"model": "embedded:tiny", "encoder": {"min_budget": 64, "max_budget": 1024, "batch_wait_ms": 20},
+        "media": {"max_input_pixels": 1_000_000, "max_items_per_request": 4, "max_frames_per_request": 10}}
+
+
+def data_url(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def image(seed: int, h: int = 48, w: int = 64) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(png_bytes(h, w, seed=seed), "image/png")}}
+
+
+def video(frames: int) -> dict:
+    return {"type": "video_url", "video_url": {"url": data_url(mp4_bytes(frames, fps=2), "video/mp4")}}
+
+
+def bodies() -> list[dict]:
+    """Twelve requests: images of several sizes, a video, an image with a video, text only."""
+    contents = [[image(2000 + i, 40 + 8 * (i % 3), 64), {"type": "text", "text": f"request {i}"}] for i in range(8)]
+    contents += [[video(4), {"type": "text", "text": "the video"}],
+                 [image(3000), video(6), {"type": "text", "text": "both"}],
+                 [{"type": "text", "text": "no media at all"}],
+                 [image(2000, 40, 64), {"type": "text", "text": "the first picture again"}]]
+    return [{"messages": [{"role": "user", "content": c}], "max_tokens": 5, "temperature": 0} for c in contents]
+
+
+def chat_service(cfg, checkpoint, backend):
+    from transformers import AutoTokenizer
+
+    from app.api.chat import ChatService
+    from app.media.pipeline import MediaPipeline
+    from app.media.preprocess import PatchSpec
+
+    return ChatService(cfg, AutoTokenizer.from_pretrained(checkpoint),
+                       MediaPipeline(cfg.media, PatchSpec.from_checkpoint(checkpoint)), backend)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    """Each body's answer from the in-process reference pipeline, one request at a time."""
+    from app.config import AppConfig
+    from app.llm.engine import Engine
+    from app.local_backend import LocalBackend
+    from app.vision.service import EncoderService
+
+    cfg = AppConfig(**ARGS | {"model": str(tiny_checkpoint)})
+    chat = chat_service(cfg, tiny_checkpoint, LocalBackend(EncoderService(cfg, str(tiny_checkpoint)),
+                                                           Engine(str(tiny_checkpoint))))
+
+    async def one(body):
+        return await chat.complete(*(await chat.prepare(body)))
+
+    return [asyncio.run(one(b)) for b in bodies()]
+
+
+def same_answer(got: dict, want: dict) -> None:
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
+    assert got["usage"] == want["usage"]
+
+
+def test_fused_backend_batches_concurrent_requests_and_answers_as_the_reference(tiny_checkpoint, reference):
+    from app.config import AppConfig
+    from app.fused import FusedBackend
+
+    cfg = AppConfig(**ARGS | {"model": str(tiny_checkpoint)})
+    fused = FusedBackend.build(cfg, str(tiny_checkpoint))
+    assert fused.encoder.keep_on_device
+    chat = chat_service(cfg, tiny_checkpoint, fused)
+
+    async def run_all():
+        async def one(body):
+            return await chat.complete(*(await chat.prepare(body)))
+
+        first = await asyncio.gather(*(one(b) for b in bodies()[:-1]))  # concurrent: shared encoder batches
+        last = await one(bodies()[-1])  # an image seen before: from the embedding cache
+        return [*first, last]
+
+    answers = asyncio.run(run_all())
+    for got, want in zip(answers, reference, strict=True):
+        same_answer(got, want)
+    stats = fused.encoder.stats()
+    # 8 + 1 + 2 items were encoded (the 12th request's image came from the cache), in fewer batches
+    assert stats["pieces"] == 11 and stats["batches"] < stats["pieces"], stats
+    assert stats["cache_hits"] == 1 and stats["cache_entries"] == 11
+    # cached entries are the items' own copies, not views of a whole batch's output
+    main, deepstack = next(iter(fused.encoder.cache._data.values()))
+    assert main.untyped_storage().nbytes() == main.numel() * main.element_size()
+    assert all(d.untyped_storage().nbytes() == d.numel() * d.element_size() for d in deepstack)
+
+
+def test_a_request_the_engine_would_refuse_is_refused_before_its_media_is_encoded(tiny_checkpoint):
+    from app.config import AppConfig
+    from app.errors import ClientError
+    from app.fused import FusedBackend
+
+    cfg = AppConfig(**ARGS | {"model": str(tiny_checkpoint), "llm": {"max_waiting": 0}})
+    fused = FusedBackend.build(cfg, str(tiny_checkpoint))
+    chat = chat_service(cfg, tiny_checkpoint, fused)
+
+    async def send(body):
+        req, gen, payload = await chat.prepare(body)
+        return await chat.complete(req, gen, payload)
+
+    with pytest.raises(ClientError) as busy:
+        asyncio.run(send(bodies()[0]))
+    assert busy.value.status == 503 and busy.value.headers == {"Retry-After": "1"}
+    assert fused.encoder.stats()["pieces"] == 0  # the image was never encoded
+
+
+# ---------------------------------------------------------------- through Ray Serve
+@pytest.fixture(scope="module")
+def served_fused(model_cache):
+    pytest.importorskip("ray")
+    import httpx
+
+    from served import config_from_file, deployed
+
+    port = 8781
+    conf = config_from_file(port, ARGS | {"cache_dir": model_cache, "placement": {"policy": "fused"}})
+    with deployed(conf), httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
+        yield http, port
+
+
+@pytest.mark.integration
+def test_served_fused_runs_no_encoder_replica_and_answers_as_the_reference(served_fused, reference):
+    import httpx
+    from ray import serve
+
+    http, port = served_fused
+    states = serve.status().applications["vlm"].deployments
+    assert states["VisionEncoder"].replica_states.get("RUNNING", 0) == 0
+    assert states["LLM"].replica_states.get("RUNNING", 0) == 1
+
+    async def fire(batch):
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+            return await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in batch))
+
+    before = http.get("/v1/encoder/stats").json()
+    assert before["num_replicas"] == 1  # the LLM replica's tower
+    responses = asyncio.run(fire(bodies()[:-1])) + asyncio.run(fire(bodies()[-1:]))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    for resp, want in zip(responses, reference, strict=True):
+        same_answer(resp.json(), want)
+    after = http.get("/v1/encoder/stats").json()
+    assert after["pieces"] - before["pieces"] == 11 and after["cache_hits"] - before["cache_hits"] == 1
+
+
+@pytest.mark.integration
+def test_served_fused_streams_to_the_openai_client_and_refuses_bad_media(served_fused):
+    openai = pytest.importorskip("openai")
+    _, port = served_fused
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": [image(5), {"type": "text", "text": "What is this?"}]}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(b"not an image", "image/png")}}]}])
+    assert bad.value.code == "invalid_image"
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    assert again.choices[0].message.content == full.choices[0].message.content  # the replica survived
