@@ -59,7 +59,7 @@ def reference(tiny_checkpoint):
     from app.local_backend import LocalBackend
     from app.vision.service import EncoderService
 
-    cfg = AppConfig(**ARGS | {"model": str(tiny_checkpoint)})
+    cfg = AppConfig(**ARGS | {"model": str(tiny_checkpoint), "device": "cpu"})
     chat = chat_service(cfg, tiny_checkpoint, LocalBackend(EncoderService(cfg, str(tiny_checkpoint)),
                                                            Engine(str(tiny_checkpoint))))
 
@@ -75,13 +75,22 @@ def same_answer(got: dict, want: dict) -> None:
     assert got["usage"] == want["usage"]
 
 
-def test_fused_backend_batches_concurrent_requests_and_answers_as_the_reference(tiny_checkpoint, reference):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fused_backend_batches_concurrent_requests_and_answers_as_the_reference(tiny_checkpoint, reference, device):
+    """On CUDA (fp32, graphs on) the embeddings go from the tower's batch to the engine without leaving
+    the GPU; the answers still equal the CPU reference's."""
+    import torch
+
     from app.config import AppConfig
     from app.fused import FusedBackend
 
-    cfg = AppConfig(**ARGS | {"model": str(tiny_checkpoint)})
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    fp32 = {"dtype": "float32"}
+    cfg = AppConfig(**ARGS | {"model": str(tiny_checkpoint), "device": device,
+                              "encoder": ARGS["encoder"] | fp32, "llm": fp32})
     fused = FusedBackend.build(cfg, str(tiny_checkpoint))
-    assert fused.encoder.keep_on_device
+    assert fused.encoder.keep_on_device and fused.engine.device.type == device
     chat = chat_service(cfg, tiny_checkpoint, fused)
 
     async def run_all():
@@ -101,6 +110,7 @@ def test_fused_backend_batches_concurrent_requests_and_answers_as_the_reference(
     assert stats["cache_hits"] == 1 and stats["cache_entries"] == 11
     # cached entries are the items' own copies, not views of a whole batch's output
     main, deepstack = next(iter(fused.encoder.cache._data.values()))
+    assert main.device.type == device  # kept where the tower made it
     assert main.untyped_storage().nbytes() == main.numel() * main.element_size()
     assert all(d.untyped_storage().nbytes() == d.numel() * d.element_size() for d in deepstack)
 

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device call that serves the same workload under several placements, one after the other on the
+# same machine (a side-by-side comparison), each followed by its per-stage trace. From the repository
+# root with .gpu-deps carried; results under $OUT/<placement>/:
+#   PLACEMENTS="fused colocate" bash benchmarks/gpu_placements.sh CONFIG [serve.py args ...]
+# e.g. PLACEMENTS="fused colocate" bash benchmarks/gpu_placements.sh configs/qwen3-vl-2b-gpu.yaml \
+#        --sweep --workload image --num-requests 48 --rounds 3
+# A placement may name its LLM replica count: "fused:2" is `--placement fused --llm-replicas 2`.
+# GPU_TESTS="tests/test_fused.py" runs those tests with `-m gpu` first. Each placement's outputs are
+# packed into $OUT/<placement>.tgz (the device tool returns a limited number of files).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source .gpu-deps/activate
+export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
+nproc | tee -a "$OUT/env.txt"
+if [ -n "${GPU_TESTS:-}" ]; then
+  timeout 240 python3 -m pytest -q -m gpu $GPU_TESTS -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -5
+fi
+CONFIG=$1; shift
+for placement in ${PLACEMENTS:-fused colocate}; do
+  policy=${placement%%:*}
+  extra=(); [ "$policy" != "$placement" ] && extra=(--llm-replicas "${placement#*:}")
+  dir="$OUT/${placement/:/x}"; mkdir -p "$dir"
+  echo "=== $placement"
+  timeout "${SERVE_TIMEOUT:-300}" python3 benchmarks/serve.py --start --serve-config "$CONFIG" --no-progress \
+    --placement "$policy" "${extra[@]}" --out-dir "$dir" "$@" 2>&1 | grep -v "Warning\|warn(" \
+    | tee "$dir/serve.txt" | grep "^| \|ready" | tail -12
+  python3 benchmarks/serve_trace.py /tmp/ray/session_latest/logs/serve > "$dir/trace.txt" 2>&1
+  tail -14 "$dir/trace.txt"
+  tar czf "$dir.tgz" -C "$OUT" "$(basename "$dir")" && rm -rf "$dir"
+done
