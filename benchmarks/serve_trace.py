@@ -8,7 +8,8 @@ No instrumentation in the serving path, so it measures the application as users 
     python benchmarks/serve_trace.py [LOG_DIR]     (default: /tmp/ray/session_latest/logs/serve)
 
 Stages (ms): proxy = the proxy's whole request; router = the Router's handler; media, encode, llm =
-those replicas' calls. Gaps: proxy->router (HTTP proxy to the Router replica), router->media (parse,
+those replicas' calls (under the `fused` placement `llm` includes the encoding and there is no
+`encode`: the gap is media->llm). Gaps: proxy->router (HTTP proxy to the Router replica), router->media (parse,
 validation, the handle call), media->encode (result back, prompt, dispatch), encode->llm (embeddings
 handed over, the LLM call starting), and the Router's own `ttft_ms` (its clock, first chunk).
 `llm` spans the whole generation, so it is not a TTFT.
@@ -26,6 +27,7 @@ from pathlib import Path
 LINE = re.compile(r"^INFO (\S+ \S+) (\S+) \S+ (\S+) -- (.*?) (?:OK|200) ([0-9.]+)ms$")
 TTFT = re.compile(r"^INFO (\S+ \S+) \S+ \S+ (\S+) -- request \S+ status=200 .*ttft_ms=([0-9.]+)")
 STAGES = {"CALL prepare": "media", "CALL encode": "encode", "CALL generate": "llm",
+          "CALL generate_from_media": "llm",  # the `fused` placement: encode and generate in one call
           "POST /v1/chat/completions": "http"}
 
 
@@ -58,20 +60,23 @@ def group_of(request_id: str) -> str:
 def breakdown(reqs: dict[str, dict]) -> dict[str, list[float]]:
     out: dict[str, list[float]] = defaultdict(list)
     for r in reqs:
-        if not all(k in r for k in ("proxy", "router", "encode", "llm")):
+        if not all(k in r for k in ("router", "llm")):  # no proxy line: direct ingress
             continue
         for k in ("proxy", "router", "media", "encode", "llm"):
             if k in r:
                 out[k].append(1e3 * (r[k][1] - r[k][0]))
         if "ttft_ms" in r:
             out["router ttft"].append(r["ttft_ms"])
-        out["proxy->router"].append(1e3 * (r["router"][0] - r["proxy"][0]))
-        prev = r.get("media", r["router"])
+        if "proxy" in r:
+            out["proxy->router"].append(1e3 * (r["router"][0] - r["proxy"][0]))
         if "media" in r:
             out["router->media"].append(1e3 * (r["media"][0] - r["router"][0]))
-        out["media->encode" if "media" in r else "router->encode"].append(
-            1e3 * (r["encode"][0] - (prev[1] if "media" in r else prev[0])))
-        out["encode->llm"].append(1e3 * (r["llm"][0] - r["encode"][1]))
+        # the step before the next call: the media call's end, else the Router's start
+        before, name = (r["media"][1], "media") if "media" in r else (r["router"][0], "router")
+        if "encode" in r:
+            out[f"{name}->encode"].append(1e3 * (r["encode"][0] - before))
+            before, name = r["encode"][1], "encode"
+        out[f"{name}->llm"].append(1e3 * (r["llm"][0] - before))
     return out
 
 
