@@ -157,7 +157,12 @@ class PlacementConfig(_Strict):
     llm_gpus: int | Literal["auto"] = Field("auto", description="split: GPUs for the LLM (auto: the rest)")
     encoder_replicas: int | Literal["auto"] = Field("auto", description="auto: one per encoder GPU (colocate: one "
                                                     "per GPU); 1 without GPUs")
-    llm_replicas: int | Literal["auto"] = Field("auto", description="auto: one per LLM GPU; 1 without GPUs")
+    llm_replicas: int | Literal["auto"] = Field("auto", description="auto: `llm_replicas_per_gpu` per LLM GPU; 1 "
+                                                "without GPUs")
+    llm_replicas_per_gpu: int = Field(1, ge=1, description="LLM replicas sharing each LLM GPU when llm_replicas is "
+                                      "auto: more processes for the host work (each its own GIL), at the cost of a "
+                                      "copy of the weights (and under fused, of the tower) per replica; they split "
+                                      "llm.gpu_memory_utilization between them")
     encoder_num_gpus: float | Literal["auto"] = Field("auto", description="explicit GPU share per encoder replica")
     llm_num_gpus: float | Literal["auto"] = Field("auto", description="explicit GPU share per LLM replica")
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each encoder and LLM replica")

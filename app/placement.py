@@ -41,7 +41,7 @@ class Plan:
                 f"{self.llm_replicas} LLM x {self.llm_num_gpus:g} GPU{pin}")
 
 
-AUTO_POLICY = "colocate"  # measured on 1 and 2 H200s; `split` unmeasured on 2 (README, "Placement")
+AUTO_POLICY = "fused"  # measured on one H200 against colocate (README, "Placement"); split unmeasured
 
 
 def _share(replicas: int, gpus: int) -> float:
@@ -55,13 +55,18 @@ def _pick(value, default):
 
 def plan(p: PlacementConfig, gpus: int) -> Plan:
     """The replica counts and GPU shares for a cluster with `gpus` GPUs (0: everything on the CPU)."""
-    if p.policy == "fused":
-        llm = _pick(p.llm_replicas, max(gpus, 1))
+    per_gpu = p.llm_replicas_per_gpu
+    policy = p.policy
+    if policy == "auto" and gpus > 0:
+        # settings for separate encoder replicas ask for them: colocate; otherwise the measured best
+        wants_encoders = p.encoder_replicas != "auto" or p.encoder_num_gpus != "auto"
+        policy = "colocate" if wants_encoders else AUTO_POLICY
+    if policy == "fused":
+        llm = _pick(p.llm_replicas, max(gpus, 1) * per_gpu)
         return Plan("fused", 0, 0.0, llm, _pick(p.llm_num_gpus, _share(llm, gpus) if gpus > 0 else 0.0), False)
     if gpus <= 0:
         enc, llm = _pick(p.encoder_replicas, 1), _pick(p.llm_replicas, 1)
         return Plan("cpu", enc, _pick(p.encoder_num_gpus, 0.0), llm, _pick(p.llm_num_gpus, 0.0), False)
-    policy = AUTO_POLICY if p.policy == "auto" else p.policy
     if policy == "split":
         if gpus < 2:
             raise ValueError(f"placement.policy 'split' needs at least 2 GPUs, the cluster has {gpus}")
@@ -70,12 +75,20 @@ def plan(p: PlacementConfig, gpus: int) -> Plan:
         if enc_gpus < 1 or llm_gpus < 1 or enc_gpus + llm_gpus > gpus:
             raise ValueError(f"placement split: encoder_gpus {enc_gpus} + llm_gpus {llm_gpus} must each be >= 1 "
                              f"and fit the cluster's {gpus} GPUs")
-        enc, llm = _pick(p.encoder_replicas, enc_gpus), _pick(p.llm_replicas, llm_gpus)
+        enc, llm = _pick(p.encoder_replicas, enc_gpus), _pick(p.llm_replicas, llm_gpus * per_gpu)
         return Plan("split", enc, _pick(p.encoder_num_gpus, _share(enc, enc_gpus)),
                     llm, _pick(p.llm_num_gpus, _share(llm, llm_gpus)), False)
-    enc, llm = _pick(p.encoder_replicas, gpus), _pick(p.llm_replicas, gpus)
+    enc, llm = _pick(p.encoder_replicas, gpus), _pick(p.llm_replicas, gpus * per_gpu)
     enc_share = _pick(p.encoder_num_gpus, 0.0)
     return Plan("colocate", enc, enc_share, llm, _pick(p.llm_num_gpus, _share(llm, gpus)), enc_share == 0)
+
+
+def llm_memory_share(gpu_memory_utilization: float, plan_: Plan) -> float:
+    """Each LLM replica's `llm.gpu_memory_utilization`: replicas that share a GPU split the KV budget
+    by their GPU share. Each sizes its cache from the memory free when it starts, and replicas of one
+    GPU may start at the same moment: with the whole fraction each, two of them would take it twice."""
+    share = plan_.llm_num_gpus
+    return gpu_memory_utilization * share if 0 < share < 1 else gpu_memory_utilization
 
 
 def pinned_gpu(local_rank: int, node_gpus: int, visible: str | None) -> str | None:

@@ -26,7 +26,7 @@ from ray.serve.config import RequestRouterConfig
 
 from app.config import AppConfig
 from app.model_builder import resolve_model
-from app.placement import Plan, plan
+from app.placement import Plan, llm_memory_share, plan
 
 from .encoder import VisionEncoder
 from .llm import LLM
@@ -96,9 +96,11 @@ def build_app(args: dict):
     opts, pl = deployment_options(cfg, gpus, cpus)
     log.info("placement on %d GPUs: %s", gpus, pl.describe())
     config = cfg.model_dump()
+    llm_config = cfg.model_copy(update={"llm": cfg.llm.model_copy(update={
+        "gpu_memory_utilization": llm_memory_share(cfg.llm.gpu_memory_utilization, pl)})}).model_dump()
     media = MediaPreprocessor.options(**opts["MediaPreprocessor"]).bind(config)
     encoder = VisionEncoder.options(**opts["VisionEncoder"]).bind(config, pl.encoder_pins_gpu)
-    llm = LLM.options(**opts["LLM"]).bind(config, pl.fused)
+    llm = LLM.options(**opts["LLM"]).bind(llm_config, pl.fused)
     return Router.options(**opts["Router"]).bind(config, media, encoder, llm, pl.fused)
 
 

@@ -47,7 +47,7 @@ def test_builder_options_follow_the_placement_policy():
     sum_cpus = sum(o["ray_actor_options"]["num_cpus"] for o in opts.values())
     assert sum_cpus <= 2  # `make serve` and the tests fit a 2-core machine
 
-    opts, pl = deployment_options(AppConfig(), 4, 64)
+    opts, pl = deployment_options(AppConfig(placement={"policy": "colocate"}), 4, 64)
     assert pl.policy == "colocate" and pl.encoder_pins_gpu
     assert opts["LLM"]["num_replicas"] == opts["VisionEncoder"]["num_replicas"] == 4
     assert opts["LLM"]["ray_actor_options"]["num_gpus"] == 1 and opts["VisionEncoder"]["ray_actor_options"]["num_gpus"] == 0
@@ -61,7 +61,10 @@ def test_builder_options_follow_the_placement_policy():
 
 
 @pytest.mark.parametrize("placement,gpus,want", [
-    ({}, 1, ("colocate", 1, 0.0, 1, 1.0, True)),
+    ({}, 1, ("fused", 0, 0.0, 1, 1.0, False)),  # auto: fused on GPUs (README, "Placement")
+    ({"llm_replicas_per_gpu": 2}, 2, ("fused", 0, 0.0, 4, 0.5, False)),
+    ({"policy": "colocate", "llm_replicas_per_gpu": 3}, 1, ("colocate", 1, 0.0, 3, 1 / 3, True)),
+    ({"policy": "split", "llm_replicas_per_gpu": 2}, 3, ("split", 1, 1.0, 4, 0.5, False)),
     ({"policy": "colocate"}, 2, ("colocate", 2, 0.0, 2, 1.0, True)),
     ({"policy": "colocate", "llm_replicas": 4}, 2, ("colocate", 2, 0.0, 4, 0.5, True)),
     ({"policy": "split"}, 4, ("split", 1, 1.0, 3, 1.0, False)),
@@ -91,6 +94,18 @@ def test_impossible_placements_name_themselves(placement, gpus, match):
 
     with pytest.raises(ValueError, match=match):
         plan(AppConfig(placement=placement).placement, gpus)
+
+
+def test_llm_replicas_sharing_a_gpu_split_its_kv_budget():
+    from app.placement import llm_memory_share, plan
+
+    def share(placement, gpus):
+        return llm_memory_share(0.9, plan(AppConfig(placement=placement).placement, gpus))
+
+    assert share({}, 2) == 0.9  # one replica per GPU: the whole fraction
+    assert share({"llm_replicas_per_gpu": 2}, 2) == pytest.approx(0.45)
+    assert share({"policy": "colocate", "llm_replicas": 3}, 1) == pytest.approx(0.3)
+    assert share({}, 0) == 0.9  # the CPU: no GPU share
 
 
 def test_pinned_gpu_takes_the_node_gpus_in_turn_by_rank():
