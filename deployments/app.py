@@ -65,7 +65,10 @@ def deployment_options(cfg: AppConfig, gpus: int, cpus: float) -> tuple[dict[str
         "Router": {"max_ongoing_requests": ongoing, "ray_actor_options": {"num_cpus": p.router_num_cpus},
                    "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 64,
                                           "upscale_delay_s": 5, "downscale_delay_s": 60}},
-        "MediaPreprocessor": {"max_ongoing_requests": 16, "ray_actor_options": {"num_cpus": p.media_num_cpus},
+        # 64, not fewer: a caller whose replicas are all at max_ongoing_requests retries with a backoff
+        # (25, 50, 100 ... 500 ms in Ray 2.60), which cost ~90 ms per request at 64 concurrent
+        # requests; items beyond the worker threads wait in the replica's own queue instead.
+        "MediaPreprocessor": {"max_ongoing_requests": 64, "ray_actor_options": {"num_cpus": p.media_num_cpus},
                               "autoscaling_config": {"min_replicas": 1, "max_replicas": media_max,
                                                      "target_ongoing_requests": 2, "look_back_period_s": 15,
                                                      "upscale_delay_s": 3, "downscale_delay_s": 60}},
