@@ -87,10 +87,18 @@ def test_fused_backend_batches_concurrent_requests_and_answers_as_the_reference(
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     fp32 = {"dtype": "float32"}
+    # a small KV pool: the GPU default (most of the free memory) would starve the tests that follow
     cfg = AppConfig(**ARGS | {"model": str(tiny_checkpoint), "device": device,
-                              "encoder": ARGS["encoder"] | fp32, "llm": fp32})
+                              "encoder": ARGS["encoder"] | fp32, "llm": fp32 | {"num_kv_blocks": 256}})
     fused = FusedBackend.build(cfg, str(tiny_checkpoint))
     assert fused.encoder.keep_on_device and fused.engine.device.type == device
+    try:
+        check_fused_answers(fused, cfg, tiny_checkpoint, reference, device)
+    finally:
+        fused.engine.shutdown()
+
+
+def check_fused_answers(fused, cfg, tiny_checkpoint, reference, device):
     chat = chat_service(cfg, tiny_checkpoint, fused)
 
     async def run_all():
