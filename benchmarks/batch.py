@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import resource
@@ -58,7 +59,7 @@ def batch_config(a: argparse.Namespace, file_root: str) -> dict:
     app = deep_merge(app, {"model": a.model} if a.model else {})
     # A batch keeps the encoder's queue deep: wait a little longer for a batch to fill its budget.
     app = deep_merge(app, {"encoder": {"batch_wait_ms": a.encoder_wait_ms}})
-    app.pop("placement", None)
+    app["placement"] = {"policy": a.placement}  # the batch job's stages follow it (fused: no encoder pool)
     gpus = max(a.num_gpus, 1)
     cpus = 1 if a.num_gpus else 0.5  # the CPU run fits a 2-core machine
     return {"app": app, "file_root": file_root, "shard_rows": 1000, "progress_interval_s": 5,
@@ -80,6 +81,8 @@ def main() -> None:
     p.add_argument("--media-actors", type=int, default=max(1, min(16, (os.cpu_count() or 2) // 4)))
     p.add_argument("--max-media-actors", type=int, default=0, help="default: --media-actors")
     p.add_argument("--encoder-wait-ms", type=float, default=20.0)
+    p.add_argument("--placement", choices=["auto", "fused", "colocate"], default="auto",
+                   help="app.placement.policy (auto: fused on GPUs)")
     p.add_argument("--workdir", default="/tmp/vlm-batch-bench", help="requests, images and output")
     p.add_argument("--out", help="write the result JSON here")
     a = p.parse_args()
@@ -115,7 +118,12 @@ def main() -> None:
           f"{report['encoder']['graph_hit_rate']:.2f} | {report['encoder']['items_per_batch']:.1f} |")
     print(f"driver process: {driver_cores:.2f} cores on average (1.0 = one busy Python thread)")
     if report["failed"]:
-        print(f"WARNING: {report['failed']} rows failed; see {out}", file=sys.stderr)
+        errors = collections.Counter(
+            f"{r['status']} {r['error'].get('code')}: {r['error']['message'][:120]}"
+            for f in sorted(out.glob("part-*.jsonl")) for r in map(json.loads, f.read_text().splitlines())
+            if "error" in r)
+        result["errors"] = dict(errors)
+        print(f"WARNING: {report['failed']} rows failed; see {out}: {dict(errors.most_common(3))}", file=sys.stderr)
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=2, default=str))
 

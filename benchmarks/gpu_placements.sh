@@ -10,11 +10,7 @@
 # GPU_TESTS="tests/test_fused.py" runs those tests with `-m gpu` first. Each placement's outputs are
 # packed into $OUT/<placement>.tgz (the device tool returns a limited number of files).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-source .gpu-deps/activate
-export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
-nproc | tee -a "$OUT/env.txt"
+source benchmarks/gpu_env.sh
 if [ -n "${GPU_TESTS:-}" ]; then
   timeout 240 python3 -m pytest -q -m gpu $GPU_TESTS -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -5
 fi

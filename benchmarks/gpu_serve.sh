@@ -5,11 +5,7 @@
 #   bash benchmarks/gpu_serve.sh CONFIG [serve.py args ...]
 # e.g. bash benchmarks/gpu_serve.sh configs/qwen3-vl-2b-gpu.yaml --placement colocate --sweep --workload image
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-source .gpu-deps/activate
-export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
-nproc | tee -a "$OUT/env.txt"
+source benchmarks/gpu_env.sh
 CONFIG=$1; shift
 timeout "${SERVE_TIMEOUT:-540}" python3 benchmarks/serve.py --start --serve-config "$CONFIG" --no-progress \
   --out-dir "$OUT/serve" "$@" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/serve.txt" | grep -v "^  " | tail -40

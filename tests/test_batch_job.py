@@ -185,6 +185,34 @@ def test_batch_answer_equals_the_http_servers(cluster, full_run):
     assert ours["choices"] == want["choices"] and ours["usage"] == want["usage"] and ours["model"] == want["model"]
 
 
+def test_a_fused_job_encodes_in_its_llm_actors_and_answers_the_same(cluster, full_run):
+    """Serving's `fused` placement in the batch job: no encoder pool, the LLM actors encode; the
+    answers (and usage) of the first 80 rows equal the three-stage run's."""
+    from app.batch.config import BatchConfig
+    from app.batch.job import run_job
+
+    tmp = cluster["tmp"]
+    head = tmp / "head.jsonl"
+    head.write_text("".join(cluster["input"].read_text().splitlines(keepends=True)[:80]))
+    conf = json.loads(batch_config(tmp, cluster["root"], cluster["model_cache"], 64).read_text())
+    conf["app"]["placement"] = {"policy": "fused"}
+    path = tmp / "batch-fused.json"
+    path.write_text(json.dumps(conf))
+    out = tmp / "fused"
+    report = asyncio.run(run_job(BatchConfig.load(str(path)), str(head), str(out), progress_stream=io.StringIO()))
+    assert set(report["pools"]) == {"media", "llm"}
+    assert report["encoder"]["batches"] > 0 and report["encoder"]["items_per_batch"] > 1.0
+    want = {r["id"]: r for r in read_output(full_run[1])[0]}
+    rows = read_output(out)[0]
+    assert len(rows) == report["done"] + report["failed"] > 60
+    for r in rows:
+        if "error" in r:
+            assert r["error"] == want[r["id"]]["error"]
+        else:
+            assert r["response"]["choices"] == want[r["id"]]["response"]["choices"]
+            assert r["usage"] == want[r["id"]]["usage"]
+
+
 def test_sigkill_then_resume_completes_without_duplicates(cluster, full_run):
     tmp = cluster["tmp"]
     out = tmp / "killed"

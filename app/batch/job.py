@@ -2,7 +2,8 @@
 
 Per row: a media actor parses it and prepares its media and prompt (its patch rows stay in the
 object store); an encoder actor turns the rows into embeddings, which go straight to an LLM actor as
-an object reference; the answer comes back to this driver, which writes shards. The driver keeps
+an object reference (under serving's `fused` placement, the default on GPUs, the LLM actor encodes
+them itself and there is no encoder stage); the answer comes back to this driver, which writes shards. The driver keeps
 enough rows in flight to fill every pool's slots, reading the input lazily, so memory does not grow
 with the input.
 
@@ -22,6 +23,7 @@ import time
 import ray
 
 from ..errors import ClientError
+from ..placement import plan
 from ..replica_stats import merge_encoder_stats
 from .config import BatchConfig
 from .io import Row, ShardWriter, count_rows, read_rows, write_json_atomic
@@ -47,23 +49,32 @@ class Stages:
         app = cfg.app.model_dump()
         self.encoder_reports: list[dict] = []
         enc, llm = cfg.encoder_pool, cfg.llm_pool
-        # GPU placement as serving's `colocate`: each LLM actor reserves a whole GPU (so Ray spreads
-        # them one per GPU), encoder actors reserve none and pin the node's GPUs in turn. Fractional
-        # shares would not do: Ray gives them the fullest GPU that fits, pairing encoders with
-        # encoders (app/placement.py). An explicit encoder num_gpus is plain Ray accounting.
+        # Serving's placement decides the stages: under `fused` (the default on GPUs) each LLM actor
+        # holds the tower and there is no encoder pool; otherwise as serving's `colocate`: each LLM
+        # actor reserves a whole GPU (so Ray spreads them one per GPU), encoder actors reserve none and
+        # pin the node's GPUs in turn. Fractional shares would not do: Ray gives them the fullest GPU
+        # that fits, pairing encoders with encoders (app/placement.py). An explicit encoder num_gpus
+        # is plain Ray accounting.
+        self.fused = plan(cfg.app.placement, int(gpus)).fused
         colocate = gpus > 0 and enc.num_gpus is None
         enc_gpus = 0.0 if colocate else (enc.num_gpus or 0.0)
         self.media = ActorPool("media", MediaWorker, lambda i: (app, cfg.file_root), cfg.media_pool,
                                cfg.media_pool.num_gpus or 0.0)
-        self.encoder = ActorPool("encoder", EncoderWorker,
-                                 lambda i: (app, (i, node_gpus) if colocate else None), enc, enc_gpus,
-                                 on_remove=self._keep_stats)
-        self.llm = ActorPool("llm", LLMWorker, lambda i: (app,), llm,
-                             (1.0 if gpus > 0 else 0.0) if llm.num_gpus is None else llm.num_gpus)
-        self.pools = {"media": self.media, "encoder": self.encoder, "llm": self.llm}
+        self.llm = ActorPool("llm", LLMWorker, lambda i: (app, self.fused), llm,
+                             (1.0 if gpus > 0 else 0.0) if llm.num_gpus is None else llm.num_gpus,
+                             on_remove=self._keep_stats if self.fused else None)
+        self.pools = {"media": self.media, "llm": self.llm}
+        self.encoder = None
+        if not self.fused:
+            self.encoder = ActorPool("encoder", EncoderWorker,
+                                     lambda i: (app, (i, node_gpus) if colocate else None), enc, enc_gpus,
+                                     on_remove=self._keep_stats)
+            self.pools = {"media": self.media, "encoder": self.encoder, "llm": self.llm}
 
     async def _keep_stats(self, m: Member) -> None:
-        self.encoder_reports.append(await m.handle.stats.remote())
+        """A removed actor's encoder counters, for the job's report."""
+        method = m.handle.encoder_stats if self.fused else m.handle.stats
+        self.encoder_reports.append(await method.remote())
 
     async def start(self) -> None:
         """Every pool's `min_size` actors. Until they are placed, say every 30 s which pools wait and
@@ -125,16 +136,20 @@ class Stages:
         prepared, payload = await self._call(self.media, "prepare", row.body, num_returns=2)
         if isinstance(prepared, Failure):
             return _error(row, prepared), 0
-        encoded = []
-        if prepared.items:
-            _, encoded = await self._call(self.encoder, "encode", payload, num_returns=2)
-        out = await self._call(self.llm, "generate", prepared, encoded)
+        if self.fused:
+            out = await self._call(self.llm, "generate_from_media", prepared, payload)
+        else:
+            encoded = []
+            if prepared.items:
+                _, encoded = await self._call(self.encoder, "encode", payload, num_returns=2)
+            out = await self._call(self.llm, "generate", prepared, encoded)
         if isinstance(out, Failure):
             return _error(row, out), 0
         return {"id": row.id, "response": out, "usage": out["usage"]}, prepared.items
 
     async def encoder_stats(self) -> dict:
-        live = await asyncio.gather(*(m.handle.stats.remote() for m in self.encoder.members),
+        pool, method = (self.llm, "encoder_stats") if self.fused else (self.encoder, "stats")
+        live = await asyncio.gather(*(getattr(m.handle, method).remote() for m in pool.members),
                                     return_exceptions=True)
         return merge_encoder_stats(self.encoder_reports + [r for r in live if isinstance(r, dict)])
 

@@ -7,7 +7,8 @@ actors. They are the serving code, not copies of it:
 - `EncoderWorker`: `EncoderService.encode_async` (graph manager, cross-request batcher, embedding
   cache); many calls in flight per actor let the batcher fill its token budgets.
 - `LLMWorker`: the `Engine` behind `AsyncEngine`, each call one request, many calls in flight, so the
-  engine's continuous batching always has sequences to run.
+  engine's continuous batching always has sequences to run. Under serving's `fused` placement (the
+  default on GPUs) it also holds the tower (`app.fused.FusedBackend`) and there is no encoder stage.
 
 Client errors come back as values (`Failure`), never as raised exceptions, so a bad row costs one row.
 """
@@ -105,7 +106,10 @@ class EncoderWorker:
 
 
 class LLMWorker:
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, fused: bool = False):
+        """`fused`: this actor also holds the vision tower and encodes its rows' media itself, the
+        embeddings staying on the GPU (serving's `fused` placement, app/fused.py)."""
+        from ..fused import FusedBackend
         from ..llm.async_engine import AsyncEngine
         from ..llm.engine import Engine
         from ..vision.service import pick_device
@@ -113,9 +117,20 @@ class LLMWorker:
         cfg = AppConfig(**config)
         if cfg.llm.switch_interval_ms:  # the actor's event loop and the engine thread share the GIL
             sys.setswitchinterval(cfg.llm.switch_interval_ms / 1e3)
-        self.engine = Engine(_checkpoint(cfg), pick_device(cfg.device), cfg.llm)
-        # Nothing streams here: wake each request for its first and last chunk, rarely between.
-        self.streams = AsyncEngine(self.engine, 0.5)
+        # Nothing streams here: wake each request for its first and last chunk, rarely between. The
+        # driver keeps `capacity()` rows in flight here (a full batch and as many again); the engine
+        # queues them all: its `max_waiting` guards a server's latency, and a batch row refused with
+        # 503 would only come back (under `fused` all of them arrive at once, none paced by an
+        # encoder stage).
+        seqs = cfg.llm.resolved_max_num_seqs(pick_device(cfg.device))
+        cfg = cfg.model_copy(update={"llm": cfg.llm.model_copy(update={
+            "stream_interval_ms": 500.0, "max_waiting": max(cfg.llm.max_waiting, 2 * seqs)})})
+        self.fused = FusedBackend.build(cfg, _checkpoint(cfg)) if fused else None
+        if self.fused is not None:
+            self.engine, self.streams = self.fused.engine, self.fused.streams
+        else:
+            self.engine = Engine(_checkpoint(cfg), pick_device(cfg.device), cfg.llm)
+            self.streams = AsyncEngine(self.engine, cfg.llm.stream_interval_ms / 1e3)
         self.model_name = cfg.model_name
 
     def ready(self) -> bool:
@@ -130,9 +145,22 @@ class LLMWorker:
         """The OpenAI chat.completion object, built as the server builds it (`completion_response`)."""
         from ..llm.engine import request_from_dict
 
+        return await self._complete(prepared, lambda: self.streams.generate(request_from_dict(prepared.gen, encoded)))
+
+    async def generate_from_media(self, prepared: Prepared, payload: list) -> dict | Failure:
+        """`fused`: the same from the media worker's payload (uint8 rows, grid, cache key per item)."""
+        if self.fused is None:
+            raise RuntimeError("generate_from_media needs an LLM actor built with fused=True")
+        return await self._complete(prepared, lambda: self.fused.chunks(prepared.gen, payload))
+
+    def encoder_stats(self) -> dict:
+        """`fused`: this actor's tower counters."""
+        return self.fused.encoder.stats() if self.fused is not None else {}
+
+    async def _complete(self, prepared: Prepared, chunks) -> dict | Failure:
         gen, text, last = prepared.gen, [], None
         try:
-            async for chunk in self.streams.generate(request_from_dict(gen, encoded)):
+            async for chunk in chunks():
                 text.append(chunk.text)
                 last = chunk
         except ClientError as e:

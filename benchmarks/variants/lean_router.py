@@ -1,9 +1,26 @@
-import sys, yaml
-src, dst = sys.argv[1], sys.argv[2]
-c = yaml.safe_load(open(src))
-app = c["applications"][0]
-app["runtime_env"] = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
-for d in app["deployments"]:
-    if d["name"] == "Router":
-        d["autoscaling_config"]["min_replicas"] = 6
-yaml.safe_dump(c, open(dst, "w"), sort_keys=False)
+"""A serving-benchmark variant of a config file: six Router replicas from the start, and every replica's
+user code on Ray Serve's own event loop (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`, one thread
+hop less per call). Used in benchmarks/RESULTS.md ("Serving: the fused placement"); not a default:
+user code that blocks would then stall the replica's request handling.
+
+    python3 benchmarks/variants/lean_router.py configs/qwen3-vl-2b-gpu.yaml /tmp/v.yaml
+"""
+
+import sys
+
+import yaml
+
+
+def main(src: str, dst: str) -> None:
+    conf = yaml.safe_load(open(src))
+    app = conf["applications"][0]
+    app["runtime_env"] = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
+    for d in app["deployments"]:
+        if d["name"] == "Router":
+            d["autoscaling_config"]["min_replicas"] = 6
+    with open(dst, "w") as f:
+        yaml.safe_dump(conf, f, sort_keys=False)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,7 @@
+# Sourced by the gpu_*.sh serving scripts on the device: $OUT, the carried bundle, and the machine's
+# GPU and core count in $OUT/env.txt.
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source .gpu-deps/activate
+export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
+nproc | tee -a "$OUT/env.txt"
