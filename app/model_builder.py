@@ -33,10 +33,9 @@ SPECIAL_TOKENS = [
     "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
 ]
 
-# Same prompt format as Qwen3-VL's template: images and videos become
-# <|vision_start|><|image_pad|><|vision_end|> (or <|video_pad|>), expanded later per item.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
+# One message in Qwen's format: images and videos become <|vision_start|><|image_pad|><|vision_end|>
+# (or <|video_pad|>), expanded later per item.
+_MESSAGE = (
     "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
     "{%- if message['content'] is string -%}{{- message['content'] -}}"
     "{%- else -%}{%- for part in message['content'] -%}"
@@ -45,27 +44,19 @@ CHAT_TEMPLATE = (
     "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
+_GENERATION_PROMPT = "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 
-# Qwen2.5-VL's prompt format: a default system message when the conversation has none, then the same
-# placeholders (a video is one <|vision_start|><|video_pad|><|vision_end|>, expanded without timestamps).
+# Qwen3-VL's prompt format.
+CHAT_TEMPLATE = "{%- for message in messages -%}" + _MESSAGE + "{%- endfor -%}" + _GENERATION_PROMPT
+
+# Qwen2.5-VL's: a default system message when the conversation has none, then the same messages (a
+# video is one <|vision_start|><|video_pad|><|vision_end|>, expanded without timestamps).
 QWEN25_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if loop.first and message['role'] != 'system' -%}"
     "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] in ('image', 'image_url') -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
-    "{%- elif part['type'] in ('video', 'video_url') -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
-    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    "{%- endif -%}" + _MESSAGE + "{%- endfor -%}" + _GENERATION_PROMPT
 )
 
 CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
