@@ -155,8 +155,8 @@ class PlacementConfig(_Strict):
     policy: Literal["auto", "colocate", "fused", "split"] = "auto"
     encoder_gpus: int | Literal["auto"] = Field("auto", description="split: GPUs for the encoder (auto: 1)")
     llm_gpus: int | Literal["auto"] = Field("auto", description="split: GPUs for the LLM (auto: the rest)")
-    encoder_replicas: int | Literal["auto"] = Field("auto", description="auto: one per encoder GPU (colocate: one "
-                                                    "per GPU); 1 without GPUs")
+    encoder_replicas: int | Literal["auto"] = Field("auto", description="auto: none under fused, one per encoder "
+                                                    "GPU (colocate: one per GPU); 1 without GPUs")
     llm_replicas: int | Literal["auto"] = Field("auto", description="auto: `llm_replicas_per_gpu` per LLM GPU; 1 "
                                                 "without GPUs")
     llm_replicas_per_gpu: int = Field(1, ge=1, description="LLM replicas sharing each LLM GPU when llm_replicas is "

@@ -57,11 +57,14 @@ class FusedBackend:
 
     async def chunks(self, gen: dict, items: list) -> AsyncIterator[Chunk]:
         """One request: `gen` is the Router's generation dict, `items` its tower inputs (uint8 rows,
-        grid, cache key), in prompt order. A request the engine would refuse (queue full, prompt too
-        long) is refused before its media is encoded."""
+        grid, cache key), in prompt order. A request the engine would refuse now (queue full, prompt
+        too long) is refused before its media is encoded; requests still encoding do not count
+        towards the queue, so a burst may still be refused after encoding, by `submit`."""
         self.engine.check_admission(len(gen["input_ids"]))
         encoded = await self.encoder.encode_async(items) if items else []
-        async for chunk in self.streams.generate(request_from_dict(gen, encoded)):
+        stream = self.streams.generate(request_from_dict(gen, encoded))
+        del encoded  # the engine's sequence copies the embeddings: keep no GPU memory here meanwhile
+        async for chunk in stream:
             yield chunk
 
     async def stream(self, gen: dict, payload: list) -> AsyncIterator[dict]:

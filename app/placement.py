@@ -53,18 +53,36 @@ def _pick(value, default):
     return default if value == "auto" else value
 
 
+def _wants_encoders(p: PlacementConfig) -> bool:
+    """Settings for separate encoder replicas: they ask for them."""
+    return p.encoder_replicas != "auto" or p.encoder_num_gpus != "auto"
+
+
+def resolve_policy(p: PlacementConfig, gpus: int) -> str:
+    """The policy that runs: `auto` is the measured best on GPUs (colocate when encoder replicas are
+    configured) and "cpu" without GPUs; `fused` is kept on the CPU when asked for by name."""
+    if p.policy == "fused":
+        if _wants_encoders(p):
+            raise ValueError("placement.policy 'fused' runs no encoder replicas: remove encoder_replicas and "
+                             "encoder_num_gpus, or choose 'colocate'")
+        return "fused"
+    if gpus <= 0:
+        return "cpu"
+    if p.policy == "auto":
+        return "colocate" if _wants_encoders(p) else AUTO_POLICY
+    return p.policy
+
+
 def plan(p: PlacementConfig, gpus: int) -> Plan:
     """The replica counts and GPU shares for a cluster with `gpus` GPUs (0: everything on the CPU)."""
     per_gpu = p.llm_replicas_per_gpu
-    policy = p.policy
-    if policy == "auto" and gpus > 0:
-        # settings for separate encoder replicas ask for them: colocate; otherwise the measured best
-        wants_encoders = p.encoder_replicas != "auto" or p.encoder_num_gpus != "auto"
-        policy = "colocate" if wants_encoders else AUTO_POLICY
+    policy = resolve_policy(p, gpus)
     if policy == "fused":
-        llm = _pick(p.llm_replicas, max(gpus, 1) * per_gpu)
-        return Plan("fused", 0, 0.0, llm, _pick(p.llm_num_gpus, _share(llm, gpus) if gpus > 0 else 0.0), False)
-    if gpus <= 0:
+        if gpus <= 0:
+            return Plan("fused", 0, 0.0, _pick(p.llm_replicas, 1), _pick(p.llm_num_gpus, 0.0), False)
+        llm = _pick(p.llm_replicas, gpus * per_gpu)
+        return Plan("fused", 0, 0.0, llm, _pick(p.llm_num_gpus, _share(llm, gpus)), False)
+    if policy == "cpu":
         enc, llm = _pick(p.encoder_replicas, 1), _pick(p.llm_replicas, 1)
         return Plan("cpu", enc, _pick(p.encoder_num_gpus, 0.0), llm, _pick(p.llm_num_gpus, 0.0), False)
     if policy == "split":

@@ -167,8 +167,9 @@ async def run_load(url: str, workload: Workload, num_requests: int, concurrency:
     With `monitor`, GPUs and processes are sampled over the timed part (timeline from `monitor_t0`)."""
     bodies = [json.dumps(workload.body(seed_offset + i)).encode() for i in range(num_requests + warmup)]
     conn = aiohttp.TCPConnector(limit=max(64, (concurrency or 0) * 2))
-    async with aiohttp.ClientSession(base_url=url, connector=conn,
-                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as client:
+    # per phase, as httpx's timeout was: a request may queue for a connection at high concurrency
+    timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s)
+    async with aiohttp.ClientSession(base_url=url, connector=conn, timeout=timeout) as client:
         async def encoder_stats() -> dict:
             async with client.get("/v1/encoder/stats") as resp:
                 return await resp.json()

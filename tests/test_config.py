@@ -75,6 +75,7 @@ def test_builder_options_follow_the_placement_policy():
     ({"policy": "fused"}, 4, ("fused", 0, 0.0, 4, 1.0, False)),
     ({"policy": "fused", "llm_replicas": 2}, 1, ("fused", 0, 0.0, 2, 0.5, False)),
     ({"policy": "fused"}, 0, ("fused", 0, 0.0, 1, 0.0, False)),  # kept on the CPU: one replica that encodes
+    ({"policy": "fused", "llm_replicas_per_gpu": 2}, 0, ("fused", 0, 0.0, 1, 0.0, False)),  # no GPU to share
 ])
 def test_placement_plans(placement, gpus, want):
     from app.placement import plan
@@ -88,6 +89,8 @@ def test_placement_plans(placement, gpus, want):
     ({"policy": "split"}, 1, "at least 2 GPUs"),
     ({"policy": "split", "encoder_gpus": 2, "llm_gpus": 1}, 2, "fit"),
     ({"policy": "split", "llm_gpus": 0}, 2, "llm_gpus"),
+    ({"policy": "fused", "encoder_replicas": 2}, 1, "runs no encoder replicas"),
+    ({"policy": "fused", "encoder_num_gpus": 0.5}, 0, "runs no encoder replicas"),
 ])
 def test_impossible_placements_name_themselves(placement, gpus, match):
     from app.placement import plan

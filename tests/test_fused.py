@@ -60,13 +60,16 @@ def reference(tiny_checkpoint):
     from app.vision.service import EncoderService
 
     cfg = AppConfig(**ARGS | {"model": str(tiny_checkpoint), "device": "cpu"})
-    chat = chat_service(cfg, tiny_checkpoint, LocalBackend(EncoderService(cfg, str(tiny_checkpoint)),
-                                                           Engine(str(tiny_checkpoint))))
 
     async def one(body):
         return await chat.complete(*(await chat.prepare(body)))
 
-    return [asyncio.run(one(b)) for b in bodies()]
+    engine = Engine(str(tiny_checkpoint))
+    chat = chat_service(cfg, tiny_checkpoint, LocalBackend(EncoderService(cfg, str(tiny_checkpoint)), engine))
+    try:
+        return [asyncio.run(one(b)) for b in bodies()]
+    finally:
+        engine.shutdown()
 
 
 def same_answer(got: dict, want: dict) -> None:
@@ -116,7 +119,7 @@ def check_fused_answers(fused, cfg, tiny_checkpoint, reference, device):
     # 8 + 1 + 2 items were encoded (the 12th request's image came from the cache), in fewer batches
     assert stats["pieces"] == 11 and stats["batches"] < stats["pieces"], stats
     assert stats["cache_hits"] == 1 and stats["cache_entries"] == 11
-    # cached entries are the items' own copies, not views of a whole batch's output
+    # handed-out and cached items have their own storage, not views of a whole batch's output
     main, deepstack = next(iter(fused.encoder.cache._data.values()))
     assert main.device.type == device  # kept where the tower made it
     assert main.untyped_storage().nbytes() == main.numel() * main.element_size()
@@ -136,10 +139,13 @@ def test_a_request_the_engine_would_refuse_is_refused_before_its_media_is_encode
         req, gen, payload = await chat.prepare(body)
         return await chat.complete(req, gen, payload)
 
-    with pytest.raises(ClientError) as busy:
-        asyncio.run(send(bodies()[0]))
-    assert busy.value.status == 503 and busy.value.headers == {"Retry-After": "1"}
-    assert fused.encoder.stats()["pieces"] == 0  # the image was never encoded
+    try:
+        with pytest.raises(ClientError) as busy:
+            asyncio.run(send(bodies()[0]))
+        assert busy.value.status == 503 and busy.value.headers == {"Retry-After": "1"}
+        assert fused.encoder.stats()["pieces"] == 0  # the image was never encoded
+    finally:
+        fused.engine.shutdown()
 
 
 # ---------------------------------------------------------------- through Ray Serve

@@ -23,7 +23,7 @@ import time
 import ray
 
 from ..errors import ClientError
-from ..placement import plan
+from ..placement import resolve_policy
 from ..replica_stats import merge_encoder_stats
 from .config import BatchConfig
 from .io import Row, ShardWriter, count_rows, read_rows, write_json_atomic
@@ -55,7 +55,7 @@ class Stages:
         # pin the node's GPUs in turn. Fractional shares would not do: Ray gives them the fullest GPU
         # that fits, pairing encoders with encoders (app/placement.py). An explicit encoder num_gpus
         # is plain Ray accounting.
-        self.fused = plan(cfg.app.placement, int(gpus)).fused
+        self.fused = resolve_policy(cfg.app.placement, int(gpus)) == "fused"
         colocate = gpus > 0 and enc.num_gpus is None
         enc_gpus = 0.0 if colocate else (enc.num_gpus or 0.0)
         self.media = ActorPool("media", MediaWorker, lambda i: (app, cfg.file_root), cfg.media_pool,

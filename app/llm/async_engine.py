@@ -74,6 +74,9 @@ class AsyncEngine:
         stream = self.engine.output_stream(req)
         pending = _Pending()
         seq = self.engine.submit(req, sink=pending)
+        # The sequence holds its own copy of the embeddings: drop the request's, which may be GPU
+        # memory (the fused placement) that would otherwise stay for the whole generation.
+        del req
         if on_submit is not None:
             on_submit(seq)
         try:

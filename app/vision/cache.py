@@ -40,10 +40,6 @@ class EmbeddingCache:
             self.hits += 1
             return e
 
-    def wants(self, key: str | None) -> bool:
-        """Whether `put(key, ...)` could store anything (callers skip making a copy otherwise)."""
-        return key is not None and self.max_bytes > 0
-
     def put(self, key: str | None, e: Entry) -> None:
         size = entry_bytes(e)
         if key is None or size > self.max_bytes:

@@ -27,14 +27,9 @@ def _to_cpu(o) -> EncodedItem:
 
 
 def _on_device(o) -> EncodedItem:
-    # Views of the batch's output: the engine copies them into its own tensors at once (Sequence), so
-    # the batch's storage lives only until every request of the batch has been admitted.
-    return o.main, list(o.deepstack)
-
-
-def _compact(e: EncodedItem) -> EncodedItem:
-    """An item's own copy, for the cache (a view would keep the whole batch's output alive)."""
-    return e[0].clone(), [d.clone() for d in e[1]]
+    # Each item gets its own storage here too (a device-to-device copy): a view would keep the whole
+    # batch's output alive on the GPU for as long as any one of its requests holds its item.
+    return o.main.clone(), [d.clone() for d in o.deepstack]
 
 
 def pick_device(name: str) -> str:
@@ -87,14 +82,8 @@ class EncoderService:
         if todo:
             outs = await self.batcher.submit([(torch.from_numpy(items[i][0]), tuple(items[i][1])) for i in todo])
             for i, o in zip(todo, outs):
-                key = items[i][2]
-                if self.keep_on_device:
-                    results[i] = _on_device(o)
-                    if self.cache.wants(key):
-                        self.cache.put(key, _compact(results[i]))
-                else:
-                    results[i] = _to_cpu(o)
-                    self.cache.put(key, results[i])
+                results[i] = _on_device(o) if self.keep_on_device else _to_cpu(o)
+                self.cache.put(items[i][2], results[i])
         return results
 
     def stats(self) -> dict:
