@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 GPU_BUSY = 80.0  # % of time a kernel ran: a GPU at or above this is the bottleneck
 THREAD_BUSY = 0.85  # a thread at this share of one core is saturated
 HOST_BUSY = 0.9  # of all cores
+PROCESS_GIL = 1.0  # a serving process at this many cores, with no thread saturated, may be GIL-bound
 
 
 # ---------------------------------------------------------------------------- GPUs
@@ -212,6 +213,9 @@ class Monitor:
         return s
 
 
+NOT_SERVING = {"load generator", "raylet", "gcs_server", "other ray workers"}
+
+
 def verdict(s: MonitorSummary) -> list[str]:
     """Which stage saturates, one line each; the busiest GPU and process when nothing does."""
     lines = []
@@ -229,7 +233,12 @@ def verdict(s: MonitorSummary) -> list[str]:
         busiest_gpu = f"busiest GPU {max(s.gpu_mean):.0f}%" if s.gpu_mean else "no GPU sampled"
         top = s.processes[0] if s.processes else None
         top_txt = f"busiest process {top['group']} {top['cores']:.2f} cores" if top else "no Ray process on this host"
-        lines.append(f"nothing saturated ({busiest_gpu}, {top_txt}, host {100 * s.host_busy:.0f}%): "
+        # A replica's Python threads (its event loop, Ray Serve's, the engine's) share one GIL: the
+        # process can be the queue while no single thread looks busy. Name those near a core.
+        gil = sorted({p["group"] for p in s.processes if p["cores"] >= PROCESS_GIL and p["group"] not in NOT_SERVING})
+        gil_txt = f"; possibly GIL-bound (a process at {PROCESS_GIL:g}+ core, its threads sharing one GIL): " \
+            f"{', '.join(gil)}" if gil else ""
+        lines.append(f"nothing saturated ({busiest_gpu}, {top_txt}, host {100 * s.host_busy:.0f}%){gil_txt}: "
                      "raise the concurrency, or the stages wait on each other")
     return lines
 

@@ -48,3 +48,9 @@ def test_verdict_names_the_saturated_stage():
     assert "host CPU saturated" in verdict(_summary([], [], host_busy=0.95))[0]
     idle = verdict(_summary([20.0], [llm]))
     assert len(idle) == 1 and idle[0].startswith("nothing saturated") and "LLM" in idle[0]
+    assert "GIL" not in idle[0]
+    # a serving process over one core with no busy thread is named as possibly GIL-bound
+    busy_router = {"pid": 10, "group": "Router", "cores": 1.2, "busiest_thread": 0.3}
+    raylet = {"pid": 11, "group": "raylet", "cores": 1.5, "busiest_thread": 0.4}
+    gil = verdict(_summary([50.0], [raylet, busy_router, llm]))
+    assert len(gil) == 1 and "possibly GIL-bound" in gil[0] and gil[0].split("GIL): ")[1].startswith("Router:")
