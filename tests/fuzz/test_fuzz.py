@@ -33,13 +33,16 @@ ARGS = {"model": "embedded:tiny", "max_request_bytes": 8 << 20,
         "llm": {"max_model_len": 4096}}
 
 
-@pytest.fixture(scope="module")
-def served(model_cache):
+@pytest.fixture(scope="module", params=["auto", "fused"])
+def served(model_cache, request):
+    """The CPU default (separate encoder replica), then the `fused` placement (the GPU default: the
+    LLM replica reads and encodes the media itself, so hostile items reach it)."""
     pytest.importorskip("ray")
     media_server = MediaServer(png_bytes(32, 32, seed=1))
     media = {"max_media_bytes": 4 << 20, "fetch_timeout_s": 2.0, "decode_timeout_s": 10.0,
              "allowed_private_endpoints": [f"127.0.0.1:{media_server.port}"]}
-    conf = config_from_file(PORT, ARGS | {"cache_dir": model_cache, "media": media})
+    conf = config_from_file(PORT, ARGS | {"cache_dir": model_cache, "media": media,
+                                          "placement": {"policy": request.param}})
     try:
         with deployed(conf):
             yield f"http://127.0.0.1:{media_server.port}"
@@ -99,13 +102,16 @@ async def send_all(cases: list[Case]) -> list[tuple[Case, int, str | None, str |
         return await asyncio.gather(*(one(c) for c in cases))
 
 
-def test_the_fuzz_corpus_gets_4xx_never_5xx_and_restarts_nothing(served):
+def test_the_fuzz_corpus_gets_4xx_never_5xx_and_restarts_nothing(served, request):
+    fused = request.node.callspec.params["served"] == "fused"
     warm = httpx.post(f"http://127.0.0.1:{PORT}/v1/chat/completions", json=image_request(), timeout=120)
     assert warm.status_code == 200, warm.text
     cases = corpus(SEED, served)
     assert len(cases) >= 1000
     actors, processes = serve_replica_ids(), replica_identities()
-    assert {d for d, _, _ in processes} >= {"Router", "MediaPreprocessor", "VisionEncoder", "LLM"}, processes
+    want = {"Router", "MediaPreprocessor", "LLM"} | (set() if fused else {"VisionEncoder"})
+    assert {d for d, _, _ in processes} >= want, processes
+    assert fused == ("VisionEncoder" not in {d for d, _, _ in processes})  # fused: the LLM replica encodes
     router_before = rss_bytes("Router")
 
     t0 = time.monotonic()
