@@ -1,7 +1,7 @@
 """A serving-benchmark variant of a config file: six Router replicas from the start, and every replica's
 user code on Ray Serve's own event loop (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`, one thread
-hop less per call). Used in benchmarks/RESULTS.md ("Serving: the fused placement"); not a default:
-user code that blocks would then stall the replica's request handling.
+hop less per call). Used in benchmarks/RESULTS.md ("Serving: the fused placement"). The second part
+has since become the config files' default; the first stays a benchmark choice.
 
     python3 benchmarks/variants/lean_router.py configs/qwen3-vl-2b-gpu.yaml /tmp/v.yaml
 """
