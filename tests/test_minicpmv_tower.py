@@ -360,33 +360,16 @@ def test_a_random_model_has_the_published_parameter_names():
 def test_uniform_graph_for_equal_slices(gpu_harness):
     """A 448^2-class image (one 32 x 32 slice) and equal-size slices replay exact-shape graphs once seen
     twice: dense SigLIP attention and one dense batched resampler call."""
-    h, mgr = gpu_harness, gpu_harness.mgr
-    mgr.capture_pending()
-    for grids in ([(1, 32, 32)], [(1, 24, 20)] * 4):
-        for seed in (0, 1):
-            h.check(h.items(grids, seed=seed), expect_graph=True)
-        assert mgr.capture_pending() == 1
-        hits = mgr.stats.uniform_hits
-        first = h.check(h.items(grids, seed=2), expect_graph=True)
-        kept = first[0].main.clone()
-        h.check(h.items(grids, seed=3), expect_graph=True)
-        assert mgr.stats.uniform_hits == hits + 2 and torch.equal(first[0].main, kept)
+    gpu_harness.check_uniform_graphs(([(1, 32, 32)], [(1, 24, 20)] * 4))
 
 
 @pytest.mark.gpu
 def test_eager_batches_build_no_cudnn_attention_plans(gpu_harness):
     """Eager batches leave cuDNN's attention out (a plan per new shape): equal slices take the dense
     SigLIP and resampler calls, unequal ones the varlen SigLIP kernel and the masked resampler call."""
-    from helpers import attention_calls, skip_unless_cudnn_is_the_default
-
     h = gpu_harness
-    skip_unless_cudnn_is_the_default(h.tower.heads, h.tower.head_dim)
     batches = [h.items([(1, 32, 40)] * 2, seed=20), h.items([(1, 32, 40), (1, 20, 30)], seed=21)]
-    with torch.inference_mode():
-        sdpa, cudnn = attention_calls(lambda: [h.mgr.encode(b, force_eager=True) for b in batches])
-    assert sdpa > 0 and cudnn == 0
-    for b in batches:
-        h.check(b, expect_graph=False, force_eager=True)
+    h.check_eager_without_cudnn(batches)
 
 
 @pytest.mark.gpu

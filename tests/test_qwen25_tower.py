@@ -264,17 +264,7 @@ def test_fused_layer_structure_equals_reference_on_cpu(tiny_qwen25):
 def test_uniform_graphs_equal_the_reference(gpu_harness):
     """Equal-length batches (an image, a video, same-size images) replay exact-shape graphs once seen
     twice: dense attention in the full layers, windows in the others."""
-    h, mgr = gpu_harness, gpu_harness.mgr
-    mgr.capture_pending()
-    for grids in ([(1, 32, 32)], [(4, 16, 16)], [(1, 16, 24)] * 3):
-        for seed in (0, 1):
-            h.check(h.items(grids, seed=seed), expect_graph=True)
-        assert mgr.capture_pending() == 1
-        hits = mgr.stats.uniform_hits
-        first = h.check(h.items(grids, seed=2), expect_graph=True)
-        kept = first[0].main.clone()
-        h.check(h.items(grids, seed=3), expect_graph=True)
-        assert mgr.stats.uniform_hits == hits + 2 and torch.equal(first[0].main, kept)
+    gpu_harness.check_uniform_graphs(([(1, 32, 32)], [(4, 16, 16)], [(1, 16, 24)] * 3))
 
 
 @pytest.mark.gpu
@@ -282,16 +272,9 @@ def test_eager_batches_build_no_cudnn_attention_plans(gpu_harness):
     """Eager batches (ever-new shapes) leave cuDNN's attention out: it builds a plan per new shape. Two
     equal 1600-token images take the dense path in the full-attention layers, a mixed batch the
     varlen one; both must match the reference."""
-    from helpers import attention_calls, skip_unless_cudnn_is_the_default
-
     h = gpu_harness
-    skip_unless_cudnn_is_the_default(h.tower.heads, h.tower.head_dim)
     batches = [h.items([(1, 40, 40)] * 2, seed=20), h.items([(1, 40, 40), (2, 20, 12)], seed=21)]
-    with torch.inference_mode():
-        sdpa, cudnn = attention_calls(lambda: [h.mgr.encode(b, force_eager=True) for b in batches])
-    assert sdpa > 0 and cudnn == 0
-    for b in batches:
-        h.check(b, expect_graph=False, force_eager=True)
+    h.check_eager_without_cudnn(batches)
 
 
 @pytest.mark.gpu

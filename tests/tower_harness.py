@@ -60,3 +60,31 @@ class TowerHarness:
             assert a.shape == b.shape and rel(a, b) <= self.tol, (rel(a, b), rel(c, b))
             assert rel(a, b) <= 1.05 * rel(c, b) + 1e-3, (rel(a, b), rel(c, b))
         return out
+
+    def check_uniform_graphs(self, grid_sets) -> None:
+        """Each equal-length batch shape, seen twice, is captured as an exact-shape graph at the next
+        idle point; later batches of it replay that graph, match the reference, and a result
+        outlives the next replay."""
+        mgr = self.mgr
+        mgr.capture_pending()
+        for grids in grid_sets:
+            for seed in (0, 1):
+                self.check(self.items(grids, seed=seed), expect_graph=True)
+            assert mgr.capture_pending() == 1
+            hits = mgr.stats.uniform_hits
+            first = self.check(self.items(grids, seed=2), expect_graph=True)
+            kept = first[0].main.clone()
+            self.check(self.items(grids, seed=3), expect_graph=True)
+            assert mgr.stats.uniform_hits == hits + 2 and torch.equal(first[0].main, kept)
+
+    def check_eager_without_cudnn(self, batches) -> None:
+        """Eager batches use SDPA but never cuDNN's attention (a plan per new shape), and match the
+        reference."""
+        from helpers import attention_calls, skip_unless_cudnn_is_the_default
+
+        skip_unless_cudnn_is_the_default(self.tower.heads, self.tower.head_dim)
+        with torch.inference_mode():
+            sdpa, cudnn = attention_calls(lambda: [self.mgr.encode(b, force_eager=True) for b in batches])
+        assert sdpa > 0 and cudnn == 0
+        for b in batches:
+            self.check(b, expect_graph=False, force_eager=True)
