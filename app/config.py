@@ -134,9 +134,10 @@ class LLMConfig(_Strict):
     cuda_graphs: bool = Field(True, description="decode steps replayed from CUDA graphs per batch bucket")
     stream_interval_ms: float = Field(10.0, ge=0, description="a stream sends at most one chunk per interval "
                                       "after its first (tokens that arrive meanwhile are merged); 0 = every step")
-    switch_interval_ms: float | None = Field(0.5, gt=0, description="the LLM replica's GIL switch interval "
-                                             "(sys.setswitchinterval; Python's default is 5 ms): how long its event "
-                                             "loop can wait for the engine thread's turn; None leaves the default")
+    switch_interval_ms: float | None = Field(0.2, gt=0, description="the GIL switch interval the engine sets for "
+                                             "its process (sys.setswitchinterval; Python's default is 5 ms): how long "
+                                             "the engine thread and the replica's event loop wait for each other's "
+                                             "turn; None leaves the interpreter's")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
 
     def resolved_max_num_seqs(self, device_type: str) -> int:

@@ -71,3 +71,13 @@ class FusedBackend:
         """app.api.chat.Backend: chunks as dicts."""
         async for chunk in self.chunks(gen, payload):
             yield asdict(chunk)
+
+
+def build_generation(cfg: AppConfig, checkpoint: str, fused: bool) -> tuple[FusedBackend | None, AsyncEngine]:
+    """What an LLM replica (or a batch job's LLM actor) generates with: the engine behind an event
+    loop, and under `fused` the tower beside it (else None)."""
+    if fused:
+        backend = FusedBackend.build(cfg, checkpoint)
+        return backend, backend.streams
+    engine = Engine(checkpoint, pick_device(cfg.device), cfg.llm)
+    return None, AsyncEngine(engine, cfg.llm.stream_interval_ms / 1e3)

@@ -9,17 +9,14 @@ itself, the embeddings staying on the GPU (app/fused.py): the Router calls `gene
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import asdict
 
 from ray import serve
 
 from app.config import AppConfig
-from app.fused import FusedBackend
-from app.llm.async_engine import AsyncEngine
-from app.llm.engine import Engine, request_from_dict
+from app.fused import build_generation
+from app.llm.engine import request_from_dict
 from app.model_builder import resolve_model
-from app.vision.service import pick_device
 
 from .logs import route_app_logs
 from .metrics import EncoderMetrics, LLMMetrics
@@ -31,18 +28,11 @@ class LLM:
     def __init__(self, config: dict, fused: bool = False):
         route_app_logs()
         cfg = AppConfig(**config)
-        if cfg.llm.switch_interval_ms:  # the event loop and the engine thread share the GIL (app/config.py)
-            sys.setswitchinterval(cfg.llm.switch_interval_ms / 1e3)
-        ckpt = str(resolve_model(cfg.model, cfg.cache_dir))
-        self.fused: FusedBackend | None = None
-        if fused:
-            self.fused = FusedBackend.build(cfg, ckpt)
-            self.engine, self.streams = self.fused.engine, self.fused.streams
+        self.fused, self.streams = build_generation(cfg, str(resolve_model(cfg.model, cfg.cache_dir)), fused)
+        self.engine = self.streams.engine
+        if self.fused is not None:
             self.encoder_metrics = EncoderMetrics(self.fused.encoder.stats)
             self.fused.encoder.batcher.on_batch = self.encoder_metrics.on_batch
-        else:
-            self.engine = Engine(ckpt, pick_device(cfg.device), cfg.llm)
-            self.streams = AsyncEngine(self.engine, cfg.llm.stream_interval_ms / 1e3)
         self.metrics = LLMMetrics(self.engine.load)
 
     async def generate(self, gen: dict, encoded: list):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -109,14 +108,10 @@ class LLMWorker:
     def __init__(self, config: dict, fused: bool = False):
         """`fused`: this actor also holds the vision tower and encodes its rows' media itself, the
         embeddings staying on the GPU (serving's `fused` placement, app/fused.py)."""
-        from ..fused import FusedBackend
-        from ..llm.async_engine import AsyncEngine
-        from ..llm.engine import Engine
+        from ..fused import build_generation
         from ..vision.service import pick_device
 
         cfg = AppConfig(**config)
-        if cfg.llm.switch_interval_ms:  # the actor's event loop and the engine thread share the GIL
-            sys.setswitchinterval(cfg.llm.switch_interval_ms / 1e3)
         # Nothing streams here: wake each request for its first and last chunk, rarely between. The
         # driver keeps `capacity()` rows in flight here (a full batch and as many again); the engine
         # queues them all: its `max_waiting` guards a server's latency, and a batch row refused with
@@ -125,12 +120,8 @@ class LLMWorker:
         seqs = cfg.llm.resolved_max_num_seqs(pick_device(cfg.device))
         cfg = cfg.model_copy(update={"llm": cfg.llm.model_copy(update={
             "stream_interval_ms": 500.0, "max_waiting": max(cfg.llm.max_waiting, 2 * seqs)})})
-        self.fused = FusedBackend.build(cfg, _checkpoint(cfg)) if fused else None
-        if self.fused is not None:
-            self.engine, self.streams = self.fused.engine, self.fused.streams
-        else:
-            self.engine = Engine(_checkpoint(cfg), pick_device(cfg.device), cfg.llm)
-            self.streams = AsyncEngine(self.engine, cfg.llm.stream_interval_ms / 1e3)
+        self.fused, self.streams = build_generation(cfg, _checkpoint(cfg), fused)
+        self.engine = self.streams.engine
         self.model_name = cfg.model_name
 
     def ready(self) -> bool:

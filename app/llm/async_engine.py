@@ -9,7 +9,7 @@ stream sends a bounded number of messages however fast it decodes, and the loop'
 does not grow with wake-ups of every stream: the engine thread, which shares the GIL with this
 loop, keeps its steps short.
 
-The loop shares the GIL with the engine thread: the LLM replica shortens the GIL switch interval
+The loop shares the GIL with the engine thread: the engine shortens the GIL switch interval
 (`llm.switch_interval_ms`), else the loop waits up to 5 ms for each turn and, with 64 or more streams,
 falls hundreds of milliseconds behind the engine (benchmarks/llm_load.py, RESULTS.md).
 """

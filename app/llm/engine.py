@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 __all__ = ["Chunk", "Engine", "GenerationRequest", "VisionInput", "request_from_dict", "resolve_dtype"]
 
 STEP_LOG = 8192  # steps kept for host-time statistics
-SWITCH_INTERVAL_S = 0.0002
 
 
 def request_from_dict(gen: dict, encoded: list) -> GenerationRequest:
@@ -110,9 +109,11 @@ class Engine:
         self.steps = self.graph_steps = 0
         self.step_log: deque[tuple[int, int, bool, float, float]] = deque(maxlen=STEP_LOG)  # seqs, tokens, graph, host, wall
         # The engine thread shares the GIL with whoever reads the outputs (the replica's event loop). When
-        # a step's device work is done it must get the GIL back at once, not after CPython's default
-        # 5 ms switch interval (which, with a busy reader, became most of a batch-64 step on an H200).
-        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        # a step's device work is done it must get the GIL back at once, and the loop its turn, not after
+        # CPython's default 5 ms switch interval (which, with a busy reader, became most of a batch-64
+        # step on an H200, and left the loop hundreds of ms behind the engine with 64+ streams).
+        if cfg.switch_interval_ms:
+            sys.setswitchinterval(cfg.switch_interval_ms / 1e3)
         self._inbox: list[Sequence] = []
         self._cv = threading.Condition()
         self._stop = False
