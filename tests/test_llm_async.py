@@ -2,7 +2,10 @@
 chunks merged per stream interval, and a closed stream cancels its request."""
 
 import asyncio
+import sys
 import time
+
+import pytest
 
 from app.llm.async_engine import AsyncEngine
 from app.llm.engine import Engine
@@ -56,3 +59,17 @@ def test_closing_the_stream_cancels_the_request(world, tiny_checkpoint):
 
     assert run(first_then_close())
 
+
+
+def test_the_engine_sets_the_configured_gil_switch_interval(tiny_checkpoint):
+    """`llm.switch_interval_ms` is the one place the interval comes from: the engine applies it (the
+    loop and the engine thread share the GIL); None leaves the interpreter's."""
+    saved = sys.getswitchinterval()
+    try:
+        Engine(str(tiny_checkpoint), switch_interval_ms=0.3).shutdown()
+        assert sys.getswitchinterval() == pytest.approx(0.0003)
+        sys.setswitchinterval(0.004)
+        Engine(str(tiny_checkpoint), switch_interval_ms=None).shutdown()
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+    finally:
+        sys.setswitchinterval(saved)
