@@ -92,3 +92,22 @@ def skip_unless_cudnn_is_the_default(heads: int, head_dim: int, dtype=torch.bflo
     mask = torch.ones(2, 1, 64, 64, dtype=torch.bool, device="cuda").tril() if masked else None
     if not attention_calls(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))[1]:
         pytest.skip("PyTorch does not pick cuDNN's attention by default here")
+
+
+# ---------------------------------------------------------------- the in-process pipeline
+def local_chat(cfg, checkpoint, backend=None):
+    """ChatService over an in-process MediaPipeline: with the default backend (LocalBackend: each
+    request alone, no batching, no cache) the reference that served answers must equal."""
+    from transformers import AutoTokenizer
+
+    from app.api.chat import ChatService
+    from app.llm.engine import Engine
+    from app.local_backend import LocalBackend
+    from app.media.pipeline import MediaPipeline
+    from app.media.preprocess import PatchSpec
+    from app.vision.service import EncoderService
+
+    if backend is None:
+        backend = LocalBackend(EncoderService(cfg, str(checkpoint)), Engine(str(checkpoint)))
+    return ChatService(cfg, AutoTokenizer.from_pretrained(checkpoint),
+                       MediaPipeline(cfg.media, PatchSpec.from_checkpoint(checkpoint)), backend)

@@ -37,23 +37,17 @@ def served(request, model_cache):
     ray = pytest.importorskip("ray")
     openai = pytest.importorskip("openai")
     from ray import serve
-    from transformers import AutoTokenizer
 
-    from app.api.chat import ChatService
     from app.config import AppConfig
-    from app.llm.engine import Engine
-    from app.local_backend import LocalBackend
-    from app.media.pipeline import MediaPipeline
     from app.media.preprocess import PatchSpec
     from app.model_builder import resolve_model
-    from app.vision.service import EncoderService
     from deployments.app import build_app
+    from helpers import local_chat
 
     args = ARGS | {"model": f"embedded:{request.param}", "cache_dir": model_cache}
     cfg = AppConfig(**args)
     ckpt = resolve_model(cfg.model, cfg.cache_dir)
-    local = ChatService(cfg, AutoTokenizer.from_pretrained(ckpt), MediaPipeline(cfg.media, PatchSpec.from_checkpoint(ckpt)),
-                        LocalBackend(EncoderService(cfg, str(ckpt)), Engine(str(ckpt))))
+    local = local_chat(cfg, ckpt)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})

@@ -12,7 +12,7 @@ import base64
 
 import pytest
 
-from helpers import mp4_bytes, png_bytes
+from helpers import local_chat, mp4_bytes, png_bytes
 
 ARGS = {"model": "embedded:tiny", "encoder": {"min_budget": 64, "max_budget": 1024, "batch_wait_ms": 20},
         "media": {"max_input_pixels": 1_000_000, "max_items_per_request": 4, "max_frames_per_request": 10}}
@@ -40,36 +40,20 @@ def bodies() -> list[dict]:
     return [{"messages": [{"role": "user", "content": c}], "max_tokens": 5, "temperature": 0} for c in contents]
 
 
-def chat_service(cfg, checkpoint, backend):
-    from transformers import AutoTokenizer
-
-    from app.api.chat import ChatService
-    from app.media.pipeline import MediaPipeline
-    from app.media.preprocess import PatchSpec
-
-    return ChatService(cfg, AutoTokenizer.from_pretrained(checkpoint),
-                       MediaPipeline(cfg.media, PatchSpec.from_checkpoint(checkpoint)), backend)
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint):
     """Each body's answer from the in-process reference pipeline, one request at a time."""
     from app.config import AppConfig
-    from app.llm.engine import Engine
-    from app.local_backend import LocalBackend
-    from app.vision.service import EncoderService
 
-    cfg = AppConfig(**ARGS | {"model": str(tiny_checkpoint), "device": "cpu"})
+    chat = local_chat(AppConfig(**ARGS | {"model": str(tiny_checkpoint), "device": "cpu"}), tiny_checkpoint)
 
     async def one(body):
         return await chat.complete(*(await chat.prepare(body)))
 
-    engine = Engine(str(tiny_checkpoint))
-    chat = chat_service(cfg, tiny_checkpoint, LocalBackend(EncoderService(cfg, str(tiny_checkpoint)), engine))
     try:
         return [asyncio.run(one(b)) for b in bodies()]
     finally:
-        engine.shutdown()
+        chat.backend.engine.shutdown()
 
 
 def same_answer(got: dict, want: dict) -> None:
@@ -102,7 +86,7 @@ def test_fused_backend_batches_concurrent_requests_and_answers_as_the_reference(
 
 
 def check_fused_answers(fused, cfg, tiny_checkpoint, reference, device):
-    chat = chat_service(cfg, tiny_checkpoint, fused)
+    chat = local_chat(cfg, tiny_checkpoint, fused)
 
     async def run_all():
         async def one(body):
@@ -133,7 +117,7 @@ def test_a_request_the_engine_would_refuse_is_refused_before_its_media_is_encode
 
     cfg = AppConfig(**ARGS | {"model": str(tiny_checkpoint), "llm": {"max_waiting": 0}})
     fused = FusedBackend.build(cfg, str(tiny_checkpoint))
-    chat = chat_service(cfg, tiny_checkpoint, fused)
+    chat = local_chat(cfg, tiny_checkpoint, fused)
 
     async def send(body):
         req, gen, payload = await chat.prepare(body)

@@ -158,13 +158,8 @@ def test_client_errors_are_4xx_and_the_server_keeps_serving(server, name, body, 
 def test_sixteen_concurrent_requests_share_encoder_batches_and_get_their_own_answers(server, tiny_checkpoint):
     import asyncio
 
-    from app.api.chat import ChatService
     from app.config import AppConfig
-    from app.llm.engine import Engine
-    from app.local_backend import LocalBackend
-    from app.media.pipeline import MediaPipeline
-    from app.media.preprocess import PatchSpec
-    from app.vision.service import EncoderService
+    from helpers import local_chat
 
     bodies = [{"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_url(png_bytes(48 + 8 * (i % 4), 64, seed=1000 + i), "image/png")}},
@@ -183,12 +178,7 @@ def test_sixteen_concurrent_requests_share_encoder_batches_and_get_their_own_ans
     assert 0 < after["batch_fill"] <= 1 and after["queue_wait_ms_max"] >= 0
 
     # The same requests through the whole pipeline in-process, each alone, no batching, no cache.
-    cfg = AppConfig(**SERVER_ARGS | {"model": str(tiny_checkpoint)})
-    from transformers import AutoTokenizer
-
-    chat = ChatService(cfg, AutoTokenizer.from_pretrained(tiny_checkpoint),
-                       MediaPipeline(cfg.media, PatchSpec.from_checkpoint(tiny_checkpoint)),
-                       LocalBackend(EncoderService(cfg, str(tiny_checkpoint)), Engine(str(tiny_checkpoint))))
+    chat = local_chat(AppConfig(**SERVER_ARGS | {"model": str(tiny_checkpoint)}), tiny_checkpoint)
 
     async def reference(body):
         return await chat.complete(*(await chat.prepare(body)))
