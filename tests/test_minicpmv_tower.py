@@ -151,15 +151,20 @@ def cpu_harness(tiny_minicpmv):
     return h
 
 
-@pytest.fixture(scope="module")
-def gpu_harness():
+def _gpu_vision():
+    """MiniCPM-V-4.5's vision side with random weights on the GPU, and its config (skips without CUDA)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from app.minicpmv_builder import _random_vision
     from app.model_builder import load_preset
 
     config = load_preset("minicpm-v-4.5")
-    model = _random_vision(config, seed=0).cuda()
+    return config, _random_vision(config, seed=0).cuda()
+
+
+@pytest.fixture(scope="module")
+def gpu_harness():
+    config, model = _gpu_vision()
     ref32 = Reference(config, {k: t.float() for k, t in model.state_dict().items()}).cuda()
     ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
 
@@ -176,13 +181,7 @@ def gpu_harness():
 @pytest.fixture(scope="module")
 def gpu32_harness():
     """MiniCPM-V-4.5-shaped, float32 with captured graphs, judged directly by the reference in float32."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from app.minicpmv_builder import _random_vision
-    from app.model_builder import load_preset
-
-    config = load_preset("minicpm-v-4.5")
-    model = _random_vision(config, seed=0).cuda()
+    config, model = _gpu_vision()
     ref = Reference(config, model.state_dict()).cuda()
     tf32 = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False  # the reference's Conv2d patch embedding would round to TF32
