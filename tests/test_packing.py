@@ -109,10 +109,14 @@ def test_repeated_items_hit_the_cache_and_skip_the_encoder(service):
 
 def test_a_cancelled_request_leaves_the_queue(service):
     async def scenario():
+        first = asyncio.ensure_future(service.encode_async(_items([(1, 2, 4)], seed=8)))
+        for _ in range(3):  # an idle encoder starts at once: this batch is now running in its thread
+            await asyncio.sleep(0)
         task = asyncio.ensure_future(service.encode_async(_items([(1, 4, 4)], seed=9)))
-        await asyncio.sleep(0)  # queued, the batcher is still waiting (batch_wait_ms = 20)
+        await asyncio.sleep(0)  # queued behind the running batch (then batch_wait_ms = 20 for the next)
         task.cancel()
         kept = await service.encode_async(_items([(1, 2, 2)], seed=10))
+        await first
         return task, kept
 
     before = service.batcher.stats.cancelled_pieces
@@ -159,3 +163,33 @@ def test_the_batcher_runs_its_idle_task_after_the_queue_drains():
     out = asyncio.run(scenario())
     assert [o.main[0, 0].item() for o in out] == [1.0, 2.0]
     assert events == [("batch", 2), ("idle",)]
+
+
+def test_an_idle_encoder_starts_at_once_and_a_busy_one_waits_to_batch():
+    """No batching wait when no batch ended within `wait_ms` (nothing to batch with: it would only add
+    to time to first token); right after a batch, arrivals wait up to `wait_ms` and run together."""
+    import time
+
+    from app.vision.batcher import EncodeBatcher
+    from app.vision.graphs import VisionEmbedding
+
+    sizes = []
+
+    def run_batch(items):
+        sizes.append(len(items))
+        time.sleep(0.05)
+        return [VisionEmbedding(it.pixels[:1], []) for it in items], sum(it.pixels.shape[0] for it in items)
+
+    batcher = EncodeBatcher(run_batch, Limits(64, 4, 4), wait_ms=400)
+    px = torch.ones((4, 8))
+
+    async def scenario():
+        await batcher.submit([(px, (1, 2, 2))])
+        idle_wait = batcher.stats.queue_wait_s_max
+        await asyncio.gather(batcher.submit([(px, (1, 2, 2))]), batcher.submit([(px, (1, 2, 2))]))
+        return idle_wait
+
+    idle_wait = asyncio.run(scenario())
+    assert idle_wait < 0.2  # the idle start did not wait the 400 ms window
+    assert sizes == [1, 2]  # the two arrivals right after a batch waited and ran as one batch
+    assert batcher.stats.queue_wait_s_max >= 0.3

@@ -5,6 +5,10 @@ chunks that fit a graph, on one queue. A loop waits at most `wait_ms` after the 
 piece (less if the queue already fills the largest budget), packs the whole queue with
 `packing.pack`, runs the batches and scatters the results back. Each round drains the queue, so no
 piece waits more than one round. A cancelled request's pieces are dropped before they run.
+
+An idle encoder (no batch ended within the last `wait_ms`) does not wait: with nothing else in
+flight there is nothing to batch with, and the wait would only add to time to first token. Under
+load batches end back to back, so the wait applies, and pieces arriving during a batch join the next.
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ class EncodeBatcher:
         self._queue: list[_Queued] = []
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._last_end = float("-inf")  # when the last batch ended (monotonic)
 
     async def submit(self, items: list[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[VisionEmbedding]:
         loop = asyncio.get_running_loop()
@@ -136,7 +141,10 @@ class EncodeBatcher:
                     log.exception("encoder idle task failed")
 
     async def _wait_for_batch(self) -> None:
-        """Until the oldest piece has waited wait_ms, or the queue already fills the largest budget."""
+        """Until the oldest piece has waited wait_ms, or the queue already fills the largest budget;
+        not at all when the encoder was idle."""
+        if time.monotonic() - self._last_end > self.wait_s:
+            return
         while self._queue:
             oldest = min(q.enqueued for q in self._queue)
             left = oldest + self.wait_s - time.monotonic()
@@ -162,6 +170,8 @@ class EncodeBatcher:
             for q in batch:
                 q.req.fail(e)
             return
+        finally:
+            self._last_end = time.monotonic()
         tokens = sum(q.vision.pixels.shape[0] for q in batch)
         self.stats.batches += 1
         self.stats.pieces += len(batch)
