@@ -11,8 +11,9 @@ install:
 	@($(PIP) show -q vlm-serve >/dev/null 2>&1 && \
 	  $(PYTHON) -c "import ray, av, fastapi, transformers, pytest, hypothesis, orjson, psutil, openai, matplotlib" 2>/dev/null) || $(PIP) install -q -e ".[dev]"
 
+# Ray Serve's low-overhead mode for the Ray this starts (deployments/ray_env.py; a variable already set wins).
 serve: install
-	serve run serve_config.yaml
+	env $$($(PYTHON) -m deployments.ray_env) serve run serve_config.yaml
 
 test: install
 	$(PYTHON) -m pytest -q

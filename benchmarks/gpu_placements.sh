@@ -5,8 +5,9 @@
 #   PLACEMENTS="fused colocate" bash benchmarks/gpu_placements.sh CONFIG [serve.py args ...]
 # e.g. PLACEMENTS="fused colocate" bash benchmarks/gpu_placements.sh configs/qwen3-vl-2b-gpu.yaml \
 #        --sweep --workload image --num-requests 48 --rounds 3
-# A placement may name its LLM replica count: "fused:2" is `--placement fused --llm-replicas 2`; a
-# trailing "+opt" runs it with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Ray Serve's low-overhead mode).
+# A placement may name its LLM replica count: "fused:2" is `--placement fused --llm-replicas 2`. Ray
+# starts as `make serve` starts it (deployments/ray_env.py: RAY_SERVE_THROUGHPUT_OPTIMIZED=1); a
+# trailing "+plain" runs that placement with RAY_SERVE_THROUGHPUT_OPTIMIZED=0 (Ray Serve's defaults).
 # GPU_TESTS="tests/test_fused.py" runs those tests with `-m gpu` first. Each placement's outputs are
 # packed into $OUT/<placement>.tgz (the device tool returns a limited number of files).
 set -uo pipefail
@@ -16,10 +17,10 @@ if [ -n "${GPU_TESTS:-}" ]; then
 fi
 CONFIG=$1; shift
 for placement in ${PLACEMENTS:-fused colocate}; do
-  spec=${placement%+opt}; opt=0; [ "$spec" != "$placement" ] && opt=1
+  spec=${placement%+plain}; opt=1; [ "$spec" != "$placement" ] && opt=0
   policy=${spec%%:*}
   extra=(); [ "$policy" != "$spec" ] && extra=(--llm-replicas "${spec#*:}")
-  dir="$OUT/${spec/:/x}"; [ $opt = 1 ] && dir="${dir}_opt"; mkdir -p "$dir"
+  dir="$OUT/${spec/:/x}"; [ $opt = 0 ] && dir="${dir}_plain"; mkdir -p "$dir"
   echo "=== $placement"
   RAY_SERVE_THROUGHPUT_OPTIMIZED=$opt RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1 \
   timeout "${SERVE_TIMEOUT:-300}" python3 benchmarks/serve.py --start --serve-config "$CONFIG" --no-progress \

@@ -271,7 +271,9 @@ def start_app(args: dict, port: int, serve_config: str | None = None, num_gpus: 
     import ray
     from ray import serve
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from deployments.ray_env import apply_serve_env
+
+    apply_serve_env()  # as `make serve` starts Ray (RAY_SERVE_THROUGHPUT_OPTIMIZED=0 in the environment: off)
     if num_gpus is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(num_gpus))
     if not ray.is_initialized():

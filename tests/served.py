@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,7 +42,9 @@ def deployed(conf: dict, metrics_port: int | None = None) -> Iterator[None]:
     from ray.serve._private import api as serve_api
     from ray.serve.schema import ServeDeploySchema
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from deployments.ray_env import apply_serve_env
+
+    apply_serve_env()  # as `make serve` starts Ray
     kw = {"_metrics_export_port": metrics_port} if metrics_port else {}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, **kw)
     try:

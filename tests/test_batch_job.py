@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from deployments.ray_env import apply_serve_env
 from helpers import mp4_bytes, png_bytes
 
 pytestmark = pytest.mark.integration
@@ -102,7 +103,7 @@ def cluster(model_cache, tmp_path_factory):
 
     from deployments.app import build_app
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    apply_serve_env()  # as `make serve` starts Ray
     ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(APP_ARGS | {"cache_dir": model_cache}), name="vlm", route_prefix="/")

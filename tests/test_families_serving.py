@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import os
 
 import pytest
 
+from deployments.ray_env import apply_serve_env
 from helpers import mp4_bytes, png_bytes
 
 pytestmark = pytest.mark.integration
@@ -48,7 +48,7 @@ def served(request, model_cache):
     cfg = AppConfig(**args)
     ckpt = resolve_model(cfg.model, cfg.cache_dir)
     local = local_chat(cfg, ckpt)
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    apply_serve_env()  # as `make serve` starts Ray
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(args), name="vlm", route_prefix="/")

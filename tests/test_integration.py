@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 
 import httpx
 import pytest
 
+from deployments.ray_env import apply_serve_env
 from helpers import mp4_bytes, png_bytes
 
 pytestmark = pytest.mark.integration
@@ -30,7 +30,7 @@ def server(model_cache):
 
     from deployments.app import build_app
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    apply_serve_env()  # as `make serve` starts Ray
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(SERVER_ARGS | {"cache_dir": model_cache}), name="vlm", route_prefix="/")
@@ -66,6 +66,21 @@ def expect_ok(resp, images: int = 0, videos: int = 0) -> dict:
 def test_health_and_models(server):
     assert server.get("/health").json() == {"status": "ok"}
     assert server.get("/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+def test_the_cluster_runs_ray_serve_in_its_low_overhead_mode(server):
+    """The environment set before Ray starts (deployments/ray_env.py, as `make serve` does) reaches the
+    cluster's processes, where Ray Serve reads it."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def mode():
+        from ray.serve._private import constants as c
+
+        return (c.RAY_SERVE_THROUGHPUT_OPTIMIZED, c.RAY_SERVE_ENABLE_DIRECT_INGRESS,
+                c.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, c.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP)
+
+    assert ray.get(mode.remote()) == (True, False, False, False)
 
 
 def test_text_only(server):

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import yaml
 
+from deployments.ray_env import apply_serve_env
 from helpers import png_bytes
 
 pytestmark = pytest.mark.integration
@@ -56,7 +57,7 @@ def served(model_cache):
 
     saved = {k: os.environ.get(k) for k in FAST_METRICS}
     os.environ.update(FAST_METRICS)
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    apply_serve_env()  # as `make serve` starts Ray
     conf = scaling_config()
     conf["applications"][0]["args"]["cache_dir"] = model_cache
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)

@@ -1,0 +1,40 @@
+"""The environment a Ray cluster that serves this application should start with.
+
+Ray Serve reads these when each of its processes starts (HTTP proxy, controller, replicas), so they
+must be in the environment of whatever starts Ray: `make serve` and the benchmarks set them before
+`serve run` / `ray.init`; on a cluster started by hand, export them before `ray start`.
+
+- `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`: Ray Serve's low-overhead mode (gRPC from the proxy to the Router,
+  each replica's user code and handle router on one event loop, garbage collection frozen after start-up,
+  request logs buffered). The Router's time is mostly Ray Serve's per-call machinery, not ours
+  (benchmarks/RESULTS.md); this mode served 34-52% more requests per second on the CPU machine and
+  13% more on an H200 in side-by-side runs.
+- `RAY_SERVE_ENABLE_DIRECT_INGRESS=0`: the mode would otherwise turn on direct ingress, which keeps an
+  HTTP proxy on the head node only, expects an external load balancer in front of the Router replicas'
+  own ports, and holds every stopping Router replica open for 30 s. Off, a proxy runs on every node as
+  `proxy_location` says, and it made no difference to throughput (RESULTS.md).
+
+A variable already set in the environment wins, so `RAY_SERVE_THROUGHPUT_OPTIMIZED=0` turns the mode off.
+"""
+
+from __future__ import annotations
+
+import os
+
+SERVE_ENV = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+def apply_serve_env() -> dict[str, str]:
+    """Sets SERVE_ENV's variables that are not set yet, in this process (before it starts Ray); returns
+    the values in effect."""
+    for k, v in SERVE_ENV.items():
+        os.environ.setdefault(k, v)
+    return {k: os.environ[k] for k in SERVE_ENV}
+
+
+if __name__ == "__main__":  # `env $(python -m deployments.ray_env) serve run ...` (the Makefile)
+    print(" ".join(f"{k}={v}" for k, v in apply_serve_env().items()))
