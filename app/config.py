@@ -208,6 +208,10 @@ class AppConfig(_Strict):
                                       "but /health; None = the env var VLM_API_KEY, if set. Never printed")
     max_request_bytes: int = Field(384 * 1024 * 1024, gt=0, description="largest accepted request body (base64 "
                                    "data: URLs are 4/3 of their media's size)")
+    router_http_port: int | None = Field(None, ge=1, le=65535, description="every Router replica also serves HTTP "
+                                         "itself on this port, shared by a node's Routers (SO_REUSEPORT): no proxy hop "
+                                         "(app/api/shared_port.py); None = only Ray Serve's proxy")
+    router_http_host: str = Field("0.0.0.0", description="the address router_http_port binds")
 
     @property
     def model_name(self) -> str:

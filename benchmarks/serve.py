@@ -479,6 +479,8 @@ def main() -> None:
     p.add_argument("--model", default=None, help="with --start/--compare (default: the config file's, else embedded:tiny)")
     p.add_argument("--app-args", default="{}", help="with --start/--compare: JSON deep-merged into the application args")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--router-port", type=int, default=None,
+                   help="with --start: Routers also serve HTTP on this shared port (router_http_port); load goes there")
     p.add_argument("--out-dir", default="benchmarks/serve_results")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args()
@@ -530,8 +532,10 @@ def main() -> None:
     url = a.url
     if a.start:
         t = time.perf_counter()
+        if a.router_port:  # the Routers' own shared port (app/api/shared_port.py) instead of the proxy's
+            app_args = deep_merge(app_args, {"router_http_port": a.router_port, "router_http_host": "127.0.0.1"})
         start_app(app_args, a.port, a.serve_config, a.num_gpus)
-        url = f"http://127.0.0.1:{a.port}"
+        url = f"http://127.0.0.1:{a.router_port or a.port}"
         print(f"application ready in {time.perf_counter() - t:.1f} s")
     if not a.sweep:
         results = {"server": fixed(url, "")}

@@ -19,6 +19,7 @@ from app.api.auth import ApiKeyMiddleware, resolve_api_key
 from app.api.body import parse_json, read_body
 from app.api.chat import ChatService, unwrap_client_error
 from app.api.retry import RetryPolicy
+from app.api.shared_port import SharedPortServer
 from app.config import AppConfig
 from app.errors import ClientError
 from app.media.preprocess import PatchSpec
@@ -70,9 +71,10 @@ def error_response(e: ClientError) -> JSONResponse:
 @serve.deployment(name="Router", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=2)
 @serve.ingress(api)
 class Router:
-    def __init__(self, config: dict, media: DeploymentHandle, encoder: DeploymentHandle, llm: DeploymentHandle,
-                 fused: bool = False):
-        """`fused`: the placement runs the tower inside the LLM replicas (no VisionEncoder replicas)."""
+    async def __init__(self, config: dict, media: DeploymentHandle, encoder: DeploymentHandle, llm: DeploymentHandle,
+                       fused: bool = False):
+        """`fused`: the placement runs the tower inside the LLM replicas (no VisionEncoder replicas).
+        Async so that the shared-port HTTP server (`router_http_port`) starts on this replica's loop."""
         from transformers import AutoTokenizer
 
         route_app_logs()
@@ -89,6 +91,15 @@ class Router:
         self.chat = ChatService(self.cfg, AutoTokenizer.from_pretrained(ckpt), remote_media, RayBackend(encoder, llm, fused),
                                 observer=self.metrics.observe)
         self.encoder, self.llm, self.fused = encoder, llm, fused
+        self.direct = None
+        if self.cfg.router_http_port:
+            self.direct = SharedPortServer(api, self.cfg.router_http_host, self.cfg.router_http_port)
+            await self.direct.started()
+
+    def __del__(self):
+        """Ray Serve calls this when it stops the replica: the shared port stops taking connections."""
+        if getattr(self, "direct", None) is not None:
+            self.direct.stop()
 
     @api.get("/health")
     async def health(self) -> dict:

@@ -14,9 +14,11 @@ from helpers import mp4_bytes, png_bytes
 pytestmark = pytest.mark.integration
 PORT = 8765
 METRICS_PORT = 8766
+DIRECT_PORT = 8767  # router_http_port: the Routers' own shared port, beside the proxy's
 SERVER_ARGS = {"model": "embedded:tiny", "encoder": {"min_budget": 64, "max_budget": 1024, "batch_wait_ms": 20},
                "media": {"max_input_pixels": 1_000_000, "max_items_per_request": 4,
-                         "max_frames_per_request": 10}}
+                         "max_frames_per_request": 10},
+               "router_http_port": DIRECT_PORT, "router_http_host": "127.0.0.1"}
 
 
 def data_url(data: bytes, mime: str) -> str:
@@ -132,6 +134,27 @@ def test_streaming(server):
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     full = chat(server, [{"type": "image_url", "image_url": {"url": data_url(png_bytes(), "image/png")}}]).json()
     assert text == full["choices"][0]["message"]["content"]
+
+
+def test_the_routers_own_port_serves_the_same_api_without_the_proxy(server):
+    """router_http_port (app/api/shared_port.py): the same FastAPI app served by the Router process itself.
+    Same answers as through Ray Serve's proxy, streamed and not, and the same OpenAI error shape."""
+    import openai
+
+    content = [{"type": "image_url", "image_url": {"url": data_url(png_bytes(), "image/png")}},
+               {"type": "text", "text": "Describe"}]
+    via_proxy = expect_ok(chat(server, content), images=1)["choices"][0]["message"]["content"]
+    direct = openai.OpenAI(base_url=f"http://127.0.0.1:{DIRECT_PORT}/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": content}]
+    r = direct.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    assert r.choices[0].message.content == via_proxy and r.usage.prompt_tokens_details.image_tokens > 0
+    stream = direct.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == via_proxy
+    with pytest.raises(openai.BadRequestError) as e:
+        direct.chat.completions.create(model="tiny", messages=[
+            {"role": "user", "content": [{"type": "audio_url", "audio_url": {}}]}])
+    assert e.value.status_code == 400 and e.value.body["code"] == "unsupported_content_type"
+    assert httpx.get(f"http://127.0.0.1:{DIRECT_PORT}/health").json() == {"status": "ok"}
 
 
 BAD_REQUESTS = [
