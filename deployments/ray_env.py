@@ -7,12 +7,12 @@ must be in the environment of whatever starts Ray: `make serve` and the benchmar
 - `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`: Ray Serve's low-overhead mode (gRPC from the proxy to the Router,
   each replica's user code and handle router on one event loop, garbage collection frozen after start-up,
   request logs buffered). The Router's time is mostly Ray Serve's per-call machinery, not ours
-  (benchmarks/RESULTS.md); this mode served 34-52% more requests per second on the CPU machine and
-  13% more on an H200 in side-by-side runs.
+  (benchmarks/RESULTS.md); this mode served 27-52% more requests per second at concurrency 8 on the
+  CPU machine, and 13% more in one side-by-side H200 run (direct ingress on).
 - `RAY_SERVE_ENABLE_DIRECT_INGRESS=0`: the mode would otherwise turn on direct ingress, which keeps an
   HTTP proxy on the head node only, expects an external load balancer in front of the Router replicas'
   own ports, and holds every stopping Router replica open for 30 s. Off, a proxy runs on every node as
-  `proxy_location` says, and it made no difference to throughput (RESULTS.md).
+  `proxy_location` says, and it was not slower on the CPU machine (RESULTS.md).
 
 A variable already set in the environment wins, so `RAY_SERVE_THROUGHPUT_OPTIMIZED=0` turns the mode off.
 """

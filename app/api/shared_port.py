@@ -3,7 +3,7 @@
 Why. Through Ray Serve's HTTP proxy a request costs two extra process hops: the proxy hands the request
 to a Router replica, the Router fetches the body back from the proxy with one more call, and every
 streamed chunk travels Router -> proxy -> client. On the 2-core machine those hops were 8-10 ms of a
-trivial request's 24-29 ms at concurrency 1 (benchmarks/ray_hops.py), and a node has one proxy process,
+trivial request's 24-31 ms at concurrency 1 (benchmarks/ray_hops.py), and a node has one proxy process,
 whose single Python thread caps what every GPU of the node can serve.
 
 How. Each Router replica listens on the same port with SO_REUSEPORT, so the kernel spreads incoming
