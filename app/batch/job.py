@@ -63,13 +63,11 @@ class Stages:
         self.llm = ActorPool("llm", LLMWorker, lambda i: (app, self.fused), llm,
                              (1.0 if gpus > 0 else 0.0) if llm.num_gpus is None else llm.num_gpus,
                              on_remove=self._keep_stats if self.fused else None)
-        self.pools = {"media": self.media, "llm": self.llm}
-        self.encoder = None
-        if not self.fused:
-            self.encoder = ActorPool("encoder", EncoderWorker,
-                                     lambda i: (app, (i, node_gpus) if colocate else None), enc, enc_gpus,
-                                     on_remove=self._keep_stats)
-            self.pools = {"media": self.media, "encoder": self.encoder, "llm": self.llm}
+        self.encoder = None if self.fused else ActorPool(
+            "encoder", EncoderWorker, lambda i: (app, (i, node_gpus) if colocate else None), enc, enc_gpus,
+            on_remove=self._keep_stats)
+        self.pools = {name: pool for name, pool in (("media", self.media), ("encoder", self.encoder), ("llm", self.llm))
+                      if pool is not None}
 
     async def _keep_stats(self, m: Member) -> None:
         """A removed actor's encoder counters, for the job's report."""
