@@ -49,8 +49,10 @@ from benchmarks.serve import Workload, deep_merge  # noqa: E402
 from benchmarks.stats import pct  # noqa: E402
 
 KINDS = [  # (kind, substrings of the kernel name), first match wins
+    # Attention first: FlashAttention's kernel names carry `cutlass::` template arguments. `_varlen_fwd`
+    # is the tower's Triton attention (app/vision/attention.py).
+    ("attention", ("attn", "attention", "fmha", "flash", "cudnn", "_varlen_fwd")),
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "splitkreduce")),
-    ("attention", ("attn", "attention", "fmha", "flash", "cudnn")),
     ("norm", ("norm",)),
     ("rotary/rope", ("rotary", "rope")),
     ("copy", ("memcpy", "memset", "copy")),

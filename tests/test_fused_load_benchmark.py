@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.fused_load import main
+from benchmarks.fused_load import kind_of, main
 
 
 def test_every_stage_runs_and_every_request_generates_its_tokens(tmp_path, model_cache):
@@ -22,3 +22,20 @@ def test_every_stage_runs_and_every_request_generates_its_tokens(tmp_path, model
         else:  # 16 output tokens each (ignore_eos), and a first token before the last
             assert r["completion_tokens"] == 16 * r["requests"]
             assert 0 < r["ttft_ms"]["p50"] <= r["latency_ms"]["p50"]
+
+
+def test_kernels_are_summed_by_the_right_kind():
+    # names as torch's profiler reported them on the H200 (FlashAttention's carry cutlass templates)
+    names = {
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, "
+        "cutlass::bfloat16_t>>": "attention",
+        "_varlen_fwd": "attention",
+        "_paged_attention_kernel": "attention",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT": "gemm",
+        "cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8": "gemm",
+        "_add_rmsnorm_kernel": "norm",
+        "Memcpy HtoD (Pageable -> Device)": "copy",
+        "_silu_mul_kernel": "activation",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::BinaryFunctor<float>>": "other elementwise",
+    }
+    assert {n: kind_of(n) for n in names} == names
