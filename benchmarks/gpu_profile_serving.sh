@@ -2,7 +2,9 @@
 # One device call: serve a fixed-concurrency load and sample every serving process with py-spy while
 # it runs, to see where each process's CPU goes under load (the host path, issue 12). From the
 # repository root with .gpu-deps and .gpu-tools (py-spy.xz, a static binary from PyPI's py-spy wheel)
-# carried; results in $OUT/profile.tgz (collapsed stacks per process, summed by benchmarks/pyspy_summary.py):
+# carried; .gpu-tools/py-spy.xz comes from `pip download py-spy --no-deps --only-binary=:all: --platform
+# manylinux2014_x86_64 -d /tmp/w`, the wheel's py_spy-*.data/scripts/py-spy compressed with `xz -9`.
+# Results in $OUT/profile.tgz (collapsed stacks per process, summed by benchmarks/pyspy_summary.py):
 #   bash benchmarks/gpu_profile_serving.sh CONFIG [serve.py args ...]
 # e.g. bash benchmarks/gpu_profile_serving.sh configs/qwen3-vl-2b-gpu.yaml --placement fused --llm-replicas 2 \
 #        --workload image --concurrency 128 --num-requests 2000 --warmup 16
