@@ -43,7 +43,7 @@ class MediaConfig(_Strict):
     allowed_local_media_path: str | None = Field(None, description="directory that file:// media may be read "
                                                  "from; None = file:// refused")
     worker_threads: int = Field(2, ge=1, description="decode/resize/hash threads per MediaPreprocessor replica "
-                                "(Pillow, PyAV, numpy copies and blake2b release the GIL for most of an item)")
+                                "(Pillow, PyAV, numpy copies and SHA-256 release the GIL for most of an item)")
     decode_timeout_s: float = Field(30.0, gt=0, description="deadline for decoding and preparing one item")
     max_video_streams: int = Field(16, ge=1, description="streams a video container may hold")
     max_decoded_video_bytes: int = Field(2 << 30, gt=0, description="RGB bytes of one video's sampled frames "
