@@ -13,6 +13,11 @@ must be in the environment of whatever starts Ray: `make serve` and the benchmar
   HTTP proxy on the head node only, expects an external load balancer in front of the Router replicas'
   own ports, and holds every stopping Router replica open for 30 s. Off, a proxy runs on every node as
   `proxy_location` says, and it was not slower on the CPU machine (RESULTS.md).
+- `RAY_max_direct_call_object_size=524288`: call arguments and results up to 512 KB travel inside the
+  call instead of through the shared-memory object store (Ray's default: 100 KB). A 448^2 JPEG's data URL
+  (240 KB in the benchmark) goes from the Router to a media replica as one such argument; inline, the
+  hop cost it 0.5-1.2 ms more than a 1 KB body, against 3.3-4.8 ms through the store (benchmarks/ray_hops.py
+  on the CPU machine). The prepared rows (1.2 MB) and the embeddings still go through the store.
 
 A variable already set in the environment wins, so `RAY_SERVE_THROUGHPUT_OPTIMIZED=0` turns the mode off.
 """
@@ -25,6 +30,7 @@ SERVE_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_max_direct_call_object_size": str(512 * 1024),
 }
 
 

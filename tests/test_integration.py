@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 
 import httpx
 import pytest
@@ -80,9 +81,10 @@ def test_the_cluster_runs_ray_serve_in_its_low_overhead_mode(server):
         from ray.serve._private import constants as c
 
         return (c.RAY_SERVE_THROUGHPUT_OPTIMIZED, c.RAY_SERVE_ENABLE_DIRECT_INGRESS,
-                c.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, c.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP)
+                c.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, c.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP,
+                os.environ.get("RAY_max_direct_call_object_size"))  # read by Ray's core when a worker starts
 
-    assert ray.get(mode.remote()) == (True, False, False, False)
+    assert ray.get(mode.remote()) == (True, False, False, False, str(512 * 1024))
 
 
 def test_text_only(server):
