@@ -7,7 +7,8 @@
 #        --sweep --workload image --num-requests 48 --rounds 3
 # A placement may name its LLM replica count: "fused:2" is `--placement fused --llm-replicas 2`. Ray
 # starts as `make serve` starts it (deployments/ray_env.py: RAY_SERVE_THROUGHPUT_OPTIMIZED=1); a
-# trailing "+plain" runs that placement with RAY_SERVE_THROUGHPUT_OPTIMIZED=0 (Ray Serve's defaults).
+# trailing "+plain" runs that placement with Ray's defaults (RAY_SERVE_THROUGHPUT_OPTIMIZED=0, and Ray's
+# 100 KB inline limit for call arguments instead of ray_env.py's 512 KB).
 # GPU_TESTS="tests/test_fused.py" runs those tests with `-m gpu` first. Each placement's outputs are
 # packed into $OUT/<placement>.tgz (the device tool returns a limited number of files).
 set -uo pipefail
@@ -22,7 +23,8 @@ for placement in ${PLACEMENTS:-fused colocate}; do
   extra=(); [ "$policy" != "$spec" ] && extra=(--llm-replicas "${spec#*:}")
   dir="$OUT/${spec/:/x}"; [ $opt = 0 ] && dir="${dir}_plain"; mkdir -p "$dir"
   echo "=== $placement"
-  RAY_SERVE_THROUGHPUT_OPTIMIZED=$opt RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1 \
+  inline=524288; [ $opt = 0 ] && inline=102400
+  RAY_SERVE_THROUGHPUT_OPTIMIZED=$opt RAY_max_direct_call_object_size=$inline RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1 \
   timeout "${SERVE_TIMEOUT:-300}" python3 benchmarks/serve.py --start --serve-config "$CONFIG" --no-progress \
     --placement "$policy" "${extra[@]}" --out-dir "$dir" "$@" 2>&1 | grep -v "Warning\|warn(" \
     | tee "$dir/serve.txt" | grep "^| \|ready" | tail -12

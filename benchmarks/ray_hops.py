@@ -12,7 +12,7 @@ to start (the call to the callee starting), back (the callee's start to its resu
 total (the client's whole request).
 
     python3 benchmarks/ray_hops.py --body-bytes 1000 240000 --return-bytes 1200000
-    RAY_SERVE_THROUGHPUT_OPTIMIZED=0 python3 benchmarks/ray_hops.py   (Ray Serve's defaults)
+    RAY_SERVE_THROUGHPUT_OPTIMIZED=0 RAY_max_direct_call_object_size=102400 python3 benchmarks/ray_hops.py  (Ray's defaults)
     python3 benchmarks/ray_hops.py --direct   (direct ingress: the client talks to the ingress replica's own
                                                HTTP port, no proxy; proxy->ingress is then client->ingress)
 """
