@@ -96,6 +96,9 @@ class EncoderConfig(_Strict):
     eager_margin: float = Field(0.1, ge=0, description="a batch that fits a graph runs eagerly only when the "
                                 "tuned eager time, raised by this fraction, still beats the graph")
     batch_wait_ms: float = Field(2.0, ge=0, description="longest wait for other requests' items before a batch runs; none when the encoder was idle")
+    pinned_pixel_copy: bool = Field(False, description="patch rows go to the GPU through two pinned host buffers, so "
+                                    "that their copy does not synchronise the stream first (app/vision/staging.py); "
+                                    "not yet measured on a GPU")
     cache_bytes: int = Field(512 * 1024 * 1024, ge=0, description="embedding cache size per replica; 0 = off")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
 

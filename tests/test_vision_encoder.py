@@ -228,6 +228,36 @@ def test_raw_uint8_rows_give_the_embeddings_of_the_processors_float_rows(h):
         mgr.encode([VisionItem(torch.from_numpy(norm.pixel_values).to(h.device), norm.grid)])
 
 
+@pytest.mark.gpu
+def test_pinned_staging_gives_the_same_embeddings_as_pageable_copies(gpu_harness):
+    """`encoder.pinned_pixel_copy`: host uint8 rows through the pinned buffers, in graphs and eagerly,
+    give exactly what the direct copies give."""
+    from app.media.preprocess import PatchSpec
+
+    h = gpu_harness
+
+    spec = PatchSpec()
+    mgrs = [GraphManager(VisionTower(h.visual, pixel_norm=spec.column_norm()),
+                         GraphSettings(budgets=h.mgr.budgets, max_items_per_batch=4, max_frames_per_batch=8,
+                                       autotune=False, uint8_pixels=True, pinned_staging=pinned))
+            for pinned in (False, True)]
+    for m in mgrs:
+        m.capture()
+    assert mgrs[0]._staging is None and mgrs[1]._staging is not None
+    g = torch.Generator().manual_seed(9)
+    batches = [[(1, 8, 12)], [(1, 8, 12), (2, 4, 8)], [(1, 16, 16)], [(2, 8, 8), (1, 4, 4)]]
+    with torch.inference_mode():
+        for grids in batches:
+            items = [VisionItem(torch.randint(0, 256, (t * hh * w, h.tower.patch_dim), generator=g, dtype=torch.uint8),
+                                (t, hh, w)) for t, hh, w in grids]
+            for eager in (False, True):
+                a, b = (m.encode(items, force_eager=eager) for m in mgrs)
+                for x, y in zip(a, b, strict=True):
+                    assert torch.equal(x.main, y.main)
+                    assert all(torch.equal(p, q) for p, q in zip(x.deepstack, y.deepstack, strict=True))
+    assert mgrs[1]._staging.staged == 2 * len(batches)
+
+
 def test_power_of_two_budgets_include_the_maximum():
     assert GraphSettings.power_of_two_budgets(256, 8192) == [256, 512, 1024, 2048, 4096, 8192]
     assert GraphSettings.power_of_two_budgets(200, 3000) == [256, 512, 1024, 2048, 3000]

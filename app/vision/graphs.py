@@ -30,6 +30,7 @@ import torch
 
 from .device_metadata import DeviceMetadataCache
 from .metadata import BatchLayout, Grid
+from .staging import PinnedStaging
 from .timing import cuda_times_ms
 from .tower_api import GraphTower, TowerBatch
 
@@ -73,6 +74,8 @@ class GraphSettings:
     # CPU's, while a replay's is not. Near a tie the graph wins (an 8B mixed batch tuned 7.3 ms eager
     # vs 7.6 ms graph ran 8.4 ms eager with a p99 of 25 ms).
     eager_margin: float = 0.1
+    # uint8 rows from host memory go to the GPU through pinned buffers (app/vision/staging.py says why)
+    pinned_staging: bool = False
 
     @staticmethod
     def power_of_two_budgets(min_budget: int, max_budget: int, steps_per_octave: int = 1) -> list[int]:
@@ -169,6 +172,9 @@ class GraphManager:
         n, dev = self.max_budget, self.device
         px_dtype = torch.uint8 if self.settings.uint8_pixels else self.tower.dtype
         self._pixels = torch.zeros(n, self.tower.patch_dim, dtype=px_dtype, device=dev)
+        self._staging = None
+        if self.settings.pinned_staging and self.settings.uint8_pixels and dev.type == "cuda":
+            self._staging = PinnedStaging(n, self.tower.patch_dim, px_dtype, dev)
         self._meta = self.tower.metadata_buffers(n, self.seq_slots)  # the tower's metadata, max-size
 
     def _meta_views(self, budget: int, uniform: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
@@ -196,6 +202,9 @@ class GraphManager:
             if budget > n:
                 self._pixels[n:budget].zero_()
             self._filled = key
+        if self._staging is not None:
+            self._staging.copy([it.pixels for it in items], self._pixels[:n])
+            return
         off = 0
         for it in items:
             k = it.pixels.shape[0]
@@ -430,8 +439,12 @@ class GraphManager:
 
     def _run_eager(self, items: list[VisionItem], lay: BatchLayout) -> list[VisionEmbedding]:
         dev = self.device
-        pixels = torch.cat([it.pixels.to(dev, non_blocking=True) for it in items]) if len(items) > 1 \
-            else items[0].pixels.to(dev, non_blocking=True)
+        if self._staging is not None:
+            pixels = self._staging.to_device([it.pixels for it in items])
+        elif len(items) > 1:
+            pixels = torch.cat([it.pixels.to(dev, non_blocking=True) for it in items])
+        else:
+            pixels = items[0].pixels.to(dev, non_blocking=True)
         inp = TowerBatch(pixels, self.metadata.get(lay, None, lay.uniform), max(lay.seq_lens), lay.uniform)
         main, deepstack = self.tower(inp)
         return self._split(main, deepstack, lay, copy=False)
