@@ -30,7 +30,7 @@ import torch
 
 from .device_metadata import DeviceMetadataCache
 from .metadata import BatchLayout, Grid
-from .staging import PinnedStaging
+from .staging import PinnedStaging, copy_rows
 from .timing import cuda_times_ms
 from .tower_api import GraphTower, TowerBatch
 
@@ -202,14 +202,11 @@ class GraphManager:
             if budget > n:
                 self._pixels[n:budget].zero_()
             self._filled = key
+        rows = [it.pixels for it in items]
         if self._staging is not None:
-            self._staging.copy([it.pixels for it in items], self._pixels[:n])
-            return
-        off = 0
-        for it in items:
-            k = it.pixels.shape[0]
-            self._pixels[off:off + k].copy_(it.pixels, non_blocking=True)
-            off += k
+            self._staging.copy(rows, self._pixels[:n])
+        else:
+            copy_rows(rows, self._pixels[:n])
 
     # ------------------------------------------------------------------ selection
     def choose_budget(self, lay: BatchLayout) -> tuple[int | None, str | None]:

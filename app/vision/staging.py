@@ -17,6 +17,15 @@ from __future__ import annotations
 import torch
 
 
+def copy_rows(parts: list[torch.Tensor], out: torch.Tensor) -> None:
+    """The rows of `parts`, one after the other, into `out`, each copied from where it is (the path
+    without staging)."""
+    off = 0
+    for p in parts:
+        out[off:off + p.shape[0]].copy_(p, non_blocking=True)
+        off += p.shape[0]
+
+
 class PinnedStaging:
     def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device, buffers: int = 2,
                  pin: bool = True):
@@ -37,10 +46,7 @@ class PinnedStaging:
         buf = self._bufs[i]
         if n > buf.shape[0] or any(p.device != buf.device for p in parts):
             self.direct += 1
-            off = 0
-            for p in parts:
-                out[off:off + p.shape[0]].copy_(p, non_blocking=True)
-                off += p.shape[0]
+            copy_rows(parts, out)
             return
         self._next = (i + 1) % len(self._bufs)
         if self._events[i] is not None:
