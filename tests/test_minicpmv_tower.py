@@ -309,8 +309,7 @@ def test_fused_layer_structure_equals_reference_on_cpu(tiny_minicpmv, cpu_harnes
     fc1 with GELU) through the kernels' torch fallbacks."""
     from app.vision.loading import build_tower
 
-    tower = build_tower(tiny_minicpmv, torch.float32)
-    tower.fused = True
+    tower = build_tower(tiny_minicpmv, torch.float32, fused=True)
     h = TowerHarness(tower, cpu_harness.reference_model, BUDGETS, 1e-4, max_items=6, max_frames=6)
     h.check(h.items([(1, 5, 9), (1, 8, 8)]), expect_graph=True)
 

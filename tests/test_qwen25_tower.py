@@ -253,9 +253,7 @@ def test_fused_layer_structure_equals_reference_on_cpu(tiny_qwen25):
     from app.vision.loading import load_vision_model
 
     visual = load_vision_model(tiny_qwen25, torch.float32)
-    h = TowerHarness(Qwen25Tower(visual), _reference(visual), BUDGETS, 1e-4)
-    h.tower._fuse_gate_up()
-    h.tower.fused = True
+    h = TowerHarness(Qwen25Tower(visual, fused=True), _reference(visual), BUDGETS, 1e-4)
     h.check(h.items([(1, 10, 14), (2, 6, 10)]), expect_graph=True)
     h.check(h.items([(1, 20, 22)]), expect_graph=True)
 

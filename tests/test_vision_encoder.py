@@ -279,8 +279,7 @@ def test_fused_layer_structure_equals_reference_on_cpu(tiny_checkpoint):
     from app.vision.loading import load_vision_model
 
     visual = load_vision_model(tiny_checkpoint, torch.float32)
-    tower = VisionTower(visual)
-    tower.fused = True
+    tower = VisionTower(visual, fused=True)
     mgr = GraphManager(tower, GraphSettings(budgets=[256], autotune=False))
     items = Harness.items(type("H", (), {"tower": tower, "device": tower.device, "dtype": torch.float32})(),
                           [(1, 4, 6), (2, 4, 4)])

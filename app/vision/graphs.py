@@ -247,7 +247,13 @@ class GraphManager:
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every budget, largest first, into one pool; then the listed uniform shapes; auto-tune."""
+        """Capture every budget, largest first, into one pool; then the listed uniform shapes; auto-tune.
+        First, on CUDA (graphs or not), the tower picks its GEMM ways for these token counts."""
+        if self.device.type == "cuda":
+            rows = set(self.budgets) | {s * n for s, n in map(tuple, self.settings.uniform_shapes)}
+            self.tower.tune_gemms(sorted(rows))
+            if self.tower.down is not None:
+                log.info("vision MLP down projection, fastest way per token count: %s", self.tower.down.choice)
         if not self.capture_enabled:
             return
         t0 = time.perf_counter()
@@ -309,6 +315,7 @@ class GraphManager:
         self._fill(items, lay, n, shape)
         inp = self._static_inputs(n, shape)
         t0 = time.perf_counter()
+        self.tower.tune_gemms([n])
         self._on_side_stream(lambda: self.tower(inp))  # cuDNN builds its plan for this shape here
         g, out = self._capture_graph(inp)
         self.uniform_graphs[shape], self._uniform_out[shape] = g, out

@@ -183,6 +183,43 @@ def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) 
     return F.gelu(F.linear(x, weight, bias), approximate="tanh")
 
 
+PAD_MULTIPLE = 64  # MLP widths are padded to this with zero units (exact): down_projection.py says why
+
+
+def padded_width(width: int) -> int:
+    return -(-width // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
+def pad_mlp(fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None, fc2_weight: torch.Tensor,
+            halves: int = 1) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """An MLP's hidden width rounded up to PAD_MULTIPLE with zero rows in fc1 (and its bias) and zero
+    columns in fc2: each extra unit is act(0) = 0 (GELU, or SiLU(0) * 0) and adds exactly nothing.
+    `halves` = 2 for a fused [gate; up] fc1, each half padded. Returns new (fc1 weight, fc1 bias, fc2
+    weight); unchanged tensors when the width is already a multiple."""
+    width = fc2_weight.shape[1]
+    wide = padded_width(width)
+    if wide == width:
+        return fc1_weight, fc1_bias, fc2_weight
+    w1 = fc1_weight.new_zeros(halves * wide, fc1_weight.shape[1])
+    b1 = fc1_bias.new_zeros(halves * wide) if fc1_bias is not None else None
+    for i in range(halves):
+        w1[i * wide:i * wide + width] = fc1_weight[i * width:(i + 1) * width]
+        if b1 is not None:
+            b1[i * wide:i * wide + width] = fc1_bias[i * width:(i + 1) * width]
+    w2 = fc2_weight.new_zeros(fc2_weight.shape[0], wide)
+    w2[:, :width] = fc2_weight
+    return w1, b1, w2
+
+
+def pad_mlp_modules(fc1: torch.nn.Linear, fc2: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pad_mlp` for two Linear modules, whose parameters become views of the padded tensors (their
+    published names and values stay; no memory is added). Returns (fc1 weight, fc1 bias, fc2 weight)."""
+    width = fc2.weight.shape[1]
+    w1, b1, w2 = pad_mlp(fc1.weight.data, fc1.bias.data, fc2.weight.data)
+    fc1.weight.data, fc1.bias.data, fc2.weight.data = w1[:width], b1[:width], w2[:, :width]
+    return w1, b1, w2
+
+
 def add_bias_rmsnorm(x, y, bias, weight, eps: float):
     """Fused `add_bias_rmsnorm_torch`: one pass over the row, float32 math, one rounding of each output."""
     if not triton_available(x.device):

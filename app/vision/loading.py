@@ -99,18 +99,19 @@ def load_vision_model(path: str | Path, dtype: torch.dtype, device: str | torch.
 
 
 def build_tower(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-                pixel_norm: tuple | None = None):
-    """The graph-friendly tower for a checkpoint of any supported family."""
+                pixel_norm: tuple | None = None, fused: bool | None = None):
+    """The graph-friendly tower for a checkpoint of any supported family; `fused` as the towers take it
+    (default: the fused body on CUDA with Triton)."""
     family = checkpoint_family(path)
     if family == "minicpmv":
         from .minicpmv_tower import MiniCPMVTower, load_minicpmv_vision
 
-        return MiniCPMVTower(load_minicpmv_vision(path, dtype, device), pixel_norm)
+        return MiniCPMVTower(load_minicpmv_vision(path, dtype, device), pixel_norm, fused)
     visual = load_vision_model(path, dtype, device)
     if family == "qwen2_5_vl":
         from .qwen25_tower import Qwen25Tower
 
-        return Qwen25Tower(visual, pixel_norm)
+        return Qwen25Tower(visual, pixel_norm, fused)
     from .tower import VisionTower
 
-    return VisionTower(visual, pixel_norm)
+    return VisionTower(visual, pixel_norm, fused)

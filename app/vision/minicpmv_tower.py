@@ -34,7 +34,7 @@ from torch.nn.attention import sdpa_kernel
 
 from .. import sdpa_backends
 from . import attention
-from .kernels import add_bias_layernorm, linear_gelu_tanh, triton_available
+from .kernels import add_bias_layernorm, linear_gelu_tanh, pad_mlp_modules, triton_available
 from .metadata import BatchLayout, Grid
 from .minicpmv_metadata import layout, minicpmv_metadata
 from .tower_api import GraphTower, TowerBatch
@@ -148,7 +148,9 @@ class MiniCPMVTower(GraphTower):
 
     budget_unit = 1
 
-    def __init__(self, model: MiniCPMVision, pixel_norm: tuple | None = None):
+    def __init__(self, model: MiniCPMVision, pixel_norm: tuple | None = None, fused: bool | None = None):
+        """`fused` (default: on CUDA with Triton) runs the fused body (`_siglip_fused`); forced on, the CPU
+        runs it with the kernels' torch fallbacks (the tests compare it with the reference ops)."""
         super().__init__(pixel_norm)
         self.model = model
         vpm, res = model.vpm, model.resampler
@@ -160,9 +162,15 @@ class MiniCPMVTower(GraphTower):
         self.queries, self.embed_dim = res.query.shape
         self.res_heads = res.attn.num_heads
         self.register_buffer("omega", sincos_frequencies(self.embed_dim).to(self.device), persistent=False)
-        self.fused = triton_available(self.device) and cfg.get("hidden_act", "gelu_pytorch_tanh") == "gelu_pytorch_tanh"
+        tanh = cfg.get("hidden_act", "gelu_pytorch_tanh") == "gelu_pytorch_tanh"
+        self.fused = (triton_available(self.device) and tanh) if fused is None else fused
         self.split_attention = attention.available(self.head_dim, self.device) and self.dtype != torch.float32
         self._fuse_qkv()
+        # The fused body's MLPs, their width padded (kernels.pad_mlp: exact; down_projection.py says why).
+        layers = vpm.encoder.layers
+        self.mlps = [pad_mlp_modules(la.mlp.fc1, la.mlp.fc2) for la in layers] if self.fused else []
+        if self.mlps:
+            self._init_down_projection([w2 for _, _, w2 in self.mlps], layers[0].mlp.fc2.in_features)
         self._init_pixel_norm()
 
     def _fuse_qkv(self) -> None:
@@ -274,14 +282,13 @@ class MiniCPMVTower(GraphTower):
         x = self._embed(batch).float()
         n1 = layers[0].layer_norm1
         h = F.layer_norm(x, (self.hidden,), n1.weight.float(), n1.bias.float(), n1.eps).to(self.dtype)
-        for i, (layer, (w, b)) in enumerate(zip(layers, self.qkv)):
+        for i, (layer, (w, b), (w1, b1, w2)) in enumerate(zip(layers, self.qkv, self.mlps, strict=True)):
             attn = self._self_attention(F.linear(h, w, b), batch)
             out, ln2 = layer.self_attn.out_proj, layer.layer_norm2
             x, h = add_bias_layernorm(x, F.linear(attn, out.weight), out.bias, ln2.weight, ln2.bias, ln2.eps)
-            u = linear_gelu_tanh(h, layer.mlp.fc1.weight, layer.mlp.fc1.bias)
+            u = linear_gelu_tanh(h, w1, b1)
             nxt = layers[i + 1].layer_norm1 if i + 1 < len(layers) else vpm.post_layernorm
-            x, h = add_bias_layernorm(x, F.linear(u, layer.mlp.fc2.weight), layer.mlp.fc2.bias, nxt.weight, nxt.bias,
-                                      nxt.eps)
+            x, h = add_bias_layernorm(x, self.down(u, w2), layer.mlp.fc2.bias, nxt.weight, nxt.bias, nxt.eps)
         return h
 
     # ------------------------------------------------------------------ resampler

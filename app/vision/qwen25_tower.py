@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import attention
-from .kernels import add_bias_rmsnorm, rotary_qk, silu_mul, triton_available
+from .kernels import add_bias_rmsnorm, pad_mlp, rotary_qk, silu_mul, triton_available
 from .metadata import BatchLayout, Grid, layout
 from .qwen25_metadata import WindowGeometry, qwen25_metadata, window_slots
 from .tower_api import GraphTower, TowerBatch
@@ -32,7 +32,9 @@ WINDOW_BLOCK_M = 64  # query rows per attention block for windows (a full window
 class Qwen25Tower(GraphTower):
     """Wraps a transformers `Qwen2_5_VisionTransformerPretrainedModel`; forward -> (embeddings, [])."""
 
-    def __init__(self, visual: nn.Module, pixel_norm: tuple | None = None):
+    def __init__(self, visual: nn.Module, pixel_norm: tuple | None = None, fused: bool | None = None):
+        """`fused` (default: on CUDA with Triton) picks the fused body; forced on, the CPU runs it with the
+        kernels' torch fallbacks (the tests compare it with the reference ops)."""
         super().__init__(pixel_norm)
         self.visual = visual
         cfg = visual.config
@@ -44,24 +46,33 @@ class Qwen25Tower(GraphTower):
         self.full_attention = frozenset(cfg.fullatt_block_indexes)
         self.inv_freq = visual.rotary_pos_emb.inv_freq
         self.eps = visual.blocks[0].norm1.variance_epsilon
-        self.fused = triton_available(self.device) and cfg.hidden_act == "silu"
+        if fused is None:
+            fused = triton_available(self.device) and cfg.hidden_act == "silu"
+        self.fused = fused
         self.split_attention = attention.available(self.head_dim, self.device) and self.dtype != torch.float32
         if self.fused:
             self._fuse_gate_up()
         self._init_pixel_norm()
 
     def _fuse_gate_up(self) -> None:
-        """One [gate; up] weight per block for a single GEMM; the modules' own parameters become views
-        of it, so no memory is added and the reference module still runs on the same weights."""
-        self.gate_up = []
+        """One [gate; up] weight per block for a single GEMM, each half's width padded for the GEMMs'
+        tiles (kernels.pad_mlp: zero units, exact; down_projection.py says why), with the down projection
+        padded to match. The
+        modules' own parameters become views of these, so no memory is added and the reference module
+        still runs on the same weights."""
+        self.gate_up, downs = [], []
         for blk in self.visual.blocks:
-            g, u = blk.mlp.gate_proj, blk.mlp.up_proj
+            g, u, d = blk.mlp.gate_proj, blk.mlp.up_proj, blk.mlp.down_proj
             inter = g.weight.shape[0]
-            w = torch.cat([g.weight.data, u.weight.data])
-            b = torch.cat([g.bias.data, u.bias.data])
-            g.weight.data, u.weight.data = w[:inter], w[inter:]
-            g.bias.data, u.bias.data = b[:inter], b[inter:]
+            w, b, w2 = pad_mlp(torch.cat([g.weight.data, u.weight.data]), torch.cat([g.bias.data, u.bias.data]),
+                               d.weight.data, halves=2)
+            wide = w2.shape[1]
+            g.weight.data, u.weight.data = w[:inter], w[wide:wide + inter]
+            g.bias.data, u.bias.data = b[:inter], b[wide:wide + inter]
+            d.weight.data = w2[:, :inter]
             self.gate_up.append((w, b))
+            downs.append(w2)
+        self._init_down_projection(downs, inter)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -179,8 +190,8 @@ class Qwen25Tower(GraphTower):
             w, b = self.gate_up[i]
             u = silu_mul(F.linear(h, w, b))
             nxt = blocks[i + 1].norm1 if i + 1 < len(blocks) else self.visual.merger.ln_q
-            x, h = add_bias_rmsnorm(x, F.linear(u, blk.mlp.down_proj.weight), blk.mlp.down_proj.bias, nxt.weight,
-                                    nxt.variance_epsilon)
+            x, h = add_bias_rmsnorm(x, self.down(u, self.down_weights[i]), blk.mlp.down_proj.bias,
+                                    nxt.weight, nxt.variance_epsilon)
         merger = self.visual.merger
         return merger.mlp(h.view(-1, merger.hidden_size))
 

@@ -13,7 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import attention
-from .kernels import add_bias_layernorm, linear_gelu_tanh, rotary_qk, triton_available
+from .kernels import (
+    add_bias_layernorm,
+    linear_gelu_tanh,
+    pad_mlp_modules,
+    rotary_qk,
+    triton_available,
+)
 from .metadata import BatchLayout, Grid, TowerGeometry, cu_seqlens, layout, position_metadata
 from .tower_api import GraphTower, TowerBatch
 
@@ -25,9 +31,11 @@ def padded_cu_seqlens(seq_lens: list[int], budget: int | None, seq_slots: int) -
 class VisionTower(GraphTower):
     """Wraps a transformers `Qwen3VLVisionModel`; `forward(TowerBatch)` -> (main, [deepstack...])."""
 
-    def __init__(self, visual: nn.Module, pixel_norm: tuple | None = None):
+    def __init__(self, visual: nn.Module, pixel_norm: tuple | None = None, fused: bool | None = None):
         """`pixel_norm` = (scale, offset) per row column (`PatchSpec.column_norm`) lets the tower take
-        uint8 patch rows and normalise them itself; without it, rows come normalised (float)."""
+        uint8 patch rows and normalise them itself; without it, rows come normalised (float). `fused`
+        (default: on CUDA with Triton) picks the fused body; forced on, the CPU runs it with the kernels'
+        torch fallbacks (the tests compare it with the reference ops)."""
         super().__init__(pixel_norm)
         self.visual = visual
         cfg = visual.config
@@ -40,7 +48,13 @@ class VisionTower(GraphTower):
         self.inv_freq = visual.rotary_pos_emb.inv_freq
         self.eps = visual.blocks[0].norm1.eps
         # Fused kernels on CUDA (see kernels.py); the CPU keeps the reference's op-for-op math.
-        self.fused = triton_available(self.device) and cfg.hidden_act == "gelu_pytorch_tanh"
+        if fused is None:
+            fused = triton_available(self.device) and cfg.hidden_act == "gelu_pytorch_tanh"
+        self.fused = fused
+        # The fused body's MLPs, their width padded (kernels.pad_mlp: exact; down_projection.py says why).
+        self.mlps = [pad_mlp_modules(b.mlp.linear_fc1, b.mlp.linear_fc2) for b in visual.blocks] if fused else []
+        if self.mlps:
+            self._init_down_projection([w2 for _, _, w2 in self.mlps], visual.blocks[0].mlp.linear_fc2.in_features)
         # Our Triton varlen attention (attention.py) where it applies; callers then pass a block table.
         self.split_attention = attention.available(self.head_dim, self.device) and self.dtype != torch.float32
         self._init_pixel_norm()
@@ -158,10 +172,10 @@ class VisionTower(GraphTower):
             attn = self._attention(q, k, v, inp).reshape(n, self.hidden)
             x, h = add_bias_layernorm(x, F.linear(attn, blk.attn.proj.weight), blk.attn.proj.bias,
                                       blk.norm2.weight, blk.norm2.bias, self.eps)
-            mlp = blk.mlp
-            u = linear_gelu_tanh(h, mlp.linear_fc1.weight, mlp.linear_fc1.bias)
+            w1, b1, w2 = self.mlps[i]
+            u = linear_gelu_tanh(h, w1, b1)
             nxt = blocks[i + 1].norm1 if i + 1 < len(blocks) else None
-            x, h = add_bias_layernorm(x, F.linear(u, mlp.linear_fc2.weight), mlp.linear_fc2.bias,
+            x, h = add_bias_layernorm(x, self.down(u, w2), blk.mlp.linear_fc2.bias,
                                       nxt.weight if nxt else None, nxt.bias if nxt else None, self.eps)
             j = self.deepstack_index.get(i)
             if j is not None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .down_projection import DownProjection
 from .metadata import BatchLayout, Grid
 
 
@@ -52,12 +53,26 @@ class GraphTower(nn.Module):
         super().__init__()
         self.pixel_scale = self.pixel_offset = None
         self._pixel_norm = pixel_norm
+        self.down: DownProjection | None = None  # the fused body's MLP down projection, if it has one
+        self.down_weights: list[torch.Tensor] = []
 
     def _init_pixel_norm(self) -> None:
         """Call at the end of a subclass's __init__, once `device` is known."""
         if self._pixel_norm is not None:
             self.pixel_scale, self.pixel_offset = (torch.as_tensor(t, dtype=torch.float32, device=self.device)
                                                    for t in self._pixel_norm)
+
+    def _init_down_projection(self, weights: list[torch.Tensor], width: int) -> None:
+        """The fused body's down projections: one weight per layer, [hidden, padded width], all alike."""
+        w = weights[0]
+        self.down_weights = weights
+        self.down = DownProjection(width, w.shape[1], w.shape[0], w.dtype, w.device)
+
+    def tune_gemms(self, rows: list[int]) -> None:
+        """Pick the fastest way to run the GEMMs that have several, for batches of these token counts
+        (down_projection.py); the graph manager calls it before capturing. Nothing to do off CUDA."""
+        if self.down is not None:
+            self.down.tune(rows, self.down_weights[0])
 
     def normalized_pixels(self, px: torch.Tensor) -> torch.Tensor:
         """Rows in the tower's dtype; uint8 rows get the processor's rescale and normalise first."""
