@@ -180,25 +180,30 @@ def bench_preset(preset: str, runs: int, warmup: int, budgets: list[int], device
               f"ref/ours x{row['ref_over_ours']:5.2f}  ours/eager {row['ours_over_eager']:4.2f}  "
               f"err vs ref {row['ours_vs_ref_max']:.1e}", flush=True)
         if profile and device == "cuda" and name.startswith("1x448"):
-            result.setdefault("profiles", {})[name] = profile_eager(mgr, grids)
+            profiles = result.setdefault("profiles", {})
+            profiles[f"{name} eager"] = profile_kernels(mgr, grids, force_eager=True)
+            profiles[f"{name} ours ({row['path']})"] = profile_kernels(mgr, grids, force_eager=False)
     result["autotune"] = mgr.autotune_table  # budgets at capture, then the uniform shapes captured above
+    if fam.tower.down is not None:  # the MLP down projection's way per token count, and the timings (µs)
+        result["down_projection"] = {"choice": fam.tower.down.choice, "us": fam.tower.down.timings}
     del mgr, fam
     if device == "cuda":
         torch.cuda.empty_cache()
     return result
 
 
-def profile_eager(mgr, grids) -> str:
-    """Kernel-time table of our eager forward: where the time goes besides the GEMMs."""
+def profile_kernels(mgr, grids, force_eager: bool) -> str:
+    """Kernel-time table of our eager forward, or of the path the manager takes now (a graph's kernels
+    are listed one by one too): where the time goes besides the GEMMs."""
     from torch.profiler import ProfilerActivity, profile
 
     items = [VisionItem(torch.randint(0, 256, (t * h * w, mgr.tower.patch_dim), dtype=torch.uint8,
                                       device=mgr.device), (t, h, w)) for t, h, w in grids]
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            mgr.encode(items, force_eager=True)
+            mgr.encode(items, force_eager=force_eager)
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
 
 
 def _ms(v, p=None) -> str:
@@ -282,7 +287,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print("scoreboard:", update_scoreboard(a.scoreboard, results))
     for r in results:
         for wl, table in r.get("profiles", {}).items():
-            print(f"\n--- {r['preset']} {wl} eager kernel profile ---\n{table}")
+            print(f"\n--- {r['preset']} {wl} kernel profile ---\n{table}")
     print(md)
     slower = [f"{r['preset']} {w['workload']}" for r in results for w in r["workloads"] if w["slower_than_eager"]]
     print(f"slower than our eager (> {SLOWER_SLACK:.0%}): {', '.join(slower) or 'none'}")

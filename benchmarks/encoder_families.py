@@ -118,6 +118,13 @@ def _truth_copy(module, dtype: torch.dtype):
     return module if dtype == torch.float32 else copy.deepcopy(module).float()
 
 
+def _reference_copy(module, dtype: torch.dtype):
+    """The reference's own modules: our fused tower re-lays its weights out (one fused qkv or gate/up
+    tensor, MLP widths padded), leaving the modules' parameters as views that the reference would then
+    read with other strides. In float32 the reference is the judge itself (`_truth_copy`)."""
+    return module if dtype == torch.float32 else copy.deepcopy(module)
+
+
 def qwen_family(preset: str, dtype: torch.dtype, device: str) -> Family:
     from transformers import AutoConfig
 
@@ -125,7 +132,7 @@ def qwen_family(preset: str, dtype: torch.dtype, device: str) -> Family:
     cfg = AutoConfig.for_model(**config).vision_config
     torch.manual_seed(0)
     visual = vision_model_from_config(cfg, dtype, device)
-    truth = _truth_copy(visual, dtype)
+    truth, reference = _truth_copy(visual, dtype), _reference_copy(visual, dtype)
     if config["model_type"] == "qwen2_5_vl":
         from app.vision.qwen25_tower import Qwen25Tower as tower_cls
 
@@ -143,7 +150,7 @@ def qwen_family(preset: str, dtype: torch.dtype, device: str) -> Family:
             return [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
         return f
 
-    return Family(config["model_type"], tower_cls(visual, pixel_norm=spec.column_norm()), run(visual), run(truth),
+    return Family(config["model_type"], tower_cls(visual, pixel_norm=spec.column_norm()), run(reference), run(truth),
                   lambda grids: flops(cfg, grids), workloads)
 
 
@@ -155,7 +162,7 @@ def minicpmv_family(preset: str, dtype: torch.dtype, device: str) -> Family:
     model = _random_vision(load_preset(preset), seed=0).to(device)
     truth = PublishedStyleMiniCPMV(_truth_copy(model, dtype))
     model = model.to(dtype)
-    reference = truth if dtype == torch.float32 else PublishedStyleMiniCPMV(model)
+    reference = truth if dtype == torch.float32 else PublishedStyleMiniCPMV(_reference_copy(model, dtype))
     spec = PatchSpec(patch=14, temporal=1, merge=1)  # MiniCPM-V normalises with mean = std = 0.5
     workloads = {name: minicpmv_grids(images) for name, images in IMAGES_MINICPMV.items()}
     return Family("minicpmv", MiniCPMVTower(model, pixel_norm=spec.column_norm()), reference, truth,

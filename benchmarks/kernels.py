@@ -6,13 +6,14 @@
 - our Triton varlen attention (app/vision/attention.py: the 72-wide head as 64 + 16), config sweep;
 - the GEMMs at 784 / 896 / 3136 / 4096 tokens, with the MLP width 4304 or padded to 4352;
 - the four patch mergers (main + 3 deepstack) one by one vs grouped into batched GEMMs;
+- every tower's bias-free GEMMs (proj, fc2 / down) through cuBLAS or cuBLASLt, MLP width padded or not;
 - optional Hopper kernels written in the CuTe DSL, where their packages are installed:
   FlashAttention-4's forward (`flash_attn.cute`, SM90 path) and QuACK's GEMMs (`quack`).
 
 Times are per call, from a CUDA graph of `inner` back-to-back calls (no launch gaps), median of 30
 replays. Writes $OUT/kernels.json (or ./kernels.json).
 
-    python benchmarks/kernels.py [sdpa_by_head_dim attention_cases gemms mergers fa4_attention quack_gemms]
+    python benchmarks/kernels.py [sdpa_by_head_dim attention_cases gemms mergers residual_gemms fa4_attention quack_gemms]
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def sdpa_by_head_dim():
 CASES = {"1x448": ([784], 1), "1x448 in budget 896": ([784, 112], 33), "video 4x196": ([196] * 4, 4),
          "video in budget 896": ([196] * 4 + [112], 33), "4x448": ([784] * 4, 4),
          "4x448 in budget 3584": ([784] * 4 + [448], 33), "1x1024": ([4096], 1),
+         "MiniCPM-V 1x448 (1024)": ([1024], 1),
          "mixed 2744 in budget 3072": ([784, 196, 196, 196, 196, 784, 196, 196, 328], 33)}
 
 
@@ -145,8 +147,8 @@ def triton_split_head(q, k, v, seqs, slots, ref) -> dict:
     if not attention.available(HD, q.device):
         return {}
     rows = {}
-    for bm, bn, warps, stages in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 2), (128, 64, 4, 2), (128, 64, 4, 3),
-                                  (128, 64, 8, 2), (128, 128, 8, 2)]:
+    for bm, bn, warps, stages in [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 8, 2), (128, 64, 4, 2),
+                                  (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2)]:
         tab = attention.block_table(seqs, attention.table_rows(sum(seqs), slots, bm), bm).to(DEV)
         rows[f"{bm}/{bn}/{warps}/{stages}"] = graph_us(partial(attention.varlen_attention, q, k, v, tab, bm,
                                                                (bn, warps, stages)))
@@ -161,7 +163,7 @@ def gemms():
     """Per-layer GEMMs, with torch's preferred BLAS library set to cuBLAS (the default) and cuBLASLt."""
     rows = []
     d, qkv_n = 1152, 3456
-    for m, lib in itertools.product((784, 896, 3136, 4096), ("cublas", "cublaslt")):
+    for m, lib in itertools.product((784, 896, 1024, 3136, 4096), ("cublas", "cublaslt")):
         torch.backends.cuda.preferred_blas_library(lib)
         x, a = torch.randn(m, d, device=DEV, dtype=BF), torch.randn(m, d, device=DEV, dtype=BF)
         wq, bq, wp = (torch.randn(qkv_n, d, device=DEV, dtype=BF), torch.randn(qkv_n, device=DEV, dtype=BF),
@@ -180,6 +182,33 @@ def gemms():
         print("gemm", row, flush=True)
     torch.backends.cuda.preferred_blas_library("cublas")
     RESULTS["gemms"] = rows
+
+
+# (tower, hidden, MLP width): the towers' bias-free GEMMs, i.e. the ones whose bias the residual add applies
+RESIDUAL_SHAPES = [("qwen3-vl-8b / minicpm-v siglip", 1152, 4304), ("qwen3-vl-2b", 1024, 4096),
+                   ("qwen2.5-vl-7b", 1280, 3420)]
+
+
+def residual_gemms():
+    """The towers' proj and fc2 / down GEMMs, whose bias the fused add+norm applies: cuBLAS (no bias) or
+    cuBLASLt (a zero bias, which PyTorch sends to cuBLASLt's bias epilogue), at the MLP's width and at
+    the width padded to a multiple of 64 (app/vision/kernels.py: LT_MAX_ROWS and pad_mlp)."""
+    from app.vision.kernels import padded_width
+
+    rows = []
+    for (name, d, width), m in itertools.product(RESIDUAL_SHAPES, (256, 512, 784, 1024, 1536, 2048, 3136, 4096, 8192)):
+        zero = torch.zeros(d, device=DEV, dtype=BF)
+        row = {"tower": name, "tokens": m}
+        a, wp = torch.randn(m, d, device=DEV, dtype=BF), torch.randn(d, d, device=DEV, dtype=BF)
+        row["proj_cublas_us"] = graph_us(partial(F.linear, a, wp))
+        row["proj_lt_us"] = graph_us(partial(F.linear, a, wp, zero))
+        for w in sorted({width, padded_width(width)}):
+            u, w2 = torch.randn(m, w, device=DEV, dtype=BF), torch.randn(d, w, device=DEV, dtype=BF) * 0.02
+            row[f"fc2_{w}_cublas_us"] = graph_us(partial(F.linear, u, w2))
+            row[f"fc2_{w}_lt_us"] = graph_us(partial(F.linear, u, w2, zero))
+        rows.append(row)
+        print("residual_gemm", row, flush=True)
+    RESULTS["residual_gemms"] = rows
 
 
 def mergers():
@@ -304,9 +333,10 @@ def quack_gemms():
 def main():
     RESULTS["device"] = f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
     print(RESULTS["device"], flush=True)
-    steps = {f.__name__: f for f in (sdpa_by_head_dim, attention_cases, gemms, mergers, fa4_attention, quack_gemms)}
+    steps = {f.__name__: f for f in (sdpa_by_head_dim, attention_cases, gemms, mergers, residual_gemms, fa4_attention,
+                                      quack_gemms)}
     out = Path(os.environ.get("OUT", ".")) / "kernels.json"
-    for step in [steps[a] for a in sys.argv[1:]] or list(steps.values())[:4]:
+    for step in [steps[a] for a in sys.argv[1:]] or list(steps.values())[:5]:
         step()
         out.write_text(json.dumps(RESULTS, indent=1))  # after each step: a later one may run out of time
 
