@@ -98,7 +98,7 @@ class EncoderConfig(_Strict):
     batch_wait_ms: float = Field(2.0, ge=0, description="longest wait for other requests' items before a batch runs; none when the encoder was idle")
     pinned_pixel_copy: bool = Field(False, description="patch rows go to the GPU through two pinned host buffers, so "
                                     "that their copy does not synchronise the stream first (app/vision/staging.py); "
-                                    "not yet measured on a GPU")
+                                    "off: on an H200 it added 4 ms of TTFT at concurrency 1 in the fused replica")
     cache_bytes: int = Field(512 * 1024 * 1024, ge=0, description="embedding cache size per replica; 0 = off")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
 
