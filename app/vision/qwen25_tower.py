@@ -55,9 +55,8 @@ class Qwen25Tower(GraphTower):
         self._init_pixel_norm()
 
     def _fuse_gate_up(self) -> None:
-        """One [gate; up] weight per block for a single GEMM, each half's width padded for the GEMMs'
-        tiles (kernels.pad_mlp: zero units, exact; down_projection.py says why), with the down projection
-        padded to match. The
+        """One [gate; up] weight per block for a single GEMM, each half's width padded (kernels.pad_mlp:
+        zero units, exact; down_projection.py says why), and the down projection padded to match. The
         modules' own parameters become views of these, so no memory is added and the reference module
         still runs on the same weights."""
         self.gate_up, downs = [], []
