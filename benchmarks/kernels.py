@@ -4,7 +4,7 @@
   graphs run it (33 sequence slots, `max_seqlen` = the budget);
 - cuDNN's ragged (varlen) attention: correct, but can it be captured in a CUDA graph?
 - our Triton varlen attention (app/vision/attention.py: the 72-wide head as 64 + 16), config sweep;
-- the GEMMs at 784 / 896 / 3136 / 4096 tokens, with the MLP width 4304 or padded to 4352;
+- the GEMMs at 784 / 896 / 1024 / 3136 / 4096 tokens, with the MLP width 4304 or padded to 4352;
 - the four patch mergers (main + 3 deepstack) one by one vs grouped into batched GEMMs;
 - every tower's bias-free GEMMs (proj, fc2 / down) through cuBLAS or cuBLASLt, MLP width padded or not;
 - optional Hopper kernels written in the CuTe DSL, where their packages are installed:
@@ -192,7 +192,7 @@ RESIDUAL_SHAPES = [("qwen3-vl-8b / minicpm-v siglip", 1152, 4304), ("qwen3-vl-2b
 def residual_gemms():
     """The towers' proj and fc2 / down GEMMs, whose bias the fused add+norm applies: cuBLAS (no bias) or
     cuBLASLt (a zero bias, which PyTorch sends to cuBLASLt's bias epilogue), at the MLP's width and at
-    the width padded to a multiple of 64 (app/vision/kernels.py: LT_MAX_ROWS and pad_mlp)."""
+    the width padded to a multiple of 64 (the ways app/vision/down_projection.py chooses between)."""
     from app.vision.kernels import padded_width
 
     rows = []

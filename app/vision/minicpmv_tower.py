@@ -34,7 +34,7 @@ from torch.nn.attention import sdpa_kernel
 
 from .. import sdpa_backends
 from . import attention
-from .kernels import add_bias_layernorm, linear_gelu_tanh, pad_mlp_modules, triton_available
+from .kernels import add_bias_layernorm, linear_gelu_tanh, triton_available
 from .metadata import BatchLayout, Grid
 from .minicpmv_metadata import layout, minicpmv_metadata
 from .tower_api import GraphTower, TowerBatch
@@ -167,10 +167,7 @@ class MiniCPMVTower(GraphTower):
         self.split_attention = attention.available(self.head_dim, self.device) and self.dtype != torch.float32
         self._fuse_qkv()
         # The fused body's MLPs, their width padded (kernels.pad_mlp: exact; down_projection.py says why).
-        layers = vpm.encoder.layers
-        self.mlps = [pad_mlp_modules(la.mlp.fc1, la.mlp.fc2) for la in layers] if self.fused else []
-        if self.mlps:
-            self._init_down_projection([w2 for _, _, w2 in self.mlps], layers[0].mlp.fc2.in_features)
+        self.mlps = self._pad_mlps([(la.mlp.fc1, la.mlp.fc2) for la in vpm.encoder.layers]) if self.fused else []
         self._init_pixel_norm()
 
     def _fuse_qkv(self) -> None:

@@ -13,13 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import attention
-from .kernels import (
-    add_bias_layernorm,
-    linear_gelu_tanh,
-    pad_mlp_modules,
-    rotary_qk,
-    triton_available,
-)
+from .kernels import add_bias_layernorm, linear_gelu_tanh, rotary_qk, triton_available
 from .metadata import BatchLayout, Grid, TowerGeometry, cu_seqlens, layout, position_metadata
 from .tower_api import GraphTower, TowerBatch
 
@@ -52,9 +46,7 @@ class VisionTower(GraphTower):
             fused = triton_available(self.device) and cfg.hidden_act == "gelu_pytorch_tanh"
         self.fused = fused
         # The fused body's MLPs, their width padded (kernels.pad_mlp: exact; down_projection.py says why).
-        self.mlps = [pad_mlp_modules(b.mlp.linear_fc1, b.mlp.linear_fc2) for b in visual.blocks] if fused else []
-        if self.mlps:
-            self._init_down_projection([w2 for _, _, w2 in self.mlps], visual.blocks[0].mlp.linear_fc2.in_features)
+        self.mlps = self._pad_mlps([(b.mlp.linear_fc1, b.mlp.linear_fc2) for b in visual.blocks]) if fused else []
         # Our Triton varlen attention (attention.py) where it applies; callers then pass a block table.
         self.split_attention = attention.available(self.head_dim, self.device) and self.dtype != torch.float32
         self._init_pixel_norm()

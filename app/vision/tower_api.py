@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .down_projection import DownProjection
+from .kernels import pad_mlp_modules
 from .metadata import BatchLayout, Grid
 
 
@@ -61,6 +62,14 @@ class GraphTower(nn.Module):
         if self._pixel_norm is not None:
             self.pixel_scale, self.pixel_offset = (torch.as_tensor(t, dtype=torch.float32, device=self.device)
                                                    for t in self._pixel_norm)
+
+    def _pad_mlps(self, pairs: list[tuple[nn.Linear, nn.Linear]]) -> list[tuple[torch.Tensor, ...]]:
+        """(fc1, fc2) per layer, padded (`kernels.pad_mlp_modules`), and the down projection over them.
+        Returns (fc1 weight, fc1 bias, fc2 weight) per layer."""
+        mlps = [pad_mlp_modules(fc1, fc2) for fc1, fc2 in pairs]
+        if mlps:
+            self._init_down_projection([w2 for _, _, w2 in mlps], pairs[0][1].in_features)
+        return mlps
 
     def _init_down_projection(self, weights: list[torch.Tensor], width: int) -> None:
         """The fused body's down projections: one weight per layer, [hidden, padded width], all alike."""
