@@ -96,6 +96,8 @@ class EncoderConfig(_Strict):
     eager_margin: float = Field(0.1, ge=0, description="a batch that fits a graph runs eagerly only when the "
                                 "tuned eager time, raised by this fraction, still beats the graph")
     batch_wait_ms: float = Field(2.0, ge=0, description="longest wait for other requests' items before a batch runs; none when the encoder was idle")
+    batch_wait_when_idle: bool = Field(False, description="wait batch_wait_ms even after an idle spell: fuller batches, "
+                                       "later first tokens (batch jobs turn it on)")
     pinned_pixel_copy: bool = Field(False, description="patch rows go to the GPU through two pinned host buffers, so "
                                     "that their copy does not synchronise the stream first (app/vision/staging.py); "
                                     "off: on an H200 it added 4 ms of TTFT at concurrency 1 in the fused replica")

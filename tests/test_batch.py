@@ -130,6 +130,10 @@ def test_config_file_and_overrides(tmp_path):
     cfg = BatchConfig.load(str(f), model="embedded:other", file_root="/data")
     assert cfg.app.model == "embedded:other" and cfg.app.llm.max_num_seqs == 4
     assert cfg.app.encoder.batch_wait_ms == 20.0  # the batch default: a deep queue fills budgets
+    assert cfg.app.encoder.batch_wait_when_idle and BatchConfig().app.encoder.batch_wait_when_idle
+    f.write_text("app:\n  encoder: {batch_wait_ms: 7, min_budget: 64}\n")
+    enc = BatchConfig.load(str(f)).app.encoder  # a file's encoder block keeps the batch defaults it leaves out
+    assert (enc.batch_wait_ms, enc.batch_wait_when_idle, enc.min_budget) == (7.0, True, 64)
     assert cfg.llm_pool.max_size == 3 and cfg.shard_rows == 50 and cfg.file_root == "/data"
     with pytest.raises(ValueError):
         BatchConfig(llm_pool={"min_size": 3, "max_size": 2})

@@ -82,7 +82,11 @@ def dataset(tmp: Path) -> tuple[Path, Path, set[str]]:
 
 
 def batch_config(tmp: Path, root: Path, model_cache: str, shard_rows: int) -> Path:
-    cfg = {"app": APP_ARGS | {"cache_dir": model_cache}, "file_root": str(root), "shard_rows": shard_rows,
+    # The batch defaults keep the encoder's window even when it was idle; 100 ms (not the server's 20)
+    # so that on a loaded 2-core CI machine, where media trickles in, items of different rows still
+    # meet in one batch (the assertions on items_per_batch below).
+    app = APP_ARGS | {"cache_dir": model_cache, "encoder": APP_ARGS["encoder"] | {"batch_wait_ms": 100}}
+    cfg = {"app": app, "file_root": str(root), "shard_rows": shard_rows,
            "flush_interval_s": 600, "progress_interval_s": 1,
            "media_pool": {"min_size": 1, "max_size": 2, "num_cpus": 0.5, "max_in_flight": 4},
            "encoder_pool": {"num_cpus": 0.5}, "llm_pool": {"num_cpus": 0.5}}

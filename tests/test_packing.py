@@ -193,3 +193,32 @@ def test_an_idle_encoder_starts_at_once_and_a_busy_one_waits_to_batch():
     assert idle_wait < 0.2  # the idle start did not wait the 400 ms window
     assert sizes == [1, 2]  # the two arrivals right after a batch waited and ran as one batch
     assert batcher.stats.queue_wait_s_max >= 0.3
+
+
+def test_a_batch_jobs_encoder_waits_for_company_even_when_idle():
+    """`wait_when_idle` (batch jobs): the first arrival at an idle encoder waits the window, and one
+    that comes meanwhile shares its batch; without it the first runs alone at once."""
+    from app.vision.batcher import EncodeBatcher
+    from app.vision.graphs import VisionEmbedding
+
+    def scenario(wait_when_idle: bool) -> list[int]:
+        sizes = []
+
+        def run_batch(items):
+            sizes.append(len(items))
+            return [VisionEmbedding(it.pixels[:1], []) for it in items], sum(it.pixels.shape[0] for it in items)
+
+        batcher = EncodeBatcher(run_batch, Limits(64, 4, 4), wait_ms=400, wait_when_idle=wait_when_idle)
+        px = torch.ones((4, 8))
+
+        async def two_arrivals():
+            first = asyncio.ensure_future(batcher.submit([(px, (1, 2, 2))]))
+            for _ in range(5):  # the batcher's loop takes the first piece before the second comes
+                await asyncio.sleep(0)
+            await asyncio.gather(first, batcher.submit([(px, (1, 2, 2))]))
+
+        asyncio.run(two_arrivals())
+        return sizes
+
+    assert scenario(wait_when_idle=True) == [2]
+    assert scenario(wait_when_idle=False) == [1, 1]

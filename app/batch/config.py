@@ -52,8 +52,13 @@ def _llm_pool() -> PoolConfig:
     return PoolConfig(min_size=1, max_size=1, num_cpus=0.5, max_in_flight=16)
 
 
+# A batch job wants full encoder batches, not early first tokens: a longer window, kept even after an
+# idle spell (the media stage often feeds the encoder slower than it encodes). Keys a file sets win.
+BATCH_ENCODER_DEFAULTS = {"batch_wait_ms": 20.0, "batch_wait_when_idle": True}
+
+
 class BatchConfig(_Strict):
-    app: AppConfig = AppConfig(encoder={"batch_wait_ms": 20.0})
+    app: AppConfig = AppConfig(encoder=BATCH_ENCODER_DEFAULTS)
     media_pool: PoolConfig = Field(default_factory=_media_pool)
     encoder_pool: PoolConfig = Field(default_factory=_encoder_pool)
     llm_pool: PoolConfig = Field(default_factory=_llm_pool)
@@ -82,7 +87,8 @@ class BatchConfig(_Strict):
             if overrides.get(key) is not None:
                 app[key] = overrides[key]
         if app or "app" in data:
-            data["app"] = {"encoder": {"batch_wait_ms": 20.0}} | app
+            app["encoder"] = BATCH_ENCODER_DEFAULTS | dict(app.get("encoder") or {})
+            data["app"] = app
         for key in ("file_root", "shard_rows"):
             if overrides.get(key) is not None:
                 data[key] = overrides[key]

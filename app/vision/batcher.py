@@ -9,6 +9,7 @@ piece waits more than one round. A cancelled request's pieces are dropped before
 An idle encoder (no batch ended within the last `wait_ms`) does not wait: with nothing else in
 flight there is nothing to batch with, and the wait would only add to time to first token. Under
 load batches end back to back, so the wait applies, and pieces arriving during a batch join the next.
+A batch job wants full batches, not first tokens: with `wait_when_idle` the wait applies always.
 """
 
 from __future__ import annotations
@@ -87,13 +88,14 @@ class BatcherStats:
 
 
 class EncodeBatcher:
-    def __init__(self, run_batch: RunBatch, limits: Limits, wait_ms: float = 2.0,
+    def __init__(self, run_batch: RunBatch, limits: Limits, wait_ms: float = 2.0, wait_when_idle: bool = False,
                  on_batch: Callable[[float, float, list[float]], None] | None = None,
                  on_idle: Callable[[], Callable[[], object] | None] | None = None):
         """`on_batch(latency_s, fill, queue_waits_s)` is called after every batch (metrics).
         `on_idle()` is called whenever the queue drains; it returns deferred work (graph captures)
         to run in a worker thread, or None when there is none."""
         self.run_batch, self.limits, self.wait_s = run_batch, limits, wait_ms / 1000
+        self.wait_when_idle = wait_when_idle
         self.on_batch, self.on_idle = on_batch, on_idle
         self.stats = BatcherStats()
         self._queue: list[_Queued] = []
@@ -142,8 +144,8 @@ class EncodeBatcher:
 
     async def _wait_for_batch(self) -> None:
         """Until the oldest piece has waited wait_ms, or the queue already fills the largest budget;
-        not at all when the encoder was idle."""
-        if time.monotonic() - self._last_end > self.wait_s:
+        not at all when the encoder was idle (unless `wait_when_idle`)."""
+        if not self.wait_when_idle and time.monotonic() - self._last_end > self.wait_s:
             return
         while self._queue:
             oldest = min(q.enqueued for q in self._queue)

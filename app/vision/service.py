@@ -62,7 +62,7 @@ class EncoderService:
         self.cache = EmbeddingCache(enc.cache_bytes)
         self.batcher = EncodeBatcher(self.manager.encode_batch,
                                      Limits(self.manager.max_budget, enc.max_items_per_batch, enc.max_frames_per_batch),
-                                     enc.batch_wait_ms,
+                                     enc.batch_wait_ms, enc.batch_wait_when_idle,
                                      on_idle=self.manager.pending_captures)
         log.info("vision encoder ready on %s (%s), budgets %s, graphs %s", device, dtype, self.manager.budgets,
                  sorted(self.manager.graphs) or "none captured")
