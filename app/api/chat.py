@@ -26,6 +26,7 @@ from .retry import RetryPolicy, collect, first_chunk, is_replica_failure, replic
 from .schemas import ChatRequest, completion_response, parse_chat_request, stream_chunk, usage
 
 log = logging.getLogger(__name__)
+_DONE = "data: [DONE]\n\n"
 
 
 class MediaSource(Protocol):
@@ -117,7 +118,12 @@ class ChatService:
 
     async def _sse(self, req: ChatRequest, gen: dict, first: dict, rest: AsyncIterator[dict], t0: float,
                    ttft: float, items: int, retries: int = 0) -> AsyncIterator[str]:
-        """Server-sent events; errors after the first byte become an error event, then [DONE]."""
+        """Server-sent events; errors after the first byte become an error event, then [DONE].
+
+        Events that are ready together go out as one write: the role with the first text, and the
+        finish, the usage and [DONE] at the end. Every write is one message through Ray Serve's proxy
+        and one HTTP chunk, each a fixed cost in the proxy's and this replica's single Python thread
+        (a 16-token answer took 10 writes, now 6); clients parse the same events either way."""
         model = self.cfg.model_name
 
         def event(obj: dict) -> str:
@@ -128,27 +134,35 @@ class ChatService:
             async for c in rest:
                 yield c
 
-        status, last = 200, {"prompt_tokens": 0, "completion_tokens": 0}
-        yield event(stream_chunk(req, model, {"role": "assistant", "content": ""}))
+        status, last, done = 200, {"prompt_tokens": 0, "completion_tokens": 0}, False
+        pending = event(stream_chunk(req, model, {"role": "assistant", "content": ""}))
         try:
             async for chunk in chunks():
+                out, pending = pending, ""
                 if chunk["text"]:
-                    yield event(stream_chunk(req, model, {"content": chunk["text"]}))
+                    out += event(stream_chunk(req, model, {"content": chunk["text"]}))
                 if chunk["finish_reason"]:
                     last = chunk
-                    yield event(stream_chunk(req, model, {}, chunk["finish_reason"]))
+                    out += event(stream_chunk(req, model, {}, chunk["finish_reason"]))
                     if req.include_usage:
-                        yield event(stream_chunk(req, model, {}, usage_=self._usage(gen, chunk), choices=False))
+                        out += event(stream_chunk(req, model, {}, usage_=self._usage(gen, chunk), choices=False))
+                    out, done = out + _DONE, True
+                if out:
+                    yield out
         except Exception as e:  # the status line is already sent: report in-band
-            err = unwrap_client_error(e) or (replica_failed(retries) if is_replica_failure(e) else None)
-            log.exception("request %s failed while streaming", req.id) if err is None else None
-            err = err or ClientError("internal error while generating", status=500, type="server_error")
-            status = err.status
-            yield event(err.to_json())
+            if done:  # the whole answer and [DONE] are out; nothing more may follow them
+                log.warning("request %s: error after its last chunk: %r", req.id, e)
+            else:
+                err = unwrap_client_error(e) or (replica_failed(retries) if is_replica_failure(e) else None)
+                log.exception("request %s failed while streaming", req.id) if err is None else None
+                err = err or ClientError("internal error while generating", status=500, type="server_error")
+                status = err.status
+                yield pending + event(err.to_json())
         finally:  # also when the client goes away (499, as nginx counts it)
             if status == 200 and not last.get("finish_reason"):
                 status = 499
             self.record(id=req.id, status=status, e2e_s=time.perf_counter() - t0, items=items, ttft_s=ttft,
                         prompt_tokens=last["prompt_tokens"], completion_tokens=last["completion_tokens"],
                         retries=retries)
-        yield "data: [DONE]\n\n"
+        if not done:
+            yield _DONE

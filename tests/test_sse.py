@@ -1,0 +1,100 @@
+"""The server-sent-event stream a Router writes (ChatService.open_stream): which events, in which
+order, and how many writes carry them (each write is one message through Ray Serve's proxy)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from app.config import AppConfig
+
+
+class ScriptedBackend:
+    """Yields the given engine chunks; raises `fail_after` once they are out, if given."""
+
+    def __init__(self, chunks: list[dict], fail_after: Exception | None = None):
+        self.chunks, self.fail_after = chunks, fail_after
+
+    async def stream(self, gen, payload):
+        for c in self.chunks:
+            await asyncio.sleep(0)
+            yield c
+        if self.fail_after is not None:
+            raise self.fail_after
+
+
+def chunk(text: str, finish: str | None = None, done_tokens: int = 0) -> dict:
+    return {"text": text, "finish_reason": finish, "prompt_tokens": 7, "completion_tokens": done_tokens,
+            "vision_embeddings": 0}
+
+
+def writes(tiny_checkpoint, backend, body: dict) -> tuple[list[str], list]:
+    """(the stream's writes, the records the service logged)."""
+    from helpers import local_chat
+
+    records = []
+    chat = local_chat(AppConfig(model=str(tiny_checkpoint)), tiny_checkpoint, backend)
+    chat.observer = records.append
+
+    async def run():
+        req, gen, payload = await chat.prepare(body)
+        return [w async for w in await chat.open_stream(req, gen, payload)]
+
+    return asyncio.run(run()), records
+
+
+def events(write: str) -> list:
+    assert write.endswith("\n\n")
+    out = []
+    for block in write[:-2].split("\n\n"):
+        assert block.startswith("data: ")
+        data = block[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+BODY = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 3}
+
+
+def test_ready_events_share_a_write(tiny_checkpoint):
+    """role + first text in one write, one write per later chunk, and finish + usage + [DONE] in the
+    last: 4 writes for 3 chunks (the events alone would be 7)."""
+    backend = ScriptedBackend([chunk("a"), chunk("b"), chunk("c", "length", 3)])
+    out, records = writes(tiny_checkpoint, backend, BODY | {"stream_options": {"include_usage": True}})
+    got = [events(w) for w in out]
+    assert len(got) == 3
+    role, first = got[0]
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert first["choices"][0]["delta"] == {"content": "a"}
+    assert [e["choices"][0]["delta"] for e in got[1]] == [{"content": "b"}]
+    text, finish, usage, done = got[2]
+    assert text["choices"][0]["delta"] == {"content": "c"}
+    assert finish["choices"][0]["finish_reason"] == "length" and finish["choices"][0]["delta"] == {}
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3 and done == "[DONE]"
+    assert [(r["status"], r["completion_tokens"]) for r in records] == [(200, 3)]
+
+
+def test_without_usage_and_with_an_empty_last_chunk(tiny_checkpoint):
+    backend = ScriptedBackend([chunk("a"), chunk("", "stop", 1)])
+    got = [events(w) for w in writes(tiny_checkpoint, backend, BODY)[0]]
+    assert [len(g) for g in got] == [2, 2]
+    assert got[1][0]["choices"][0]["finish_reason"] == "stop" and got[1][1] == "[DONE]"
+
+
+def test_a_failure_mid_stream_is_an_error_event_then_done(tiny_checkpoint):
+    backend = ScriptedBackend([chunk("a"), chunk("b")], fail_after=RuntimeError("engine broke"))
+    out, records = writes(tiny_checkpoint, backend, BODY)
+    got = [events(w) for w in out]
+    assert [e["choices"][0]["delta"] for e in got[1]] == [{"content": "b"}]
+    (err,), (done,) = got[2], got[3]
+    assert err["error"]["type"] == "server_error" and done == "[DONE]"
+    assert records[0]["status"] == 500
+
+
+def test_nothing_follows_done(tiny_checkpoint):
+    """A failure after the last chunk (the answer and [DONE] already out) adds no event."""
+    backend = ScriptedBackend([chunk("a", "stop", 1)], fail_after=RuntimeError("late"))
+    out, records = writes(tiny_checkpoint, backend, BODY)
+    got = [events(w) for w in out]
+    assert len(got) == 1 and got[0][-1] == "[DONE]" and len(got[0]) == 4  # role, text, finish, [DONE]
+    assert records[0]["status"] == 200
