@@ -10,10 +10,11 @@ from app.config import AppConfig
 
 
 class ScriptedBackend:
-    """Yields the given engine chunks; raises `fail_after` once they are out, if given."""
+    """Yields the given engine chunks; then raises `fail_after`, if given, or with `hang` never ends
+    (a stream whose end has not come back from the replica yet)."""
 
-    def __init__(self, chunks: list[dict], fail_after: Exception | None = None):
-        self.chunks, self.fail_after = chunks, fail_after
+    def __init__(self, chunks: list[dict], fail_after: Exception | None = None, hang: bool = False):
+        self.chunks, self.fail_after, self.hang = chunks, fail_after, hang
 
     async def stream(self, gen, payload):
         for c in self.chunks:
@@ -21,6 +22,8 @@ class ScriptedBackend:
             yield c
         if self.fail_after is not None:
             raise self.fail_after
+        if self.hang:
+            await asyncio.Event().wait()
 
 
 def chunk(text: str, finish: str | None = None, done_tokens: int = 0) -> dict:
@@ -38,9 +41,11 @@ def writes(tiny_checkpoint, backend, body: dict) -> tuple[list[str], list]:
 
     async def run():
         req, gen, payload = await chat.prepare(body)
+        if not req.stream:
+            return [await chat.complete(req, gen, payload)]
         return [w async for w in await chat.open_stream(req, gen, payload)]
 
-    return asyncio.run(run()), records
+    return asyncio.run(asyncio.wait_for(run(), timeout=60)), records
 
 
 def events(write: str) -> list:
@@ -89,6 +94,20 @@ def test_a_failure_mid_stream_is_an_error_event_then_done(tiny_checkpoint):
     (err,), (done,) = got[2], got[3]
     assert err["error"]["type"] == "server_error" and done == "[DONE]"
     assert records[0]["status"] == 500
+
+
+def test_the_answer_does_not_wait_for_the_streams_end(tiny_checkpoint):
+    """The chunk with a finish reason is the last: [DONE] (or the whole non-streamed answer) goes out
+    then, not when the replica's end of stream comes back."""
+    for stream in (True, False):
+        backend = ScriptedBackend([chunk("a"), chunk("b", "stop", 2)], hang=True)
+        out, records = writes(tiny_checkpoint, backend, BODY | {"stream": stream})
+        if stream:
+            assert [e if e == "[DONE]" else e["choices"][0]["delta"] for e in events(out[-1])] == [
+                {"content": "b"}, {}, "[DONE]"]
+        else:
+            assert out[0]["choices"][0]["message"]["content"] == "ab" and out[0]["choices"][0]["finish_reason"] == "stop"
+        assert records[0]["status"] == 200 and records[0]["completion_tokens"] == 2
 
 
 def test_nothing_follows_done(tiny_checkpoint):

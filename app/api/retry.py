@@ -111,7 +111,9 @@ async def first_chunk(start: Callable[[], AsyncIterator[dict]], policy: RetryPol
 async def collect(start: Callable[[], AsyncIterator[dict]], policy: RetryPolicy
                   ) -> tuple[list[dict], float | None, int]:
     """(every chunk, perf_counter() at the first chunk of the attempt that finished, retries): a
-    whole non-streamed answer, retried from scratch when a replica fails at any point."""
+    whole non-streamed answer, retried from scratch when a replica fails before its last chunk.
+    The chunk with a finish reason is the last: the answer returns then, without waiting for the
+    stream's end to come back from the replica (one more round trip through Ray)."""
     t0, attempt = time.monotonic(), 0
     while True:
         attempt += 1
@@ -121,6 +123,8 @@ async def collect(start: Callable[[], AsyncIterator[dict]], policy: RetryPolicy
             async for chunk in stream:
                 first_at = time.perf_counter() if first_at is None else first_at
                 chunks.append(chunk)
+                if chunk.get("finish_reason"):
+                    break
             return chunks, first_at, attempt - 1
         except Exception as e:
             await _close(stream)
