@@ -43,7 +43,13 @@ def writes(tiny_checkpoint, backend, body: dict) -> tuple[list[str], list]:
         req, gen, payload = await chat.prepare(body)
         if not req.stream:
             return [await chat.complete(req, gen, payload)]
-        return [w async for w in await chat.open_stream(req, gen, payload)]
+        out, stream = [], await chat.open_stream(req, gen, payload)
+        async for w in stream:  # as a client reads: until [DONE]
+            out.append(w)
+            if "[DONE]" in w:
+                break
+        await stream.aclose()  # the client is done (here: before a hanging stream's end)
+        return out
 
     return asyncio.run(asyncio.wait_for(run(), timeout=60)), records
 
@@ -98,7 +104,7 @@ def test_a_failure_mid_stream_is_an_error_event_then_done(tiny_checkpoint):
 
 def test_the_answer_does_not_wait_for_the_streams_end(tiny_checkpoint):
     """The chunk with a finish reason is the last: [DONE] (or the whole non-streamed answer) goes out
-    then, not when the replica's end of stream comes back."""
+    then, not when the replica's end of stream comes back (here it never does)."""
     for stream in (True, False):
         backend = ScriptedBackend([chunk("a"), chunk("b", "stop", 2)], hang=True)
         out, records = writes(tiny_checkpoint, backend, BODY | {"stream": stream})
@@ -117,3 +123,40 @@ def test_nothing_follows_done(tiny_checkpoint):
     got = [events(w) for w in out]
     assert len(got) == 1 and got[0][-1] == "[DONE]" and len(got[0]) == 4  # role, text, finish, [DONE]
     assert records[0]["status"] == 200
+
+
+def test_a_finished_answers_stream_is_still_read_to_its_end(tiny_checkpoint):
+    """Ray Serve counts a call as running until its stream ends, so the rest of the stream is read in
+    the background after the answer is out: non-streamed, and streamed when the client leaves at [DONE]."""
+    from helpers import local_chat
+
+    chat = local_chat(AppConfig(model=str(tiny_checkpoint)), tiny_checkpoint)
+
+    class Held(ScriptedBackend):
+        """Ends only when `release` is set after the last chunk; `ended` then."""
+
+        async def stream(self, gen, payload):
+            for c in self.chunks:
+                yield c
+            await self.release.wait()
+            self.ended = True
+
+    async def run(stream: bool) -> tuple[bool, bool]:
+        backend = Held([chunk("a", "stop", 1)])
+        backend.release, backend.ended = asyncio.Event(), False
+        chat.backend = backend
+        req, gen, payload = await chat.prepare(BODY | {"stream": stream})
+        if stream:
+            writes_ = await chat.open_stream(req, gen, payload)
+            assert "[DONE]" in await anext(writes_)
+            await writes_.aclose()  # the client leaves at [DONE]
+        else:
+            assert (await chat.complete(req, gen, payload))["choices"][0]["finish_reason"] == "stop"
+        before = backend.ended
+        backend.release.set()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        return before, backend.ended
+
+    for stream in (False, True):
+        assert asyncio.run(run(stream)) == (False, True), stream

@@ -22,7 +22,7 @@ from ..media.preprocess import PatchSpec
 from . import fastjson
 from .minicpmv_prompt import prompt_builder_for
 from .prompt import IMAGE_TYPE, VIDEO_TYPE
-from .retry import RetryPolicy, collect, first_chunk, is_replica_failure, replica_failed
+from .retry import RetryPolicy, collect, drain_later, first_chunk, is_replica_failure, replica_failed
 from .schemas import ChatRequest, completion_response, parse_chat_request, stream_chunk, usage
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,8 @@ class ChatService:
         finish, the usage and [DONE] at the end. Every write is one message through Ray Serve's proxy
         and one HTTP chunk, each a fixed cost in the proxy's and this replica's single Python thread
         (a 16-token answer took 10 writes, now 6); clients parse the same events either way. [DONE]
-        goes out with the last chunk, not after the stream's end has come back from the replica."""
+        goes out with the last chunk, before the stream's end has come back from the replica; the
+        stream is still read to its end (Ray Serve counts the call as running until then)."""
         model = self.cfg.model_name
 
         def event(obj: dict) -> str:
@@ -135,11 +136,10 @@ class ChatService:
             async for c in rest:
                 yield c
 
-        status, last, done = 200, {"prompt_tokens": 0, "completion_tokens": 0}, False
+        status, last, done, ended = 200, {"prompt_tokens": 0, "completion_tokens": 0}, False, False
         pending = event(stream_chunk(req, model, {"role": "assistant", "content": ""}))
-        source = chunks()
         try:
-            async for chunk in source:
+            async for chunk in chunks():
                 out, pending = pending, ""
                 if chunk["text"]:
                     out += event(stream_chunk(req, model, {"content": chunk["text"]}))
@@ -151,16 +151,19 @@ class ChatService:
                     out, done = out + _DONE, True
                 if out:
                     yield out
-                if done:  # the last chunk: no need to wait for the stream's end to come back from the replica
-                    break
+            ended = True
         except Exception as e:  # the status line is already sent: report in-band
-            err = unwrap_client_error(e) or (replica_failed(retries) if is_replica_failure(e) else None)
-            log.exception("request %s failed while streaming", req.id) if err is None else None
-            err = err or ClientError("internal error while generating", status=500, type="server_error")
-            status = err.status
-            yield pending + event(err.to_json())
+            if done:  # the whole answer and [DONE] are out; nothing may follow them
+                log.warning("request %s: its stream failed after the last chunk: %r", req.id, e)
+            else:
+                err = unwrap_client_error(e) or (replica_failed(retries) if is_replica_failure(e) else None)
+                log.exception("request %s failed while streaming", req.id) if err is None else None
+                err = err or ClientError("internal error while generating", status=500, type="server_error")
+                status = err.status
+                yield pending + event(err.to_json())
         finally:  # also when the client goes away (499, as nginx counts it)
-            await source.aclose()
+            if done and not ended:  # a client that left after [DONE]: the stream is still read to its end
+                drain_later(rest)
             if status == 200 and not last.get("finish_reason"):
                 status = 499
             self.record(id=req.id, status=status, e2e_s=time.perf_counter() - t0, items=items, ttft_s=ttft,

@@ -4,7 +4,7 @@ Ray Serve restarts a dead replica, but the calls it was serving fail with Ray's 
 that has not produced a token yet has shown the client nothing, so it is sent again (to another
 replica, or to the restarted one: the handle queues it until one is up), within `max_attempts` and
 `budget_s`. A non-streaming request has shown nothing until it finishes, so it is retried from
-scratch wherever it failed. A stream that already sent tokens cannot be replayed: it ends with an
+scratch wherever it failed before its last chunk. A stream that already sent tokens cannot be replayed: it ends with an
 error event (503, `replica_failed`) and `[DONE]`, never a hang.
 
 Only replica failures are retried: a client error or an overloaded engine (503) is answered at once.
@@ -14,11 +14,14 @@ Ray is imported lazily so that app/ stays importable without it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from ..errors import ClientError
+
+log = logging.getLogger(__name__)
 
 _RAY_FAILURES = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
                  "NodeDiedError", "OwnerDiedError", "ObjectLostError", "ReplicaUnavailableError",
@@ -113,7 +116,8 @@ async def collect(start: Callable[[], AsyncIterator[dict]], policy: RetryPolicy
     """(every chunk, perf_counter() at the first chunk of the attempt that finished, retries): a
     whole non-streamed answer, retried from scratch when a replica fails before its last chunk.
     The chunk with a finish reason is the last: the answer returns then, without waiting for the
-    stream's end to come back from the replica (one more round trip through Ray)."""
+    stream's end to come back from the replica (one more round trip through Ray); the rest of the
+    stream is read in the background (`drain_later`)."""
     t0, attempt = time.monotonic(), 0
     while True:
         attempt += 1
@@ -124,11 +128,31 @@ async def collect(start: Callable[[], AsyncIterator[dict]], policy: RetryPolicy
                 first_at = time.perf_counter() if first_at is None else first_at
                 chunks.append(chunk)
                 if chunk.get("finish_reason"):
+                    drain_later(stream)
                     break
             return chunks, first_at, attempt - 1
         except Exception as e:
             await _close(stream)
             await policy._wait_or_give_up(e, attempt, t0)
+
+
+_draining: set[asyncio.Task] = set()  # strong references: a pending task may otherwise be collected
+
+
+def drain_later(stream: AsyncIterator) -> None:
+    """Read what is left of a stream in a background task and drop it. Ray Serve counts a call as
+    running until its stream has ended (per-replica load, `max_ongoing_requests`), so a stream is
+    read to its end even when its answer is already out; errors there no longer concern anyone."""
+    async def drain() -> None:
+        try:
+            async for _ in stream:
+                pass
+        except Exception as e:
+            log.debug("a finished answer's stream ended with %r", e)
+
+    task = asyncio.get_running_loop().create_task(drain())
+    _draining.add(task)
+    task.add_done_callback(_draining.discard)
 
 
 async def call_with_retries(start: Callable[[], Awaitable], policy: RetryPolicy) -> tuple[object, int]:
