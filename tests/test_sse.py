@@ -69,7 +69,7 @@ BODY = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_to
 
 def test_ready_events_share_a_write(tiny_checkpoint):
     """role + first text in one write, one write per later chunk, and finish + usage + [DONE] in the
-    last: 4 writes for 3 chunks (the events alone would be 7)."""
+    last: 3 writes for 3 chunks (7 events)."""
     backend = ScriptedBackend([chunk("a"), chunk("b"), chunk("c", "length", 3)])
     out, records = writes(tiny_checkpoint, backend, BODY | {"stream_options": {"include_usage": True}})
     got = [events(w) for w in out]
