@@ -211,12 +211,23 @@ def pad_mlp(fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None, fc2_weight:
     return w1, b1, w2
 
 
-def pad_mlp_modules(fc1: torch.nn.Linear, fc2: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`pad_mlp` for two Linear modules, whose parameters become views of the padded tensors (their
-    published names and values stay; no memory is added). Returns (fc1 weight, fc1 bias, fc2 weight)."""
+def pad_mlp_modules(fc1: torch.nn.Linear | tuple[torch.nn.Linear, ...], fc2: torch.nn.Linear
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pad_mlp` for Linear modules, whose parameters become views of the padded tensors (their
+    published names and values stay; no memory is added). `fc1` may be several modules (a SwiGLU's
+    (gate, up)): they become one fused weight, each part padded. Returns (fc1 weight, fc1 bias, fc2
+    weight)."""
+    parts = fc1 if isinstance(fc1, tuple) else (fc1,)
     width = fc2.weight.shape[1]
-    w1, b1, w2 = pad_mlp(fc1.weight.data, fc1.bias.data, fc2.weight.data)
-    fc1.weight.data, fc1.bias.data, fc2.weight.data = w1[:width], b1[:width], w2[:, :width]
+    def joined(tensors: list[torch.Tensor]) -> torch.Tensor:  # one module's own tensor: no copy
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+    w1, b1, w2 = pad_mlp(joined([m.weight.data for m in parts]), joined([m.bias.data for m in parts]),
+                         fc2.weight.data, halves=len(parts))
+    wide = w2.shape[1]
+    for i, m in enumerate(parts):
+        m.weight.data, m.bias.data = w1[i * wide:i * wide + width], b1[i * wide:i * wide + width]
+    fc2.weight.data = w2[:, :width]
     return w1, b1, w2
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import attention
-from .kernels import add_bias_rmsnorm, pad_mlp, rotary_qk, silu_mul, triton_available
+from .kernels import add_bias_rmsnorm, rotary_qk, silu_mul, triton_available
 from .metadata import BatchLayout, Grid, layout
 from .qwen25_metadata import WindowGeometry, qwen25_metadata, window_slots
 from .tower_api import GraphTower, TowerBatch
@@ -59,19 +59,8 @@ class Qwen25Tower(GraphTower):
         zero units, exact; down_projection.py says why), and the down projection padded to match. The
         modules' own parameters become views of these, so no memory is added and the reference module
         still runs on the same weights."""
-        self.gate_up, downs = [], []
-        for blk in self.visual.blocks:
-            g, u, d = blk.mlp.gate_proj, blk.mlp.up_proj, blk.mlp.down_proj
-            inter = g.weight.shape[0]
-            w, b, w2 = pad_mlp(torch.cat([g.weight.data, u.weight.data]), torch.cat([g.bias.data, u.bias.data]),
-                               d.weight.data, halves=2)
-            wide = w2.shape[1]
-            g.weight.data, u.weight.data = w[:inter], w[wide:wide + inter]
-            g.bias.data, u.bias.data = b[:inter], b[wide:wide + inter]
-            d.weight.data = w2[:, :inter]
-            self.gate_up.append((w, b))
-            downs.append(w2)
-        self._init_down_projection(downs, inter)
+        mlps = self._pad_mlps([((b.mlp.gate_proj, b.mlp.up_proj), b.mlp.down_proj) for b in self.visual.blocks])
+        self.gate_up = [(w, b) for w, b, _ in mlps]
 
     @property
     def dtype(self) -> torch.dtype:

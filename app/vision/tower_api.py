@@ -63,9 +63,10 @@ class GraphTower(nn.Module):
             self.pixel_scale, self.pixel_offset = (torch.as_tensor(t, dtype=torch.float32, device=self.device)
                                                    for t in self._pixel_norm)
 
-    def _pad_mlps(self, pairs: list[tuple[nn.Linear, nn.Linear]]) -> list[tuple[torch.Tensor, ...]]:
-        """(fc1, fc2) per layer, padded (`kernels.pad_mlp_modules`), and the down projection over them.
-        Returns (fc1 weight, fc1 bias, fc2 weight) per layer."""
+    def _pad_mlps(self, pairs: list[tuple[nn.Linear | tuple[nn.Linear, ...], nn.Linear]]
+                  ) -> list[tuple[torch.Tensor, ...]]:
+        """(fc1, fc2) per layer, padded (`kernels.pad_mlp_modules`; fc1 may be (gate, up)), and the down
+        projection over them. Returns (fc1 weight, fc1 bias, fc2 weight) per layer."""
         mlps = [pad_mlp_modules(fc1, fc2) for fc1, fc2 in pairs]
         if mlps:
             self._init_down_projection([w2 for _, _, w2 in mlps], pairs[0][1].in_features)
