@@ -4,7 +4,7 @@
 # repository root with .gpu-deps carried; results in $OUT/<round>_<old|new>/:
 #   bash benchmarks/gpu_ab_trees.sh OLD_TREE CONFIG [serve.py args ...]
 # OLD_TREE is an older commit's files inside this tree, untracked so that they travel, e.g.
-#   mkdir ab_old && git archive 165072d app deployments configs benchmarks/*.py serve_config.yaml \
+#   mkdir ab_old && git archive 165072d app deployments configs benchmarks serve_config.yaml \
 #     pyproject.toml | tar x -C ab_old
 # The embedded checkpoint is built once first (both trees use ~/.cache/vlm-serve), so neither side's
 # first start pays for it; each side runs its own copy of CONFIG (an old tree may refuse keys added

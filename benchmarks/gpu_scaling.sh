@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One device call that measures how serving scales from one GPU to all of a host's GPUs, through Ray
+# Serve's HTTP proxy and through the Routers' own shared port (app/api/shared_port.py), one run after
+# the other on the same machine. From the repository root with .gpu-deps carried:
+#   RUNS="proxy:1 proxy:2 port:1 port:2" bash benchmarks/gpu_scaling.sh CONFIG [serve.py args ...]
+# e.g. ... configs/qwen3-vl-2b-gpu.yaml --workload image --concurrency 64 256 512 --num-requests 1024 --warmup 32
+# A run is PATH:GPUS. Port runs pin the Routers at ROUTERS_PER_GPU (default 2) per GPU when set;
+# MEDIA_PER_GPU, when set, raises the MediaPreprocessor's min_replicas to that many per GPU (every run).
+# TAG is appended to each run's label. Results per run in $OUT/<path>x<gpus><TAG>.tgz (serve.py's JSON
+# and report, the config it ran, the per-stage trace).
+set -uo pipefail
+source benchmarks/gpu_env.sh
+CONFIG=$1; shift
+for run in ${RUNS:-proxy:1 proxy:2 port:2}; do
+  path=${run%%:*}; gpus=${run#*:}
+  label="${path}x${gpus}${TAG:-}"; dir="$OUT/$label"; mkdir -p "$dir"
+  config="$dir/config.yaml"; extra=(); routers=0
+  if [ "$path" = port ]; then routers=$(( ${ROUTERS_PER_GPU:-0} * gpus )); extra=(--router-port 8800); fi
+  python3 - "$CONFIG" "$config" "$routers" "$(( ${MEDIA_PER_GPU:-0} * gpus ))" <<'EOF'
+import sys, yaml
+cfg = yaml.safe_load(open(sys.argv[1]))
+routers, media = int(sys.argv[3]), int(sys.argv[4])
+for d in cfg["applications"][0]["deployments"]:
+    scaling = d.get("autoscaling_config", {})
+    if d["name"] == "Router" and routers:
+        scaling.update(min_replicas=routers, max_replicas=routers)
+    if d["name"] == "MediaPreprocessor" and media:
+        scaling.update(min_replicas=media, max_replicas=max(media, scaling.get("max_replicas", media)))
+yaml.safe_dump(cfg, open(sys.argv[2], "w"), sort_keys=False)
+EOF
+  echo "=== $label"
+  ray stop --force >/dev/null 2>&1
+  RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1 timeout "${SERVE_TIMEOUT:-200}" python3 benchmarks/serve.py --start \
+    --serve-config "$config" --num-gpus "$gpus" --no-progress --out-dir "$dir" "${extra[@]}" "$@" 2>&1 \
+    | grep -v "Warning\|warn(" | tee "$dir/serve.txt" \
+    | grep -E "ready in|^---|request throughput|TTFT ms|GPU busy|host CPU|^  [A-Za-z]|bottleneck"
+  python3 benchmarks/serve_trace.py /tmp/ray/session_latest/logs/serve > "$dir/trace.txt" 2>&1
+  tar czf "$dir.tgz" -C "$OUT" "$label" && rm -rf "$dir"
+done
+ray stop --force >/dev/null 2>&1
