@@ -1,4 +1,5 @@
-"""Autoscaling policy for the LLM deployment: requests in flight, and KV-cache use.
+"""Autoscaling policies: the LLM deployment's (requests in flight, and KV-cache use) and the Router's
+(requests in flight, counting those that came in on the Routers' own port).
 
 Ray Serve's default policy sizes a deployment by requests in flight per replica
 (`target_ongoing_requests`). An LLM replica can be full well before that: a few long prompts fill
@@ -13,6 +14,11 @@ Ray applies min/max_replicas, upscale/downscale delays and scaling factors aroun
 policies are wrapped in the same rules as the default one). Reference it from an
 `autoscaling_config` as `policy: {policy_function: app.autoscaling:LLMAutoscalingPolicy}`.
 Ray pickles this module by value into its controller, so it imports nothing from the project.
+
+The Router's shared port (`router_http_port`, app/api/shared_port.py) takes requests that never pass
+through Ray Serve, so Serve's count of a Router's requests misses them. Each Router reports them as
+`direct_ongoing`, and RouterAutoscalingPolicy sizes the Routers on both counts together, with the same
+`target_ongoing_requests`. Reference it as `policy: {policy_function: app.autoscaling:RouterAutoscalingPolicy}`.
 """
 
 from __future__ import annotations
@@ -43,3 +49,20 @@ class LLMAutoscalingPolicy:
         desired = desired_replicas(ctx.total_num_requests, ctx.config.get_target_ongoing_requests(), kv.values(),
                                    self.target_kv_usage)
         return desired, {}
+
+
+def router_desired_replicas(serve_requests: float, direct_requests: Iterable[float], target_requests: float) -> float:
+    """Routers that keep requests per Router at `target_requests`, counting both Serve's requests and
+    each Router's requests on its own port."""
+    return (serve_requests + sum(direct_requests)) / target_requests
+
+
+class RouterAutoscalingPolicy:
+    """Ray Serve's request-count rule over all of a Router's requests, its shared port's included."""
+
+    def __call__(self, ctx) -> tuple[float, dict]:
+        if ctx.current_num_replicas == 0:
+            return ctx.target_num_replicas, {}
+        direct = (ctx.aggregated_metrics or {}).get("direct_ongoing", {})
+        return router_desired_replicas(ctx.total_num_requests, direct.values(),
+                                       ctx.config.get_target_ongoing_requests()), {}

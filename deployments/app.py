@@ -36,6 +36,8 @@ from .router import Router
 log = logging.getLogger("ray.serve")
 
 LLM_REQUEST_ROUTER = "deployments.routing:LeastLoadedRouter"
+# counts the requests on the Routers' own port as well (router_http_port); Serve's rule otherwise
+ROUTER_AUTOSCALING_POLICY = "app.autoscaling:RouterAutoscalingPolicy"
 ROUTING_STATS_PERIOD_S = 1.0  # how fresh the LLM replicas' load reports are (Ray's default: 10 s)
 
 
@@ -64,7 +66,8 @@ def deployment_options(cfg: AppConfig, gpus: int, cpus: float) -> tuple[dict[str
     opts = {
         "Router": {"max_ongoing_requests": ongoing, "ray_actor_options": {"num_cpus": p.router_num_cpus},
                    "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 64,
-                                          "upscale_delay_s": 5, "downscale_delay_s": 60}},
+                                          "upscale_delay_s": 5, "downscale_delay_s": 60,
+                                          "policy": {"policy_function": ROUTER_AUTOSCALING_POLICY}}},
         # 64, not fewer: a caller whose replicas are all at max_ongoing_requests retries with a backoff
         # (25, 50, 100 ... 500 ms in Ray 2.60), which cost ~90 ms per request at 64 concurrent
         # requests; items beyond the worker threads wait in the replica's own queue instead.

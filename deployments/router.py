@@ -68,6 +68,9 @@ def error_response(e: ClientError) -> JSONResponse:
     return FastJSONResponse(e.to_json(), status_code=e.status, headers=e.headers)
 
 
+SHARED_PORT_DRAIN_S = 1.5  # within the Router's graceful_shutdown_timeout_s
+
+
 @serve.deployment(name="Router", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=2)
 @serve.ingress(api)
 class Router:
@@ -96,10 +99,17 @@ class Router:
             self.direct = SharedPortServer(api, self.cfg.router_http_host, self.cfg.router_http_port)
             await self.direct.started()
 
-    def __del__(self):
-        """Ray Serve calls this when it stops the replica: the shared port stops taking connections."""
+    async def __del__(self):
+        """Ray Serve awaits this when it stops the replica, after draining the requests it counted: the
+        shared port stops taking connections and its requests in flight get to finish (within the
+        deployment's `graceful_shutdown_timeout_s`, after which Ray stops the process anyway)."""
         if getattr(self, "direct", None) is not None:
-            self.direct.stop()
+            await self.direct.drain(SHARED_PORT_DRAIN_S)
+
+    def record_autoscaling_stats(self) -> dict:
+        """Custom autoscaling metrics: requests in flight on the shared port, which Ray Serve does not
+        count (app.autoscaling.RouterAutoscalingPolicy adds them to its own count)."""
+        return {"direct_ongoing": self.direct.ongoing if self.direct is not None else 0}
 
     @api.get("/health")
     async def health(self) -> dict:

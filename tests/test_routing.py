@@ -41,7 +41,7 @@ def test_ties_are_broken_at_random():
     assert firsts == set("abcd")
 
 
-def _context(replicas: int, requests: float, kv: dict, target_requests: float = 4):
+def _context(replicas: int, requests: float, kv: dict, target_requests: float = 4, metric: str = "kv_usage"):
     from ray.serve._private.common import DeploymentID, ReplicaID
     from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
@@ -51,7 +51,7 @@ def _context(replicas: int, requests: float, kv: dict, target_requests: float = 
     return AutoscalingContext(
         deployment_id=dep, deployment_name="LLM", app_name="vlm", current_num_replicas=replicas,
         target_num_replicas=replicas, running_replicas=ids, total_num_requests=requests, total_queued_requests=0,
-        aggregated_metrics={"kv_usage": {ids[i]: v for i, v in kv.items()}}, raw_metrics={},
+        aggregated_metrics={metric: {ids[i]: v for i, v in kv.items()}}, raw_metrics={},
         capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=8, policy_state={},
         last_scale_up_time=None, last_scale_down_time=None, current_time=None, config=config)
 
@@ -68,6 +68,19 @@ def test_llm_policy_scales_on_requests_or_on_kv_use_whichever_asks_more():
     assert policy(_context(2, 0, {0: 0.0, 1: 0.0}))[0] == 0
     with pytest.raises(ValueError):
         LLMAutoscalingPolicy(target_kv_usage=0)
+
+
+def test_router_policy_counts_the_requests_on_the_routers_own_port():
+    from app.autoscaling import RouterAutoscalingPolicy
+
+    policy = RouterAutoscalingPolicy()
+    # Serve counted 40 requests over 2 Routers, the shared port took 90 more: 130 / target 64 = 2.03 Routers
+    assert policy(_context(2, 40, {0: 50.0, 1: 40.0}, 64, "direct_ongoing"))[0] == pytest.approx(130 / 64)
+    # all the load on the shared port: Serve alone would see an idle deployment and scale it down
+    assert policy(_context(2, 0, {0: 200.0, 1: 184.0}, 64, "direct_ongoing"))[0] == pytest.approx(6)
+    # no Router reported yet (or the port is off): Serve's count alone, as Ray's default policy
+    assert policy(_context(2, 96, {}, 64, "direct_ongoing"))[0] == pytest.approx(1.5)
+    assert policy(_context(0, 96, {}, 64, "direct_ongoing"))[0] == 0  # cold start: Ray's target stands
 
 
 def test_merged_reports_sum_counters_and_recompute_ratios():

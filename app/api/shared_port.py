@@ -12,9 +12,15 @@ uvicorn on the replica's own event loop, running the same FastAPI app that Ray S
 routes, the API key check and the error shapes are the same on both ports. Ray Serve's proxy port keeps
 working beside it.
 
-What it gives up: Ray Serve neither counts these requests for the Router's autoscaling nor applies its
-`max_ongoing_requests` to them (the engine's own admission still answers 503), and a client must reach
-the node that runs Routers. Off by default (`router_http_port`).
+What it gives up, and what stands in for it:
+- Ray Serve does not count these requests. The server counts its requests in flight (`ongoing`); the
+  Router reports them (`record_autoscaling_stats`), and app.autoscaling.RouterAutoscalingPolicy adds them
+  to Serve's own count, so the Routers still scale on their whole load.
+- Serve's `max_ongoing_requests` does not apply to them; the engine's own admission still answers 503.
+- A stopping Router must finish what came in here itself: `drain` stops taking connections and waits
+  for the requests in flight, since Serve's drain only waits for the requests it counted.
+- A client must reach a node that runs Routers.
+Off by default (`router_http_port`); the GPU presets turn it on.
 """
 
 from __future__ import annotations
@@ -36,6 +42,24 @@ def listen_shared(host: str, port: int, backlog: int = 2048) -> socket.socket:
     return sock
 
 
+class CountInFlight:
+    """ASGI middleware: how many HTTP requests are inside `app` now (from the call until it returns,
+    which for a streamed answer is after its last chunk)."""
+
+    def __init__(self, app):
+        self.app = app
+        self.ongoing = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        self.ongoing += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.ongoing -= 1
+
+
 class SharedPortServer:
     """uvicorn serving `app` on a shared port, as a task of the running event loop."""
 
@@ -43,7 +67,8 @@ class SharedPortServer:
         import uvicorn
 
         self.sock = listen_shared(host, port)
-        config = uvicorn.Config(app, lifespan="off", access_log=False, log_level="warning",
+        self.counter = CountInFlight(app)
+        config = uvicorn.Config(self.counter, lifespan="off", access_log=False, log_level="warning",
                                 timeout_keep_alive=30)
         self.server = uvicorn.Server(config)
         self.server.capture_signals = contextlib.nullcontext  # the replica's signals are Ray's
@@ -60,6 +85,22 @@ class SharedPortServer:
                 raise TimeoutError("the shared-port HTTP server did not start")
             await asyncio.sleep(0.01)
 
+    @property
+    def ongoing(self) -> int:
+        """Requests in flight on this port."""
+        return self.counter.ongoing
+
     def stop(self) -> None:
         """Stops taking connections; uvicorn lets requests in flight finish (its graceful shutdown)."""
         self.server.should_exit = True
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stops taking connections and waits up to `timeout_s` for the requests in flight to finish;
+        True if they did. uvicorn closes the listening socket first, so the kernel hands new connections
+        to the node's other Routers, and closes idle keep-alive connections."""
+        self.stop()
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), timeout_s)
+            return True
+        except TimeoutError:
+            return False

@@ -1,0 +1,106 @@
+"""The Routers scale on the requests that come in on their own shared port (router_http_port), which
+never pass through Ray Serve: started from serve_config.yaml as `serve run` starts it, on the CPU. Each
+Router reports its port's requests in flight (`record_autoscaling_stats`) and
+app.autoscaling:RouterAutoscalingPolicy adds them to Serve's count; with Serve's own policy the Routers
+would see no load at all here and stay at one replica."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from deployments.ray_env import apply_serve_env
+from test_scaling import FAST_METRICS, running_replicas, wait_for
+
+pytestmark = pytest.mark.integration
+PORT, DIRECT_PORT = 8785, 8786
+ROOT = Path(__file__).resolve().parent.parent
+ROUTER_AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0,
+                      "downscale_delay_s": 2, "look_back_period_s": 2, "metrics_interval_s": 0.5,
+                      "policy": {"policy_function": "app.autoscaling:RouterAutoscalingPolicy"}}
+
+
+def port_config(model_cache: str) -> dict:
+    """serve_config.yaml with the Routers' shared port on, a Router that scales 1-2 at 2 requests each,
+    and one replica of everything else (fused: the tower inside the LLM replica)."""
+    conf = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    conf["http_options"] = {"host": "127.0.0.1", "port": PORT}
+    app = conf["applications"][0]
+    app["args"].update({"cache_dir": model_cache, "router_http_port": DIRECT_PORT, "router_http_host": "127.0.0.1"})
+    app["args"]["encoder"].update({"min_budget": 64, "max_budget": 1024})
+    app["args"]["placement"].update({"policy": "fused", "num_cpus": 0.25})
+    deployments = {d["name"]: d for d in app["deployments"]}
+    # the file's Router entry names the policy itself: a listed autoscaling_config replaces the builder's
+    assert deployments["Router"]["autoscaling_config"]["policy"] == ROUTER_AUTOSCALING["policy"]
+    deployments["Router"]["autoscaling_config"] = ROUTER_AUTOSCALING
+    deployments["MediaPreprocessor"]["autoscaling_config"].update({"min_replicas": 1, "max_replicas": 1})
+    for name in ("Router", "MediaPreprocessor"):
+        deployments[name]["ray_actor_options"] = {"num_cpus": 0.25}
+    return conf
+
+
+@pytest.fixture(scope="module")
+def served(model_cache):
+    ray = pytest.importorskip("ray")
+    from ray import serve
+    from ray.serve._private import api as serve_api
+    from ray.serve.schema import ServeDeploySchema
+
+    saved = {k: os.environ.get(k) for k in FAST_METRICS}
+    os.environ.update(FAST_METRICS)
+    apply_serve_env()
+    conf = port_config(model_cache)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        client = serve_api.serve_start(http_options=conf["http_options"])
+        client.deploy_apps(ServeDeploySchema.model_validate(conf), _blocking=True)
+        yield client
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def test_routers_scale_up_on_their_own_ports_load_and_back_down(served):
+    assert running_replicas("Router") == 1
+    stop = threading.Event()
+    finished, errors = [0], []
+    body = {"messages": [{"role": "user", "content": "tell me everything"}], "max_tokens": 8000, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+
+    def client_loop():  # one client keeping a long stream open on the shared port until told to stop
+        with httpx.Client(base_url=f"http://127.0.0.1:{DIRECT_PORT}", timeout=120) as c:
+            while not stop.is_set():
+                with c.stream("POST", "/v1/chat/completions", json=body) as resp:
+                    if resp.status_code != 200:
+                        errors.append(resp.status_code)
+                        return
+                    for line in resp.iter_lines():
+                        if stop.is_set():
+                            break
+                        if line == "data: [DONE]":
+                            finished[0] += 1
+
+    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        # 6 streams against target_ongoing_requests 2: 3 Routers wanted, max_replicas caps it at 2
+        wait_for(lambda: running_replicas("Router") == 2, 120, "a second Router")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not errors, errors
+    wait_for(lambda: running_replicas("Router") == 1, 120, "the Routers scaled back to one")
+    # the remaining Router still answers on the shared port, and so does the proxy
+    for port in (DIRECT_PORT, PORT):
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert resp.status_code == 200, resp.text

@@ -1,0 +1,104 @@
+"""The Routers' own shared port (app/api/shared_port.py) without Ray: it counts its requests in flight (the
+Router reports them for autoscaling), and a drain stops taking connections but lets the answers in flight
+finish, since Ray Serve's own drain does not know about them."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+from app.api.shared_port import SharedPortServer, listen_shared
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slow_app(release: asyncio.Event) -> Starlette:
+    """One streamed endpoint: a first chunk at once, the last one when `release` is set."""
+
+    async def stream(_request):
+        async def body():
+            yield b"first;"
+            await release.wait()
+            yield b"last"
+
+        return StreamingResponse(body(), media_type="text/plain")
+
+    return Starlette(routes=[Route("/slow", stream)])
+
+
+async def wait_until(condition, timeout_s: float = 5.0):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_two_listeners_share_one_port():
+    port = free_port()
+    a = listen_shared("127.0.0.1", port)
+    b = listen_shared("127.0.0.1", port)  # a second Router process does the same
+    try:
+        assert a.getsockname()[1] == b.getsockname()[1] == port
+    finally:
+        a.close()
+        b.close()
+
+
+def test_requests_in_flight_are_counted_and_a_drain_lets_them_finish():
+    async def main():
+        release, port = asyncio.Event(), free_port()
+        server = SharedPortServer(slow_app(release), "127.0.0.1", port)
+        await server.started()
+        assert server.ongoing == 0
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            async def fetch():
+                async with client.stream("GET", "/slow") as r:
+                    return r.status_code, b"".join([c async for c in r.aiter_bytes()])
+
+            answers = [asyncio.create_task(fetch()) for _ in range(3)]
+            await wait_until(lambda: server.ongoing == 3)
+            drain = asyncio.create_task(server.drain(timeout_s=10))
+            await wait_until(lambda: server.server.should_exit)
+            await asyncio.sleep(0.3)  # uvicorn's main loop notices within 0.1 s and closes the listener
+            assert not drain.done() and server.ongoing == 3  # waits for the three answers
+            with pytest.raises(httpx.ConnectError):  # no new connections: the kernel sends them elsewhere
+                async with httpx.AsyncClient(timeout=2) as fresh:
+                    await fresh.get(f"http://127.0.0.1:{port}/slow")
+            release.set()
+            assert await drain is True
+        assert [await a for a in answers] == [(200, b"first;last")] * 3
+        assert server.ongoing == 0
+
+    asyncio.run(main())
+
+
+def test_a_drain_gives_up_after_its_timeout():
+    async def main():
+        release, port = asyncio.Event(), free_port()
+        server = SharedPortServer(slow_app(release), "127.0.0.1", port)
+        await server.started()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            async def fetch():
+                async with client.stream("GET", "/slow") as r:
+                    async for _ in r.aiter_bytes():
+                        pass
+
+            hung = asyncio.create_task(fetch())
+            await wait_until(lambda: server.ongoing == 1)
+            assert await server.drain(timeout_s=0.5) is False
+            assert server.ongoing == 1  # still in flight: Ray stops the process after its own grace period
+            release.set()
+            await hung
+        await server.task
+
+    asyncio.run(main())
