@@ -297,6 +297,23 @@ def start_app(args: dict, port: int, serve_config: str | None = None, num_gpus: 
     serve.run(build_app(args), name="vlm", route_prefix="/")
 
 
+def entry_points(a, app_args: dict) -> tuple[int, str]:
+    """With --start: (Ray Serve's proxy port, the URL the load goes to). The Routers' own port
+    (router_http_port, from the config file's args or --router-port) takes the load unless --via proxy."""
+    import yaml
+
+    conf = yaml.safe_load(Path(a.serve_config).read_text()) if a.serve_config else {}
+    proxy_port = a.port or conf.get("http_options", {}).get("port", 8000)
+    file_args = (conf["applications"][0].get("args") or {}) if conf else {}
+    router_port = deep_merge(file_args, app_args).get("router_http_port")
+    if router_port == proxy_port:
+        raise SystemExit(f"the Routers' port and Ray Serve's proxy port are both {proxy_port}")
+    via = a.via if a.via != "auto" else ("port" if router_port else "proxy")
+    if via == "port" and not router_port:
+        raise SystemExit("--via port needs router_http_port (in the config file's args, or --router-port)")
+    return proxy_port, f"http://127.0.0.1:{router_port if via == 'port' else proxy_port}"
+
+
 def wait_running(name: str, timeout_s: float = 480.0) -> None:
     """Poll until the application runs. Ray's own blocking deploy gives up after 60 s, less than a
     real-shaped model needs on a fresh machine (checkpoint build, weights, graph capture)."""
@@ -478,9 +495,13 @@ def main() -> None:
                    help="with --compare: JSON of encoder/llm settings the second side changes (default: graphs off)")
     p.add_argument("--model", default=None, help="with --start/--compare (default: the config file's, else embedded:tiny)")
     p.add_argument("--app-args", default="{}", help="with --start/--compare: JSON deep-merged into the application args")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=None,
+                   help="with --start: Ray Serve's proxy port (default: the config file's http_options.port, else 8000)")
     p.add_argument("--router-port", type=int, default=None,
-                   help="with --start: Routers also serve HTTP on this shared port (router_http_port); load goes there")
+                   help="with --start: Routers also serve HTTP on this shared port (router_http_port)")
+    p.add_argument("--via", choices=("auto", "proxy", "port"), default="auto",
+                   help="with --start: send the load through Ray Serve's proxy or to the Routers' own port "
+                        "(auto: the Routers' port when router_http_port is set, as the GPU presets set it)")
     p.add_argument("--out-dir", default="benchmarks/serve_results")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args()
@@ -505,6 +526,9 @@ def main() -> None:
                 out.append(asdict(r))
         return out
 
+    if a.router_port:  # the Routers' own shared port (app/api/shared_port.py)
+        app_args = deep_merge(app_args, {"router_http_port": a.router_port, "router_http_host": "127.0.0.1"})
+    proxy_port, entry_url = entry_points(a, app_args)
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if a.compare:
@@ -513,8 +537,8 @@ def main() -> None:
         other = json.loads(a.compare_to)
         second = "graphs off" if other == json.loads(GRAPHS_OFF) else f"with {a.compare_to}"
         for mode, change in (("graphs on", {}), (second, other)):
-            start_app(deep_merge(base, change), a.port, a.serve_config, a.num_gpus)
-            results[mode] = fixed(f"http://127.0.0.1:{a.port}", mode)
+            start_app(deep_merge(base, change), proxy_port, a.serve_config, a.num_gpus)
+            results[mode] = fixed(entry_url, mode)
             stop_app()
         print("\n| workload | concurrency | TTFT p50 on / off ms | TTFT p99 on / off ms | p99 ratio (off/on) "
               "| req/s on / off |")
@@ -532,11 +556,9 @@ def main() -> None:
     url = a.url
     if a.start:
         t = time.perf_counter()
-        if a.router_port:  # the Routers' own shared port (app/api/shared_port.py) instead of the proxy's
-            app_args = deep_merge(app_args, {"router_http_port": a.router_port, "router_http_host": "127.0.0.1"})
-        start_app(app_args, a.port, a.serve_config, a.num_gpus)
-        url = f"http://127.0.0.1:{a.router_port or a.port}"
-        print(f"application ready in {time.perf_counter() - t:.1f} s")
+        start_app(app_args, proxy_port, a.serve_config, a.num_gpus)
+        url = entry_url
+        print(f"application ready in {time.perf_counter() - t:.1f} s; load to {url}")
     if not a.sweep:
         results = {"server": fixed(url, "")}
         (out_dir / "serve_results.json").write_text(json.dumps(results, indent=1))
