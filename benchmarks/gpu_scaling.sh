@@ -4,7 +4,8 @@
 # the other on the same machine. From the repository root with .gpu-deps carried:
 #   RUNS="proxy:1 proxy:2 port:1 port:2" bash benchmarks/gpu_scaling.sh CONFIG [serve.py args ...]
 # e.g. ... configs/qwen3-vl-2b-gpu.yaml --workload image --concurrency 64 256 512 --num-requests 1024 --warmup 32
-# A run is PATH:GPUS. Port runs pin the Routers at ROUTERS_PER_GPU (default 2) per GPU when set;
+# A run is PATH:GPUS. Port runs pin the Routers at ROUTERS_PER_GPU per GPU when it is set (otherwise
+# they autoscale: app.autoscaling.RouterAutoscalingPolicy counts the port's requests);
 # MEDIA_PER_GPU, when set, raises the MediaPreprocessor's min_replicas to that many per GPU (every run).
 # TAG is appended to each run's label. Results per run in $OUT/<path>x<gpus><TAG>.tgz (serve.py's JSON
 # and report, the config it ran, the per-stage trace).
@@ -14,8 +15,8 @@ CONFIG=$1; shift
 for run in ${RUNS:-proxy:1 proxy:2 port:2}; do
   path=${run%%:*}; gpus=${run#*:}
   label="${path}x${gpus}${TAG:-}"; dir="$OUT/$label"; mkdir -p "$dir"
-  config="$dir/config.yaml"; extra=(); routers=0
-  if [ "$path" = port ]; then routers=$(( ${ROUTERS_PER_GPU:-0} * gpus )); extra=(--router-port 8800); fi
+  config="$dir/config.yaml"; extra=(--via proxy); routers=0
+  if [ "$path" = port ]; then routers=$(( ${ROUTERS_PER_GPU:-0} * gpus )); extra=(--via port --router-port 8800); fi
   python3 - "$CONFIG" "$config" "$routers" "$(( ${MEDIA_PER_GPU:-0} * gpus ))" <<'EOF'
 import sys, yaml
 cfg = yaml.safe_load(open(sys.argv[1]))
