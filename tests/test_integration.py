@@ -280,12 +280,14 @@ def test_detection_and_limits_follow_the_documented_rules(server, name, content,
         expect_ok(resp, images=1)
 
 
-def test_a_client_that_disconnects_frees_its_llm_slot(server):
+@pytest.mark.parametrize("port", [PORT, DIRECT_PORT], ids=["proxy", "routers_port"])
+def test_a_client_that_disconnects_frees_its_llm_slot(server, port):
     import time
 
     body = {"messages": [{"role": "user", "content": "tell me everything"}], "max_tokens": 4000,
             "temperature": 0, "stream": True, "ignore_eos": True}
-    with server.stream("POST", "/v1/chat/completions", json=body) as resp:
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client, \
+            client.stream("POST", "/v1/chat/completions", json=body) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
         next(lines)  # the stream is running

@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from test_scaling import FAST_METRICS, running_replicas, wait_for
 
 from deployments.ray_env import apply_serve_env
-from test_scaling import FAST_METRICS, running_replicas, wait_for
 
 pytestmark = pytest.mark.integration
 PORT, DIRECT_PORT = 8785, 8786

@@ -160,3 +160,52 @@ def test_a_finished_answers_stream_is_still_read_to_its_end(tiny_checkpoint):
 
     for stream in (False, True):
         assert asyncio.run(run(stream)) == (False, True), stream
+
+
+class CancellableStream:
+    """Like Ray Serve's DeploymentResponseGenerator: an async iterator with `cancel()`, which stops the
+    generation on its replica. Yields its chunks, then waits for more until cancelled."""
+
+    def __init__(self, chunks: list[dict]):
+        self.chunks, self.cancelled = list(chunks), asyncio.Event()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.chunks:
+            return self.chunks.pop(0)
+        await self.cancelled.wait()
+        raise asyncio.CancelledError
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+def test_a_client_that_leaves_mid_answer_cancels_the_generation(tiny_checkpoint):
+    """Through Ray Serve's proxy, Serve cancels the Router's downstream call when the client goes; on the
+    Routers' own port (app/api/shared_port.py) nothing would, and the engine slot stayed taken
+    (tests/test_integration.py checks both ports end to end)."""
+    from helpers import local_chat
+
+    streams = []
+
+    class Backend:
+        def stream(self, gen, payload):
+            streams.append(CancellableStream([chunk("a"), chunk("b")]))
+            return streams[-1]
+
+    records = []
+    chat = local_chat(AppConfig(model=str(tiny_checkpoint)), tiny_checkpoint, Backend())
+    chat.observer = records.append
+
+    async def run():
+        req, gen, payload = await chat.prepare(BODY)
+        stream = await chat.open_stream(req, gen, payload)
+        assert "[DONE]" not in await anext(stream)
+        await stream.aclose()  # the client went away before the answer ended
+
+    asyncio.run(asyncio.wait_for(run(), timeout=60))
+    assert streams[0].cancelled.is_set()
+    assert records[-1]["status"] == 499
+

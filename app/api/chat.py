@@ -22,7 +22,15 @@ from ..media.preprocess import PatchSpec
 from . import fastjson
 from .minicpmv_prompt import prompt_builder_for
 from .prompt import IMAGE_TYPE, VIDEO_TYPE
-from .retry import RetryPolicy, collect, drain_later, first_chunk, is_replica_failure, replica_failed
+from .retry import (
+    RetryPolicy,
+    cancel_stream,
+    collect,
+    drain_later,
+    first_chunk,
+    is_replica_failure,
+    replica_failed,
+)
 from .schemas import ChatRequest, completion_response, parse_chat_request, stream_chunk, usage
 
 log = logging.getLogger(__name__)
@@ -165,6 +173,8 @@ class ChatService:
         finally:  # also when the client goes away (499, as nginx counts it)
             if done and not ended:  # a client that left after [DONE]: the stream is still read to its end
                 drain_later(rest)
+            elif not ended:  # it left mid-answer: stop the generation (through Ray Serve's proxy, Serve
+                cancel_stream(rest)  # cancels it too; on the Routers' own port nobody else would)
             if status == 200 and not last.get("finish_reason"):
                 status = 499
             self.record(id=req.id, status=status, e2e_s=time.perf_counter() - t0, items=items, ttft_s=ttft,

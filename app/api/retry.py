@@ -139,6 +139,18 @@ async def collect(start: Callable[[], AsyncIterator[dict]], policy: RetryPolicy
 _draining: set[asyncio.Task] = set()  # strong references: a pending task may otherwise be collected
 
 
+def cancel_stream(stream: AsyncIterator) -> None:
+    """Stop a stream whose reader has gone: a Ray Serve streaming call is cancelled on its replica (its
+    generator stops and frees its engine slot); another async generator is closed in the background."""
+    cancel = getattr(stream, "cancel", None)
+    if cancel is not None:
+        cancel()
+        return
+    task = asyncio.get_running_loop().create_task(_close(stream))
+    _draining.add(task)
+    task.add_done_callback(_draining.discard)
+
+
 def drain_later(stream: AsyncIterator) -> None:
     """Read what is left of a stream in a background task and drop it. Ray Serve counts a call as
     running until its stream has ended (per-replica load, `max_ongoing_requests`), so a stream is
