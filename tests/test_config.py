@@ -142,3 +142,8 @@ def test_gpu_presets_validate(name):
     app = conf["applications"][0]
     cfg = AppConfig(**app["args"])
     assert cfg.model.startswith("embedded:qwen3-vl-") and app["import_path"] == "deployments.app:build_app"
+    # clients come in on the Routers' own port, the proxy keeps another one, and the Routers autoscale on
+    # the requests that come in there as well
+    assert cfg.router_http_port == 8000 != conf["http_options"]["port"]
+    router = next(d for d in app["deployments"] if d["name"] == "Router")
+    assert router["autoscaling_config"]["policy"]["policy_function"] == "app.autoscaling:RouterAutoscalingPolicy"
