@@ -7,13 +7,12 @@ would see no load at all here and stay at one replica."""
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from test_scaling import FAST_METRICS, running_replicas, wait_for
+from test_scaling import FAST_METRICS, LongStreams, running_replicas, wait_for
 
 from deployments.ray_env import apply_serve_env
 
@@ -69,35 +68,14 @@ def served(model_cache):
 
 def test_routers_scale_up_on_their_own_ports_load_and_back_down(served):
     assert running_replicas("Router") == 1
-    stop = threading.Event()
-    finished, errors = [0], []
-    body = {"messages": [{"role": "user", "content": "tell me everything"}], "max_tokens": 8000, "temperature": 0,
-            "stream": True, "ignore_eos": True}
-
-    def client_loop():  # one client keeping a long stream open on the shared port until told to stop
-        with httpx.Client(base_url=f"http://127.0.0.1:{DIRECT_PORT}", timeout=120) as c:
-            while not stop.is_set():
-                with c.stream("POST", "/v1/chat/completions", json=body) as resp:
-                    if resp.status_code != 200:
-                        errors.append(resp.status_code)
-                        return
-                    for line in resp.iter_lines():
-                        if stop.is_set():
-                            break
-                        if line == "data: [DONE]":
-                            finished[0] += 1
-
-    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(6)]
+    streams = LongStreams(DIRECT_PORT)  # on the shared port: Ray Serve never sees these requests
     try:
-        for t in threads:
-            t.start()
+        streams.start(6)
         # 6 streams against target_ongoing_requests 2: 3 Routers wanted, max_replicas caps it at 2
         wait_for(lambda: running_replicas("Router") == 2, 120, "a second Router")
     finally:
-        stop.set()
-        for t in threads:
-            t.join(30)
-    assert not errors, errors
+        streams.stop()
+    assert not streams.errors, streams.errors
     wait_for(lambda: running_replicas("Router") == 1, 120, "the Routers scaled back to one")
     # the remaining Router still answers on the shared port, and so does the proxy
     for port in (DIRECT_PORT, PORT):

@@ -140,36 +140,47 @@ def test_openai_client_streams_and_gets_openai_errors(served):
     assert bad.value.code == "invalid_image"
 
 
-def test_llm_scales_up_under_load_routes_to_the_idle_replica_and_scales_back_down(served):
-    http, _ = served
-    stop = threading.Event()
-    finished, errors = [0], []
-    body = {"messages": [{"role": "user", "content": "tell me everything"}], "max_tokens": 8000, "temperature": 0,
+class LongStreams:
+    """Clients that each keep a long streamed answer open against `port`, one after another, until
+    `stop()`; a status other than 200 ends that client and is kept in `errors`."""
+
+    BODY = {"messages": [{"role": "user", "content": "tell me everything"}], "max_tokens": 8000, "temperature": 0,
             "stream": True, "ignore_eos": True}
 
-    def client_loop():  # one client keeping a long stream open until told to stop
-        with httpx.Client(base_url=f"http://127.0.0.1:{PORT}", timeout=120) as c:
-            while not stop.is_set():
-                with c.stream("POST", "/v1/chat/completions", json=body) as resp:
-                    if resp.status_code != 200:
-                        errors.append(resp.status_code)
-                        return
-                    for line in resp.iter_lines():
-                        if stop.is_set():
-                            break
-                        if line == "data: [DONE]":
-                            finished[0] += 1
+    def __init__(self, port: int):
+        self.port, self.stopping, self.errors, self.threads = port, threading.Event(), [], []
 
-    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(6)]
-    try:
-        for t in threads:
+    def start(self, n: int) -> None:
+        for _ in range(n):
+            t = threading.Thread(target=self._client, daemon=True)
+            self.threads.append(t)
             t.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(30)
+
+    def _client(self) -> None:
+        with httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=120) as c:
+            while not self.stopping.is_set():
+                with c.stream("POST", "/v1/chat/completions", json=self.BODY) as resp:
+                    if resp.status_code != 200:
+                        self.errors.append(resp.status_code)
+                        return
+                    for _ in resp.iter_lines():
+                        if self.stopping.is_set():
+                            break
+
+
+def test_llm_scales_up_under_load_routes_to_the_idle_replica_and_scales_back_down(served):
+    http, _ = served
+    streams = LongStreams(PORT)
+    try:
+        streams.start(6)
         # 6 streams against target_ongoing_requests 2: the autoscaler asks for 3, max_replicas caps it at 2
         wait_for(lambda: running_replicas("LLM") == 2, 120, "a second LLM replica")
-        more = [threading.Thread(target=client_loop, daemon=True) for _ in range(3)]
-        threads += more
-        for t in more:
-            t.start()
+        streams.start(3)
         # the new replica has nothing in flight: the least-loaded router sends it the new streams
         per_replica = wait_for(lambda: (lambda r: r if len(r) == 2 and all(x["running"] for x in r) else None)(
             http.get("/v1/llm/load").json()["replicas"]), 60, "streams on both LLM replicas")
@@ -177,10 +188,8 @@ def test_llm_scales_up_under_load_routes_to_the_idle_replica_and_scales_back_dow
         # each LLM replica reserved a whole GPU, so Ray gave them different ones
         assert {r["cuda_visible_devices"] for r in per_replica} == {"0", "1"}
     finally:
-        stop.set()
-        for t in threads:
-            t.join(30)
-    assert not errors, errors
+        streams.stop()
+    assert not streams.errors, streams.errors
     wait_for(lambda: running_replicas("LLM") == 1, 120, "the LLM scaled back to one replica")
     wait_for(lambda: http.get("/v1/llm/load").json()["running"] == 0, 30, "every stream cancelled")
     resp = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [image_part(2)]}],

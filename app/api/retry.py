@@ -146,9 +146,7 @@ def cancel_stream(stream: AsyncIterator) -> None:
     if cancel is not None:
         cancel()
         return
-    task = asyncio.get_running_loop().create_task(_close(stream))
-    _draining.add(task)
-    task.add_done_callback(_draining.discard)
+    _in_background(_close(stream))
 
 
 def drain_later(stream: AsyncIterator) -> None:
@@ -162,7 +160,12 @@ def drain_later(stream: AsyncIterator) -> None:
         except Exception as e:
             log.debug("a finished answer's stream ended with %r", e)
 
-    task = asyncio.get_running_loop().create_task(drain())
+    _in_background(drain())
+
+
+def _in_background(coro) -> None:
+    """Run `coro` as a task of the running loop, held until it ends (the loop keeps only weak references)."""
+    task = asyncio.get_running_loop().create_task(coro)
     _draining.add(task)
     task.add_done_callback(_draining.discard)
 
