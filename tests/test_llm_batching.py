@@ -1,6 +1,7 @@
 """The engine's batching against transformers' `generate`: continuous batching, paged KV, chunked
 prefill, prefix caching, preemption, cancellation, sampling, and the GPU paths."""
 
+import itertools
 import threading
 import time
 
@@ -339,16 +340,21 @@ def test_paged_attention_kernel_equals_per_sequence_attention(dtype):
             bt[r, :len(tb)] = torch.tensor(tb)
         q = torch.randn(int(qlens.sum()), heads, d, device="cuda", generator=g).to(dtype)
         qstart = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
-        bq = block_q_for(heads // kv, 64)
-        ws, w0 = work_table(qlens.astype(np.int32), bq)
-        dev = {k: torch.tensor(v, dtype=torch.int32, device="cuda") for k, v in
-               {"qs": qstart, "lens": lens, "rows": np.arange(len(lens)), "ws": ws, "w0": w0}.items()}
-        meta = AttentionMetadata(dev["qs"], dev["lens"], dev["rows"], bt, dev["ws"], dev["w0"], bq, bs,
-                                 host_query_start=qstart, host_seq_lens=lens, host_block_tables=tables)
-        got = paged_attention(q, k_cache, v_cache, meta, d ** -0.5)
-        want = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), meta, d ** -0.5)
-        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-        assert (got.float() - want).abs().max() <= tol * want.abs().max(), (heads, kv, d)
+        want = None
+        # the prefill and decode program sizes, every tile length the engine or the benchmark uses, and
+        # the causal split (unmasked tiles below the diagonal) on and off
+        for block_m, block_n, split in itertools.product((64, 16), (32, 64, 128), (True, False)):
+            bq = block_q_for(heads // kv, block_m)
+            ws, w0 = work_table(qlens.astype(np.int32), bq)
+            dev = {k: torch.tensor(v, dtype=torch.int32, device="cuda") for k, v in
+                   {"qs": qstart, "lens": lens, "rows": np.arange(len(lens)), "ws": ws, "w0": w0}.items()}
+            meta = AttentionMetadata(dev["qs"], dev["lens"], dev["rows"], bt, dev["ws"], dev["w0"], bq, bs, block_n,
+                                     host_query_start=qstart, host_seq_lens=lens, host_block_tables=tables)
+            got = paged_attention(q, k_cache, v_cache, meta, d ** -0.5, split=split)
+            if want is None:
+                want = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), meta, d ** -0.5)
+            tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+            assert (got.float() - want).abs().max() <= tol * want.abs().max(), (heads, kv, d, block_m, block_n, split)
 
 
 @pytest.mark.gpu

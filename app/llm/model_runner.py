@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import AttentionMetadata, block_q_for, work_table
+from .attention import AttentionMetadata, block_q_for, decode_block_n, work_table
 from .model import TextModel, VisionBatch
 from .sampler import Sampler, SamplingBatch, host_sampling_arrays
 from .scheduler import StepPlan
@@ -293,7 +293,7 @@ class ModelRunner:
     def _decode_meta(self, lens: torch.Tensor, rows: torch.Tensor, b: int) -> AttentionMetadata:
         ar = torch.arange(b + 1, dtype=torch.int32, device=self.device)
         return AttentionMetadata(ar, lens, rows, self.block_tables, ar[:b], torch.zeros(b, dtype=torch.int32,
-                                 device=self.device), self.decode_block_q, self.block_size,
+                                 device=self.device), self.decode_block_q, self.block_size, decode_block_n(b),
                                  host_query_start=np.arange(b + 1), host_seq_lens=None, host_block_tables=None)
 
     def _decode_forward(self, graph_in: torch.Tensor, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
