@@ -98,9 +98,12 @@ class EncoderConfig(_Strict):
     batch_wait_ms: float = Field(2.0, ge=0, description="longest wait for other requests' items before a batch runs; none when the encoder was idle")
     batch_wait_when_idle: bool = Field(False, description="wait batch_wait_ms even after an idle spell: fuller batches, "
                                        "later first tokens (batch jobs turn it on)")
-    pinned_pixel_copy: bool = Field(False, description="patch rows go to the GPU through two pinned host buffers, so "
-                                    "that their copy does not synchronise the stream first (app/vision/staging.py); "
-                                    "off: on an H200 it added 4 ms of TTFT at concurrency 1 in the fused replica")
+    pinned_pixel_copy: bool = Field(True, description="patch rows go to the GPU through pinned host buffers and a copy "
+                                    "stream, so that their copy waits neither for the stream nor for the LLM's step "
+                                    "(app/vision/staging.py); batches below pinned_copy_min_rows are copied directly")
+    pinned_copy_min_rows: int = Field(2048, ge=0, description="smallest batch, in patch rows, staged in pinned memory: "
+                                      "on an H200 a single 448^2 image (784 rows) staged added 4-6 ms of TTFT at "
+                                      "concurrency 1 in the fused replica, while batches of 1024^2 images did not")
     cache_bytes: int = Field(512 * 1024 * 1024, ge=0, description="embedding cache size per replica; 0 = off")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
 

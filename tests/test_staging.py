@@ -30,6 +30,15 @@ def test_a_batch_larger_than_a_buffer_is_copied_directly_into_its_place():
     assert (st.staged, st.direct) == (0, 1)
 
 
+def test_a_batch_below_the_minimum_is_copied_directly_and_larger_ones_are_staged():
+    st = PinnedStaging(64, 12, torch.uint8, torch.device("cpu"), pin=False, min_rows=16)
+    small, large = _parts([5, 10], 4), _parts([10, 6], 5)
+    assert torch.equal(st.to_device(small), torch.cat(small))
+    assert (st.staged, st.direct) == (0, 1)
+    assert torch.equal(st.to_device(large), torch.cat(large))
+    assert (st.staged, st.direct) == (1, 1)
+
+
 @pytest.mark.gpu
 def test_pinned_buffers_reused_under_queued_work_keep_every_batch_intact():
     if not torch.cuda.is_available():

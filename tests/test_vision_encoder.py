@@ -230,8 +230,10 @@ def test_raw_uint8_rows_give_the_embeddings_of_the_processors_float_rows(h):
 
 @pytest.mark.gpu
 def test_pinned_staging_gives_the_same_embeddings_as_pageable_copies(gpu_harness):
-    """`encoder.pinned_pixel_copy`: host uint8 rows through the pinned buffers, in graphs and eagerly,
-    give exactly what the direct copies give."""
+    """`encoder.pinned_pixel_copy`: host uint8 rows through the pinned buffers and the copy stream, in
+    graphs and eagerly, give exactly what the direct copies give. The staged batches are queued one
+    after the other behind a long kernel, without waiting: a copy that overwrote the static pixel
+    buffer before the previous batch's replay read it would show."""
     from app.media.preprocess import PatchSpec
 
     h = gpu_harness
@@ -245,13 +247,17 @@ def test_pinned_staging_gives_the_same_embeddings_as_pageable_copies(gpu_harness
         m.capture()
     assert mgrs[0]._staging is None and mgrs[1]._staging is not None
     g = torch.Generator().manual_seed(9)
-    batches = [[(1, 8, 12)], [(1, 8, 12), (2, 4, 8)], [(1, 16, 16)], [(2, 8, 8), (1, 4, 4)]]
+    grids = [[(1, 8, 12)], [(1, 8, 12), (2, 4, 8)], [(1, 16, 16)], [(2, 8, 8), (1, 4, 4)], [(1, 8, 12)]]
+    batches = [[VisionItem(torch.randint(0, 256, (t * hh * w, h.tower.patch_dim), generator=g, dtype=torch.uint8),
+                           (t, hh, w)) for t, hh, w in gr] for gr in grids]
     with torch.inference_mode():
-        for grids in batches:
-            items = [VisionItem(torch.randint(0, 256, (t * hh * w, h.tower.patch_dim), generator=g, dtype=torch.uint8),
-                                (t, hh, w)) for t, hh, w in grids]
-            for eager in (False, True):
-                a, b = (m.encode(items, force_eager=eager) for m in mgrs)
+        for eager in (False, True):
+            want = [mgrs[0].encode(items, force_eager=eager) for items in batches]
+            torch.cuda.synchronize()
+            torch.cuda._sleep(200_000_000)  # about 0.1 s of one busy kernel ahead of every staged batch
+            got = [mgrs[1].encode(items, force_eager=eager) for items in batches]
+            torch.cuda.synchronize()
+            for a, b in zip(want, got, strict=True):
                 for x, y in zip(a, b, strict=True):
                     assert torch.equal(x.main, y.main)
                     assert all(torch.equal(p, q) for p, q in zip(x.deepstack, y.deepstack, strict=True))

@@ -76,6 +76,7 @@ class GraphSettings:
     eager_margin: float = 0.1
     # uint8 rows from host memory go to the GPU through pinned buffers (app/vision/staging.py says why)
     pinned_staging: bool = False
+    pinned_min_rows: int = 0  # smaller batches are copied directly
 
     @staticmethod
     def power_of_two_budgets(min_budget: int, max_budget: int, steps_per_octave: int = 1) -> list[int]:
@@ -174,7 +175,9 @@ class GraphManager:
         self._pixels = torch.zeros(n, self.tower.patch_dim, dtype=px_dtype, device=dev)
         self._staging = None
         if self.settings.pinned_staging and self.settings.uint8_pixels and dev.type == "cuda":
-            self._staging = PinnedStaging(n, self.tower.patch_dim, px_dtype, dev)
+            self._staging = PinnedStaging(n, self.tower.patch_dim, px_dtype, dev,
+                                          min_rows=self.settings.pinned_min_rows)
+        self._pixels_read: torch.cuda.Event | None = None  # after the last forward that read `_pixels`
         self._meta = self.tower.metadata_buffers(n, self.seq_slots)  # the tower's metadata, max-size
 
     def _meta_views(self, budget: int, uniform: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
@@ -204,7 +207,7 @@ class GraphManager:
             self._filled = key
         rows = [it.pixels for it in items]
         if self._staging is not None:
-            self._staging.copy(rows, self._pixels[:n])
+            self._staging.copy(rows, self._pixels[:n], ready=self._pixels_read)
         else:
             copy_rows(rows, self._pixels[:n])
 
@@ -460,13 +463,21 @@ class GraphManager:
             main, deepstack = self._graph_out[budget]
         else:
             main, deepstack = self.tower(self._static_inputs(budget))
+        self._mark_pixels_read()
         return self._split(main, deepstack, lay)
 
     def _run_uniform(self, items: list[VisionItem], lay: BatchLayout, shape: tuple[int, int]) -> list[VisionEmbedding]:
         self._fill(items, lay, lay.num_tokens, shape)
         self.uniform_graphs[shape].replay()
+        self._mark_pixels_read()
         main, deepstack = self._uniform_out[shape]
         return self._split(main, deepstack, lay)
+
+    def _mark_pixels_read(self) -> None:
+        """With staging, the next batch's copy (on its own stream) must wait for this forward only."""
+        if self._staging is not None:
+            self._pixels_read = torch.cuda.Event()
+            self._pixels_read.record()
 
     def encode(self, items: list[VisionItem], force_eager: bool = False) -> list[VisionEmbedding]:
         """Encode one batch (images and videos may be mixed); results in item order."""

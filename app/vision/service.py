@@ -56,7 +56,8 @@ class EncoderService:
             budgets, enc.max_items_per_batch, enc.max_frames_per_batch, enc.cuda_graphs, enc.autotune,
             uniform_shapes=[tuple(s) for s in enc.uniform_graph_shapes],
             uniform_capture_after=enc.uniform_capture_after, max_uniform_graphs=enc.max_uniform_graphs,
-            eager_margin=enc.eager_margin, uint8_pixels=True, pinned_staging=enc.pinned_pixel_copy))
+            eager_margin=enc.eager_margin, uint8_pixels=True, pinned_staging=enc.pinned_pixel_copy,
+            pinned_min_rows=enc.pinned_copy_min_rows))
         self.manager.capture()
         self.keep_on_device = keep_on_device
         self.cache = EmbeddingCache(enc.cache_bytes)

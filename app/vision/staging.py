@@ -1,15 +1,24 @@
-"""Pixel rows to the GPU through pinned host buffers (`encoder.pinned_pixel_copy`, off by default).
+"""Pixel rows to the GPU through pinned host buffers and a copy stream of their own
+(`encoder.pinned_pixel_copy`).
 
 The rows arrive as pageable memory (numpy views of Ray's object store). CUDA synchronises the stream
 before a copy from pageable memory. Under the `fused` placement the tower shares the stream with the
 LLM engine, so every batch's copy first waits for the engine's queued step, and the tower's kernels
-then start on an empty GPU queue. A 1024^2 image's rows took 0.57 ms of copy on an H200, from pageable
-memory (benchmarks/RESULTS.md, "One H200 again"). Staged in pinned memory, the copy is queued like a
-kernel and the host goes on.
+then start on an empty GPU queue. A 1024^2 image's rows took 0.57-0.66 ms of copy on an H200, from
+pageable memory (benchmarks/RESULTS.md). Staged in pinned memory, the copy is queued and the host goes
+on.
+
+The copy runs on a stream of its own, so it does not wait for the engine's step either: it waits
+only for the last reader of its destination (`ready`, an event the caller recorded after the graph
+replay that read the static pixel buffer), and the compute stream waits for the copy. Destinations
+made here (`to_device`) are allocated on the copy stream and marked as used by the compute stream.
 
 Two buffers are used in turn. An event recorded after each copy says when its buffer may be written
-again: normally long before, since the batch after next needs it. A batch larger than a buffer, or
-rows already on the device, are copied as before.
+again: normally long before, since the batch after next needs it. A batch larger than a buffer or
+smaller than `min_rows`, or rows already on the device, are copied as before. Small batches stay
+direct because on an H200 a single 448^2 image staged cost 4-6 ms of TTFT at concurrency 1 in the
+fused replica (cause not found), while at concurrency 64 staging gave 2-10% more requests per
+second at 448^2 and 1024^2 (benchmarks/RESULTS.md, eighth session).
 """
 
 from __future__ import annotations
@@ -28,23 +37,26 @@ def copy_rows(parts: list[torch.Tensor], out: torch.Tensor) -> None:
 
 class PinnedStaging:
     def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device, buffers: int = 2,
-                 pin: bool = True):
-        """`rows` x `cols` per buffer (the largest batch that goes this way); `pin=False` stages in
-        ordinary memory (the CPU's tests of the logic; no gain)."""
+                 pin: bool = True, min_rows: int = 0):
+        """`rows` x `cols` per buffer (the largest batch that goes this way); batches under `min_rows` go
+        directly; `pin=False` stages in ordinary memory (the CPU's tests of the logic; no gain)."""
         self.device = device
         self._bufs = [torch.empty(rows, cols, dtype=dtype, pin_memory=pin) for _ in range(buffers)]
         self._events: list[torch.cuda.Event | None] = [None] * buffers
         self._next = 0
+        self.min_rows = min_rows
+        self._stream = torch.cuda.Stream(device) if pin and device.type == "cuda" else None
         self.staged = 0  # batches that went through a buffer
         self.direct = 0  # batches too large for one (or already on the device), copied from where they were
 
-    def copy(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
+    def copy(self, parts: list[torch.Tensor], out: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
         """The rows of `parts`, one after the other, into `out` (on the device; as many rows as the parts
-        together, same width and dtype). Queued on the current stream."""
+        together, same width and dtype). The current stream waits for the copy; the copy waits for
+        `ready` (when given: the last reader of `out`) and nothing else."""
         n = sum(p.shape[0] for p in parts)
         i = self._next
         buf = self._bufs[i]
-        if n > buf.shape[0] or any(p.device != buf.device for p in parts):
+        if not self.min_rows <= n <= buf.shape[0] or any(p.device != buf.device for p in parts):
             self.direct += 1
             copy_rows(parts, out)
             return
@@ -53,16 +65,29 @@ class PinnedStaging:
             self._events[i].synchronize()  # the copy that last read this buffer has finished
         host = buf[:n]
         torch.cat(parts, out=host)
-        out.copy_(host, non_blocking=True)
-        if out.is_cuda:
-            ev = torch.cuda.Event()
-            ev.record()
+        if self._stream is None:
+            out.copy_(host)
+        else:
+            compute = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(self._stream):
+                if ready is not None:
+                    self._stream.wait_event(ready)
+                out.copy_(host, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self._stream)
+            compute.wait_event(ev)
             self._events[i] = ev
         self.staged += 1
 
     def to_device(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """The rows of `parts`, concatenated, as a new tensor on the device."""
+        """The rows of `parts`, concatenated, as a new tensor on the device, usable on the current stream."""
         first = parts[0]
-        out = torch.empty(sum(p.shape[0] for p in parts), *first.shape[1:], dtype=first.dtype, device=self.device)
+        shape = (sum(p.shape[0] for p in parts), *first.shape[1:])
+        if self._stream is None:
+            out = torch.empty(shape, dtype=first.dtype, device=self.device)
+        else:
+            with torch.cuda.stream(self._stream):  # the allocator then hands out no block the compute
+                out = torch.empty(shape, dtype=first.dtype, device=self.device)  # stream may still use
+            out.record_stream(torch.cuda.current_stream(self.device))
         self.copy(parts, out)
         return out
