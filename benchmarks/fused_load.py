@@ -122,7 +122,7 @@ def kernel_table(prof) -> list[dict]:
     total = sum(by_kind.values())
     rows = [{"kind": k, "ms": round(v / 1e3, 2), "share": round(v / total, 3)} for k, v in
             sorted(by_kind.items(), key=lambda kv: -kv[1])]
-    rows += [{"kernel": name, "ms": round(us / 1e3, 2), "calls": n} for us, name, n in sorted(top, reverse=True)[:25]]
+    rows += [{"kernel": name, "ms": round(us / 1e3, 2), "calls": n} for us, name, n in sorted(top, reverse=True)[:40]]
     return rows
 
 
@@ -163,6 +163,8 @@ async def run(a) -> dict:
             n = max(a.requests, 3 * c) if c > 1 else min(a.requests, 48)
             reqs = [distinct[i % len(distinct)] for i in range(n)]
             for stage, one in (("tower", tower_one), ("llm", llm_one), ("fused", fused_one)):
+                if stage not in a.stages:
+                    continue
                 batch = [(g, p, i) for i, (g, p) in enumerate(rekey(reqs, f"{stage}{c}"))]
                 if stage == "llm":  # embeddings on the GPU first, outside the clock
                     batch = [(g, p, await enc.encode_async(p)) for g, p, _ in batch]
@@ -210,6 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--distinct", type=int, default=32, help="distinct images prepared (reused under new cache keys)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--app-args", default="{}", help="JSON deep-merged into the config file's application args")
+    p.add_argument("--stages", nargs="+", default=["tower", "llm", "fused"], choices=["tower", "llm", "fused"])
     p.add_argument("--profile", action="store_true", help="kernels of the fused run at the highest concurrency")
     p.add_argument("--out", default="benchmarks/fused_load.json")
     a = p.parse_args(argv)
