@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,7 +37,10 @@ def config_from_file(port: int, args: dict, deployments: dict[str, dict] | None 
 
 
 @contextlib.contextmanager
-def deployed(conf: dict, metrics_port: int | None = None) -> Iterator[None]:
+def deployed(conf: dict, metrics_port: int | None = None, num_gpus: int | None = None,
+             env: dict[str, str] | None = None) -> Iterator:
+    """Ray started here, the config deployed as `serve run` deploys it; yields Serve's client. `env` is
+    set for the run (e.g. faster autoscaling metrics) and restored after it."""
     import ray
     from ray import serve
     from ray.serve._private import api as serve_api
@@ -44,13 +48,19 @@ def deployed(conf: dict, metrics_port: int | None = None) -> Iterator[None]:
 
     from deployments.ray_env import apply_serve_env
 
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
     apply_serve_env()  # as `make serve` starts Ray
     kw = {"_metrics_export_port": metrics_port} if metrics_port else {}
+    if num_gpus is not None:
+        kw["num_gpus"] = num_gpus
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, **kw)
     try:
         client = serve_api.serve_start(http_options=conf["http_options"])  # what `serve run` does
         client.deploy_apps(ServeDeploySchema.model_validate(conf), _blocking=True)
-        yield
+        yield client
     finally:
         serve.shutdown()
         ray.shutdown()
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)

@@ -6,7 +6,6 @@ would see no load at all here and stay at one replica."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import httpx
@@ -14,7 +13,7 @@ import pytest
 import yaml
 from test_scaling import FAST_METRICS, LongStreams, running_replicas, wait_for
 
-from deployments.ray_env import apply_serve_env
+from served import deployed
 
 pytestmark = pytest.mark.integration
 PORT, DIRECT_PORT = 8785, 8786
@@ -45,25 +44,9 @@ def port_config(model_cache: str) -> dict:
 
 @pytest.fixture(scope="module")
 def served(model_cache):
-    ray = pytest.importorskip("ray")
-    from ray import serve
-    from ray.serve._private import api as serve_api
-    from ray.serve.schema import ServeDeploySchema
-
-    saved = {k: os.environ.get(k) for k in FAST_METRICS}
-    os.environ.update(FAST_METRICS)
-    apply_serve_env()
-    conf = port_config(model_cache)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        client = serve_api.serve_start(http_options=conf["http_options"])
-        client.deploy_apps(ServeDeploySchema.model_validate(conf), _blocking=True)
+    pytest.importorskip("ray")
+    with deployed(port_config(model_cache), env=FAST_METRICS) as client:
         yield client
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def test_routers_scale_up_on_their_own_ports_load_and_back_down(served):

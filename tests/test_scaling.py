@@ -7,7 +7,6 @@ replicas still run on the CPU), so that the `colocate` placement runs as on a 2-
 from __future__ import annotations
 
 import base64
-import os
 import threading
 import time
 from pathlib import Path
@@ -16,8 +15,8 @@ import httpx
 import pytest
 import yaml
 
-from deployments.ray_env import apply_serve_env
 from helpers import png_bytes
+from served import deployed
 
 pytestmark = pytest.mark.integration
 PORT = 8775
@@ -50,27 +49,12 @@ def scaling_config():
 
 @pytest.fixture(scope="module")
 def served(model_cache):
-    ray = pytest.importorskip("ray")
-    from ray import serve
-    from ray.serve._private import api as serve_api
-    from ray.serve.schema import ServeDeploySchema
-
-    saved = {k: os.environ.get(k) for k in FAST_METRICS}
-    os.environ.update(FAST_METRICS)
-    apply_serve_env()  # as `make serve` starts Ray
+    pytest.importorskip("ray")
     conf = scaling_config()
     conf["applications"][0]["args"]["cache_dir"] = model_cache
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        client = serve_api.serve_start(http_options=conf["http_options"])  # what `serve run` does
-        client.deploy_apps(ServeDeploySchema.model_validate(conf), _blocking=True)
+    with deployed(conf, num_gpus=2, env=FAST_METRICS) as client:
         with httpx.Client(base_url=f"http://127.0.0.1:{PORT}", timeout=120) as http:
             yield http, client
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def running_replicas(deployment: str) -> int:
