@@ -90,46 +90,58 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(r.dtype), mask=mask)
 
     @triton.jit
-    def _qk_norm_rope_store_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-                                   slots_ptr, eps, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
-                                   HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-        t = tl.program_id(0)
-        h = tl.program_id(1)  # [0, H) query heads, [H, H + KV) key heads (their values ride along)
-        row = qkv_ptr + t * (H + 2 * KV) * D
-        j = tl.arange(0, HALF)
-        is_q = h < H
-        x1 = tl.load(row + h * D + j)
-        x2 = tl.load(row + h * D + HALF + j)
+    def _norm_rope_heads(x1, x2, w_ptr, c, s, j, eps, D: tl.constexpr, HAS_NORM: tl.constexpr):
+        """[heads, HALF] halves of a token's heads -> their rotated (and, for Qwen3, RMS-normed) halves,
+        rounded where transformers' modules round."""
         dtype = x1.dtype
         if HAS_NORM:
             f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-            inv = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
-            if is_q:
-                w1, w2 = tl.load(qn_ptr + j), tl.load(qn_ptr + HALF + j)
-            else:
-                w1, w2 = tl.load(kn_ptr + j), tl.load(kn_ptr + HALF + j)
-            x1 = ((f1 * inv).to(dtype).to(tl.float32) * w1.to(tl.float32)).to(dtype)
-            x2 = ((f2 * inv).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype)
-        c = tl.load(cos_ptr + t * HALF + j).to(tl.float32)
-        s = tl.load(sin_ptr + t * HALF + j).to(tl.float32)
+            inv = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / D + eps)[:, None]
+            w1 = tl.load(w_ptr + j).to(tl.float32)
+            w2 = tl.load(w_ptr + (D // 2) + j).to(tl.float32)
+            x1 = ((f1 * inv).to(dtype).to(tl.float32) * w1).to(dtype)
+            x2 = ((f2 * inv).to(dtype).to(tl.float32) * w2).to(dtype)
         a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
         o1 = ((a1 * c).to(dtype).to(tl.float32) + (-(a2 * s)).to(dtype).to(tl.float32)).to(dtype)
         o2 = ((a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)).to(dtype)
-        if is_q:
-            out = q_out_ptr + (t * H + h) * D
-            tl.store(out + j, o1)
-            tl.store(out + HALF + j, o2)
-        else:
-            kh = h - H
+        return o1, o2
+
+    @triton.jit
+    def _qk_norm_rope_store_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                                   slots_ptr, eps, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
+                                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+                                   HAS_NORM: tl.constexpr):
+        # One program per (token, q or k/v): every head of the token in one tile. A program per head
+        # (one warp moving 256 bytes) ran at a fifth of the memory bandwidth on a 1,600-token prefill.
+        t = tl.program_id(0)
+        row = qkv_ptr + t * (H + 2 * KV) * D
+        j = tl.arange(0, HALF)[None, :]
+        c = tl.load(cos_ptr + t * HALF + j).to(tl.float32)
+        s = tl.load(sin_ptr + t * HALF + j).to(tl.float32)
+        if tl.program_id(1) == 0:  # the query heads
+            hq = tl.arange(0, BLOCK_H)[:, None]
+            mq = (hq < H) & (j < HALF)
+            q1 = tl.load(row + hq * D + j, mask=mq, other=0.0)
+            q2 = tl.load(row + hq * D + HALF + j, mask=mq, other=0.0)
+            q1, q2 = _norm_rope_heads(q1, q2, qn_ptr, c, s, j, eps, D, HAS_NORM)
+            out = q_out_ptr + (t * H + hq) * D
+            tl.store(out + j, q1, mask=mq)
+            tl.store(out + HALF + j, q2, mask=mq)
+        else:  # the key heads into their cache slot, the values beside them (each branch its own names:
+            # Triton types a name once per function)
+            hk = tl.arange(0, BLOCK_KV)[:, None]
+            mk = (hk < KV) & (j < HALF)
+            k1 = tl.load(row + (H + hk) * D + j, mask=mk, other=0.0)
+            k2 = tl.load(row + (H + hk) * D + HALF + j, mask=mk, other=0.0)
+            k1, k2 = _norm_rope_heads(k1, k2, kn_ptr, c, s, j, eps, D, HAS_NORM)
             slot = tl.load(slots_ptr + t).to(tl.int64)
-            dst = k_cache_ptr + (slot * KV + kh) * D
-            tl.store(dst + j, o1)
-            tl.store(dst + HALF + j, o2)
-            v1 = tl.load(row + (H + KV + kh) * D + j)
-            v2 = tl.load(row + (H + KV + kh) * D + HALF + j)
-            vdst = v_cache_ptr + (slot * KV + kh) * D
-            tl.store(vdst + j, v1)
-            tl.store(vdst + HALF + j, v2)
+            dst = k_cache_ptr + (slot * KV + hk) * D
+            tl.store(dst + j, k1, mask=mk)
+            tl.store(dst + HALF + j, k2, mask=mk)
+            d = tl.arange(0, D)[None, :]
+            mv = (hk < KV) & (d < D)
+            v = tl.load(row + (H + KV + hk) * D + d, mask=mv, other=0.0)
+            tl.store(v_cache_ptr + (slot * KV + hk) * D + d, v, mask=mv)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
@@ -166,10 +178,11 @@ def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, h
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()  # the kernel indexes rows as t * width
     q = torch.empty(t, heads, d, dtype=qkv.dtype, device=qkv.device)
     if t:
-        _qk_norm_rope_store_kernel[(t, heads + kv_heads)](
+        _qk_norm_rope_store_kernel[(t, 2)](
             qkv, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, cos, sin, q,
-            k_cache, v_cache, slots, eps, H=heads, KV=kv_heads, D=d, HALF=d // 2, HAS_NORM=q_norm is not None,
-            num_warps=1)
+            k_cache, v_cache, slots, eps, H=heads, KV=kv_heads, D=d, HALF=d // 2,
+            BLOCK_H=triton.next_power_of_2(heads), BLOCK_KV=triton.next_power_of_2(kv_heads),
+            HAS_NORM=q_norm is not None, num_warps=4)
     return q
 
 
