@@ -140,6 +140,10 @@ class LLMConfig(_Strict):
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prompt prefixes; vision "
                                         "tokens are identified by their media's content key")
     cuda_graphs: bool = Field(True, description="decode steps replayed from CUDA graphs per batch bucket")
+    overlap_steps: bool | None = Field(None, description="plan and launch step N+1 while step N runs on the "
+                                       "device (its sampled tokens fed back on the device), so the GPU does not "
+                                       "wait for the host between steps; None: on with CUDA, off on the CPU "
+                                       "(nothing to overlap there)")
     stream_interval_ms: float = Field(10.0, ge=0, description="a stream sends at most one chunk per interval "
                                       "after its first (tokens that arrive meanwhile are merged); 0 = every step")
     switch_interval_ms: float | None = Field(0.2, gt=0, description="the GIL switch interval the engine sets for "

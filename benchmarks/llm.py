@@ -316,6 +316,8 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--overlap", choices=["on", "off"], default="on",
+                   help="llm.overlap_steps: launch step N+1 before reading step N's tokens")
     p.add_argument("--out", default="benchmarks/llm_results.json")
     a = p.parse_args()
     cfg = AutoConfig.for_model(**load_preset(a.preset))
@@ -328,12 +330,12 @@ def main() -> None:
     vocab = cfg.text_config.vocab_size
     t0 = time.perf_counter()
     engine = Engine.from_model(model, tok, "cuda", max_model_len=a.max_model_len, max_num_seqs=256,
-                               gpu_memory_utilization=0.6)
+                               gpu_memory_utilization=0.6, overlap_steps=a.overlap == "on")
     start_s = time.perf_counter() - t0
     reader = Reader(engine)
     run_streams(engine, reader, 4, 32, 8, vocab)  # warm-up (Triton compiles the eager kernels)
     run_streams(engine, reader, 2, 1100, 2, vocab)
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": a.preset,
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": a.preset, "overlap": a.overlap,
            "engine_start_s": start_s, "graphs": len(engine.runner.graphs), "kv_blocks": engine.blocks.usable_blocks,
            "kv_bytes_per_token": engine.stats()["kv_bytes_per_token"]}
     s = engine.spec

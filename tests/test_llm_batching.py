@@ -1,5 +1,9 @@
 """The engine's batching against transformers' `generate`: continuous batching, paged KV, chunked
-prefill, prefix caching, preemption, cancellation, sampling, and the GPU paths."""
+prefill, prefix caching, preemption, cancellation, sampling, and the GPU paths.
+
+Every test runs twice: with synchronous steps, and with overlapped steps (`overlap_steps`: step N+1
+launched before step N's tokens are read, placeholders fed back on the device), which the CPU
+would not use by default."""
 
 import threading
 import time
@@ -9,8 +13,36 @@ import pytest
 import torch
 
 from app.errors import ClientError
+from app.llm import engine as engine_module
 from app.llm.engine import Engine
 from helpers import attention_calls, make_request, reference_generate
+
+_ENGINES: dict = {}
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "overlap"])
+def overlap(request, monkeypatch, world):
+    """Engines built in a test take this step mode unless it names one; `engine` is the shared one."""
+    def build(*args, **kw):
+        kw.setdefault("overlap_steps", request.param)
+        return engine_module.Engine(*args, **kw)
+
+    def from_model(model, tokenizer, device="cpu", **kw):
+        kw.setdefault("overlap_steps", request.param)
+        return engine_module.Engine.from_model(model, tokenizer, device, **kw)
+
+    build.from_model = from_model
+    monkeypatch.setitem(globals(), "Engine", build)
+    return request.param
+
+
+@pytest.fixture
+def engine(world, overlap, tiny_checkpoint):
+    if not overlap:
+        return world["engine"]
+    if "overlap" not in _ENGINES:
+        _ENGINES["overlap"] = engine_module.Engine(str(tiny_checkpoint), overlap_steps=True)
+    return _ENGINES["overlap"]
 
 KINDS = [[], ["image"], ["video"], ["image", "video"], ["image", "image"], [], ["video", "image", "video"], ["image"]]
 
@@ -41,8 +73,7 @@ def eight_requests(world, seed=0, max_tokens=6):
             for i, kinds in enumerate(KINDS)]
 
 
-def test_eight_requests_of_different_lengths_batched_equal_generate(world):
-    engine: Engine = world["engine"]
+def test_eight_requests_of_different_lengths_batched_equal_generate(world, engine):
     reqs = eight_requests(world)
     assert len({len(r[0].input_ids) for r in reqs}) == len(reqs)  # all prompt lengths differ
     steps0, log0 = engine.steps, len(engine.step_log)
@@ -110,10 +141,9 @@ def test_waiting_for_blocks_and_preemption_lose_no_token(world, tiny_checkpoint)
     assert eng.blocks.num_free == eng.blocks.usable_blocks  # everything came back
 
 
-def test_a_bad_request_fails_alone(world):
+def test_a_bad_request_fails_alone(world, engine):
     from app.llm.engine import VisionInput
 
-    engine = world["engine"]
     good = [make_request(world, k, data_seed=20 + i, words=i, max_tokens=4)[0] for i, k in enumerate(KINDS[:4])]
     bad = make_request(world, ["image"], data_seed=30, max_tokens=4)[0]
     v = bad.vision[0]
@@ -126,8 +156,7 @@ def test_a_bad_request_fails_alone(world):
         assert collect(s)[1][-1].finish_reason
 
 
-def test_seeded_sampling_is_the_same_alone_and_batched(world):
-    engine = world["engine"]
+def test_seeded_sampling_is_the_same_alone_and_batched(world, engine):
     req = make_request(world, ["image"], temperature=0.9, top_p=0.95, top_k=50, seed=42, max_tokens=10)[0]
     alone = collect(engine.submit(req))[0]
     others = [engine.submit(make_request(world, k, data_seed=9 + i, temperature=1.0, max_tokens=12)[0])
@@ -141,8 +170,7 @@ def test_seeded_sampling_is_the_same_alone_and_batched(world):
     assert len(runs) > 1
 
 
-def test_top_k_one_is_greedy_and_penalties_change_the_output(world):
-    engine = world["engine"]
+def test_top_k_one_is_greedy_and_penalties_change_the_output(world, engine):
     greedy = collect(engine.submit(make_request(world, [], max_tokens=16)[0]))[0]
     top1 = collect(engine.submit(make_request(world, [], max_tokens=16, temperature=1.0, top_k=1, seed=3)[0]))[0]
     assert top1 == greedy
@@ -378,16 +406,63 @@ def test_engine_thread_survives_a_failing_step(world, tiny_checkpoint, monkeypat
     """A step that raises fails the requests in it with that error, and the next requests are served."""
     eng = Engine(str(tiny_checkpoint))
     calls = {"n": 0}
-    real = eng.runner.run
+    real = eng.runner.launch
 
-    def flaky(plan):
+    def flaky(plan, previous=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("device fault")
-        return real(plan)
+        return real(plan, previous)
 
-    monkeypatch.setattr(eng.runner, "run", flaky)
+    monkeypatch.setattr(eng.runner, "launch", flaky)
     with pytest.raises(RuntimeError, match="device fault"):
         collect(eng.submit(make_request(world, [], max_tokens=3)[0]))
     assert collect(eng.submit(make_request(world, [], max_tokens=3)[0]))[1][-1].finish_reason
     assert threading.active_count() > 0
+
+
+def test_overlapped_steps_really_overlap_and_give_the_synchronous_tokens(world, tiny_checkpoint, overlap):
+    """Seeded sampling with penalties, greedy decoding, a prefill chunked beside decodes: the tokens of
+    overlapped steps equal the synchronous engine's, and in overlap mode a step is launched before
+    the previous one's tokens are read (in sync mode never)."""
+    reqs = [make_request(world, k, data_seed=70 + i, words=i, max_tokens=5 + i, temperature=0.8 * (i % 2),
+                         seed=i, frequency_penalty=0.5 * (i % 3 == 0))
+            for i, k in enumerate(KINDS)]
+    sync = engine_module.Engine(str(tiny_checkpoint), max_num_batched_tokens=32, block_size=8, overlap_steps=False)
+    eng = Engine(str(tiny_checkpoint), max_num_batched_tokens=32, block_size=8)
+    uncollected, ahead = [], []
+    launch, collect_step = eng.runner.launch, eng.runner.collect
+
+    def spy_launch(plan, previous=None):
+        ahead.append(len(uncollected))
+        step = launch(plan, previous)
+        uncollected.append(step)
+        return step
+
+    def spy_collect(step):
+        uncollected.remove(step)
+        return collect_step(step)
+
+    eng.runner.launch, eng.runner.collect = spy_launch, spy_collect
+    want = [o[0] for o in run_all(sync, reqs)]
+    got = run_all(eng, reqs)
+    assert [o[0] for o in got] == want
+    assert [o[1][-1].finish_reason for o in got] == ["length"] * len(reqs)
+    assert (max(ahead) == 1) if overlap else (max(ahead) == 0)
+    assert eng.blocks.num_free == eng.blocks.usable_blocks and not uncollected
+
+
+def test_a_stop_token_mid_flight_ends_the_request_there(world, tiny_checkpoint, overlap):
+    """A request that samples an end-of-sequence token stops right before it, even though (overlapped)
+    its next step was already queued: that step's token is never emitted, and its blocks come back."""
+    reqs = eight_requests(world, seed=80, max_tokens=10)
+    eng = Engine(str(tiny_checkpoint), block_size=4)
+    free = [o[0] for o in run_all(eng, reqs)]
+    stop = free[0][3]  # the first request's fourth token becomes a stop token
+    eng.eos_ids = eng.eos_ids | {stop}
+    outs = run_all(eng, reqs)
+    for (got, chunks), full in zip(outs, free):
+        cut = full.index(stop) if stop in full else len(full)
+        assert got == full[:cut]
+        assert chunks[-1].finish_reason == ("stop" if stop in full else "length")
+    assert eng.blocks.num_free == eng.blocks.usable_blocks and not eng.running

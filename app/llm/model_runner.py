@@ -7,6 +7,12 @@ Host time per step is what caps a Python engine, so a step does little on the ho
   captured batch bucket that holds them; mixed steps (prefill chunks) run eagerly;
 - sampling for the whole batch runs on the device, and the token ids come back in one copy.
 
+A step is launched (`launch`) and collected (`collect`) separately, so the engine can prepare and
+queue step N+1 while step N runs (`llm.overlap_steps`): a token sampled in step N that step N+1
+feeds back is a placeholder on the host, -(k + 1) for step N's k-th sampled row, and is taken from
+step N's token tensor on the device. The pinned host buffers (step inputs, sampled tokens) come in
+pairs for that: step N's copies may still be queued while step N+1 fills the other one.
+
 Block tables live on the device, one row per running request; a step sends only the entries that
 changed since the last. The KV cache is one tensor [layers, 2, blocks x block_size, kv_heads,
 head_dim]: sized from the free GPU memory after the weights and a forward at the step's token
@@ -17,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -55,8 +61,10 @@ class StepInputs:
 
     def _alloc(self, capacity: int) -> None:
         cuda = self.device.type == "cuda"
-        self.host = torch.empty(capacity, dtype=torch.int32, pin_memory=cuda)
-        self.host_np = self.host.numpy()
+        # two pinned host buffers, used in turn: the previous step's copy may still be queued
+        self.hosts = [torch.empty(capacity, dtype=torch.int32, pin_memory=cuda) for _ in range(2 if cuda else 1)]
+        self.turn = 0
+        self.host = self.hosts[0]
         self.dev = torch.empty(capacity, dtype=torch.int32, device=self.device) if cuda else self.host
 
     def pack(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -73,8 +81,11 @@ class StepInputs:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # the old buffer may still be in flight
             self._alloc(max(off, 2 * self.host.numel()))
+        self.turn = (self.turn + 1) % len(self.hosts)
+        self.host = self.hosts[self.turn]
+        host_np = self.host.numpy()
         for _, a, o, w in layout:
-            self.host_np[o:o + w] = a.reshape(-1).view(np.int32)
+            host_np[o:o + w] = a.reshape(-1).view(np.int32)
         if self.dev is not self.host:
             self.dev[:off].copy_(self.host[:off], non_blocking=True)
         dtypes = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
@@ -88,6 +99,21 @@ class StepResult:
     host_s: float  # host time of the step (preparing inputs, launching, reading results)
     wall_s: float  # the whole call, waiting for the device included
     graph: bool
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose sampled tokens have not been read yet."""
+
+    plan: StepPlan
+    tokens: torch.Tensor | None  # [sampling rows] on the device: what the next step's placeholders read
+    host_tokens: torch.Tensor | None  # their pinned destination
+    done: torch.cuda.Event | None  # recorded after the copy to the host
+    graph: bool
+    host_s: float  # preparing and launching
+    started: float  # perf_counter at the launch's start
+    keep: list = field(default_factory=list)  # tensors the queued kernels read that nobody else may hold
+    placed: list = field(default_factory=list)  # (sequence, index of its placeholder token): the engine's
 
 
 class ModelRunner:
@@ -108,7 +134,9 @@ class ModelRunner:
         self.sampler = Sampler(s.vocab, max_num_seqs, self.device)
         self.decode_block_q = block_q_for(s.heads // s.kv_heads, DECODE_BLOCK_M)
         self.prefill_block_q = block_q_for(s.heads // s.kv_heads, PREFILL_BLOCK_M)
-        self.tokens_host = torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self.tokens_host = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+                            for _ in range(2)]  # in turn: one may still await its copy
+        self._token_turn = 0
         self.num_blocks = num_kv_blocks or self._blocks_that_fit(max_num_batched_tokens, max_model_len,
                                                                  gpu_memory_utilization)
         self.kv = torch.empty(s.layers, 2, self.num_blocks * block_size, s.kv_heads, s.head_dim,
@@ -217,29 +245,56 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
+        """Launch a step and wait for its tokens."""
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's inputs, forward and sampling on the device; return without waiting.
+        Placeholder tokens in the plan's sequences read `previous`'s sampled tokens on the device."""
         t0 = time.perf_counter()
         for s in plan.seqs:
             if s.slot < 0:
                 self.assign_row(s)
+        feed = previous.tokens if previous is not None else None
+        keep: list = []
         if self.graph_ready(plan):
-            logits, sampling, dev, graph = self._decode(plan.seqs)
+            logits, sampling, graph = self._decode(plan.seqs, feed)
             rows = plan.seqs
         else:
             rows = [s for s, sampled in zip(plan.seqs, plan.sample) if sampled]
-            logits, sampling, dev = self._eager(plan, rows)
+            logits, sampling = self._eager(plan, rows, feed, keep)
             graph = False
         tokens = self.sampler(logits, sampling) if rows else None
+        out = done = None
         if tokens is not None:
             self.sampler.count(tokens, sampling)
-            out = self.tokens_host[:len(rows)]
+            out = self.tokens_host[self._token_turn][:len(rows)]
+            self._token_turn ^= 1
             out.copy_(tokens, non_blocking=True)
-        t_launched = time.perf_counter()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            if self.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record()
+        return LaunchedStep(plan, tokens, out, done, graph, time.perf_counter() - t0, t0, keep)
+
+    def collect(self, step: LaunchedStep) -> StepResult:
+        """Wait for a launched step's tokens (only its own work: later steps may be queued behind it)."""
+        t0 = time.perf_counter()
+        if step.done is not None:
+            step.done.synchronize()
         t_synced = time.perf_counter()
-        result = out.tolist() if tokens is not None else []
+        result = step.host_tokens.tolist() if step.host_tokens is not None else []
+        step.keep.clear()
         end = time.perf_counter()
-        return StepResult(result, (t_launched - t0) + (end - t_synced), end - t0, graph)
+        return StepResult(result, step.host_s + (end - t_synced), step.host_s + (end - t0), step.graph)
+
+    @staticmethod
+    def _feed_placeholders(ids: torch.Tensor, feed: torch.Tensor | None, host_ids) -> None:
+        """Replace placeholder ids -(k + 1) in the device view `ids` by the previous step's k-th token."""
+        if feed is None or min(host_ids, default=0) >= 0:
+            return
+        src = feed[(-ids.long() - 1).clamp_(min=0)].to(ids.dtype)
+        ids.copy_(torch.where(ids < 0, src, ids))
 
     def _sampling(self, seqs: list[Sequence]) -> tuple[dict[str, np.ndarray], dict]:
         """Host arrays for the sampler (none when every row is greedy) and the host-side flags."""
@@ -259,7 +314,7 @@ class ModelRunner:
         names = ["temperature", "top_k", "top_p", "seeds", "steps", "frequency_penalty", "presence_penalty", "slots"]
         return SamplingBatch(*(dev[f"s_{n}"] for n in names), **flags)
 
-    def _decode(self, seqs: list[Sequence]):
+    def _decode(self, seqs: list[Sequence], feed: torch.Tensor | None):
         n = len(seqs)
         bucket = next((b for b in self.graph_buckets if b >= n), n) if self.graphs else n
         bs = self.block_size
@@ -281,6 +336,7 @@ class ModelRunner:
         dev = self.inputs.pack({"graph": np.array([ids, pos, slots, lens, rows], dtype=np.int32),
                                 "table_idx": table_idx, "table_val": table_val, **sampling})
         self._apply_table_updates(dev)
+        self._feed_placeholders(dev["graph"][0], feed, ids)
         if bucket in self.graphs:
             self.graphs[bucket].replay()
             logits = self.logits_out[:n]
@@ -288,7 +344,7 @@ class ModelRunner:
         else:
             logits = self._decode_forward(dev["graph"], bucket)[:n]
             graph = False
-        return logits, self._sampling_batch(dev, flags), dev, graph
+        return logits, self._sampling_batch(dev, flags), graph
 
     def _decode_meta(self, lens: torch.Tensor, rows: torch.Tensor, b: int) -> AttentionMetadata:
         ar = torch.arange(b + 1, dtype=torch.int32, device=self.device)
@@ -309,7 +365,7 @@ class ModelRunner:
         torch.mm(h, self.model.head_weight.t(), out=out)
         return out
 
-    def _eager(self, plan: StepPlan, sampling_rows: list[Sequence]):
+    def _eager(self, plan: StepPlan, sampling_rows: list[Sequence], feed: torch.Tensor | None, keep: list):
         bs = self.block_size
         ids, pos, slots, qlens, lens, rows, logit_rows, vis_idx, vis_parts = [], [], [], [], [], [], [], [], []
         offset = 0
@@ -344,6 +400,7 @@ class ModelRunner:
                   "table_idx": table_idx, "table_val": table_val, **sampling}
         dev = self.inputs.pack(arrays)
         self._apply_table_updates(dev)
+        self._feed_placeholders(dev["ids"], feed, arrays["ids"])
         meta = AttentionMetadata(dev["qstart"], dev["lens"], dev["rows"], self.block_tables, dev["wseq"], dev["wq0"],
                                  self.prefill_block_q, bs, host_query_start=qstart, host_seq_lens=arrays["lens"],
                                  host_block_tables=[s.block_table for s in plan.seqs])
@@ -354,9 +411,10 @@ class ModelRunner:
             if vis_parts[0][0].vision_deepstack is not None:
                 ds = torch.cat([s.vision_deepstack[:, r0:r1] for s, r0, r1 in vis_parts], dim=1)
             vision = VisionBatch(dev["vis_idx"].long(), main, ds)
+            keep.extend((s.vision_main, s.vision_deepstack) for s, _, _ in vis_parts)  # read by queued kernels
         h = self.model(dev["ids"], dev["pos"], dev["slots"], self.kv, meta, vision)
         logits = self.model.logits(h[dev["logit_rows"].long()]) if logit_rows else None
-        return logits, self._sampling_batch(dev, flags), dev
+        return logits, self._sampling_batch(dev, flags)
 
     # ------------------------------------------------------------------ graphs
     @torch.inference_mode()

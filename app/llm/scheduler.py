@@ -63,6 +63,8 @@ class Scheduler:
             length = len(seq.token_ids)
             if length - seq.num_computed != 1 or seq.status is not running:
                 continue
+            if length - seq.prompt_len >= seq.max_new:  # its last token is still on the device (overlapped steps)
+                continue
             if len(seq.block_table) * bs < length:  # crosses into a new block
                 while not blocks.num_free:
                     victim = self.running[-1]
@@ -88,6 +90,8 @@ class Scheduler:
         # 3. new requests
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.token_ids[-1] < 0:  # preempted with a token still on the device: admitted once it is read
+                break
             if not blocks.allocate(seq):
                 break
             self.waiting.popleft()
