@@ -159,14 +159,16 @@ def bench_workload(fam, mgr: GraphManager, name: str, grids, runs: int, warmup: 
 
 
 def bench_preset(preset: str, runs: int, warmup: int, budgets: list[int], device: str, tflops: float | None,
-                 profile: bool, patterns: list[str] | None = None) -> dict:
+                 profile: bool, patterns: list[str] | None = None, dense_attention: str = "sdpa") -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     fam = family_for(preset, dtype, device)
+    fam.tower.use_dense_attention(dense_attention)  # as the service does (encoder.dense_attention)
     # As the service runs it: uint8 patch rows in, the processor's normalisation inside the graph.
     mgr = GraphManager(fam.tower, GraphSettings(budgets=budgets, max_items_per_batch=16, max_frames_per_batch=32,
                                                 uniform_capture_after=2, uint8_pixels=True))
     mgr.capture()
     result = {"preset": preset, "family": fam.name, "dtype": str(dtype).removeprefix("torch."),
+              "dense_attention": "flash4" if fam.tower.flash4 else "sdpa",
               "capture_s": mgr.capture_seconds, "graph_mem_mib": mgr.capture_bytes / 2**20,
               "budgets_kept": sorted(mgr.graphs), "budgets_dropped": sorted(set(mgr.budgets) - set(mgr.graphs))
               if mgr.capture_enabled else [], "workloads": []}
@@ -263,6 +265,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--workloads", nargs="+", default=None, help="only workloads matching these glob patterns")
     p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny presets, few runs")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--dense-attention", default="sdpa", choices=["sdpa", "flash4"],
+                   help="encoder.dense_attention: the kernel of equal-length attention (app/vision/flash4.py)")
     a = p.parse_args(argv)
     if a.smoke:
         device, presets, runs, warmup = "cpu", a.presets or SMOKE_PRESETS, a.runs or 3, 1 if a.warmup is None else a.warmup
@@ -278,7 +282,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out.parent.mkdir(parents=True, exist_ok=True)
     results = []
     for pr in presets:  # files rewritten after each preset: a run cut short keeps what it measured
-        results.append(bench_preset(pr, runs, warmup, a.budgets, device, tflops, a.profile, a.workloads))
+        results.append(bench_preset(pr, runs, warmup, a.budgets, device, tflops, a.profile, a.workloads,
+                                    a.dense_attention))
         out.write_text(json.dumps({"device": name, "matmul_tflops": tflops, "runs": runs, "results": results},
                                   indent=1))
         md = markdown(results, name, tflops)

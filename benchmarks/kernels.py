@@ -23,6 +23,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -34,7 +35,8 @@ from torch.nn.attention.varlen import varlen_attn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.vision import attention  # noqa: E402
 
-DEV, BF, HEADS, HD = "cuda", torch.bfloat16, 16, 72
+# The 8B tower's heads (16 x 72) unless KERNELS_HEAD_DIM says otherwise (64: the 2B tower).
+DEV, BF, HEADS, HD = "cuda", torch.bfloat16, 16, int(os.environ.get("KERNELS_HEAD_DIM", 72))
 RESULTS: dict = {}
 
 
@@ -90,7 +92,7 @@ def sdpa_by_head_dim():
 # (sequence lengths, slots as a graph pads them): real batches, and the same inside a budget graph
 CASES = {"1x448": ([784], 1), "1x448 in budget 896": ([784, 112], 33), "video 4x196": ([196] * 4, 4),
          "video in budget 896": ([196] * 4 + [112], 33), "4x448": ([784] * 4, 4),
-         "4x448 in budget 3584": ([784] * 4 + [448], 33), "1x1024": ([4096], 1),
+         "4x448 in budget 3584": ([784] * 4 + [448], 33), "1x1024": ([4096], 1), "2x1024": ([4096] * 2, 2),
          "MiniCPM-V 1x448 (1024)": ([1024], 1),
          "mixed 2744 in budget 3072": ([784, 196, 196, 196, 196, 784, 196, 196, 328], 33)}
 
@@ -266,13 +268,19 @@ def fa4_attention():
 
         qkv = torch.stack((q, k, v), 1)  # v as the tower has it: a strided view into the qkv rows
         for label, fn in [("varlen", varlen), ("varlen_strided_v", partial(varlen, q, k, qkv[:, 2]))]:
+            t0 = time.perf_counter()  # the first call compiles (once per kernel variant)
             row[f"{label}_err"] = attempt(err_after, fn, ref)
+            row[f"{label}_first_s"] = round(time.perf_counter() - t0, 2)
             row[f"{label}_us"] = attempt(graph_us, fn)
         if slots == len(seqs) and len(set(seqs)) == 1:
             qb, kb, vb = (t.reshape(len(seqs), seqs[0], HEADS, HD) for t in (q, k, v))
             dense = partial(lambda a, b, c: flash_attn_func(a, b, c)[0].reshape(-1, HEADS, HD), qb, kb, vb)
+            t0 = time.perf_counter()
             row["dense_err"] = attempt(err_after, dense, ref)
+            row["dense_first_s"] = round(time.perf_counter() - t0, 2)
             row["dense_us"] = attempt(graph_us, dense)
+            vs = qkv[:, 2].reshape(len(seqs), seqs[0], HEADS, HD)  # v strided, as the tower's dense path passes it
+            row["dense_strided_v_us"] = attempt(graph_us, partial(lambda a, b, c: flash_attn_func(a, b, c)[0], qb, kb, vs))
             qd, kd, vd = (t.transpose(1, 2) for t in (qb, kb, vb))
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 row["cudnn_dense_us"] = graph_us(partial(F.scaled_dot_product_attention, qd, kd, vd))
@@ -332,10 +340,11 @@ def quack_gemms():
 
 def main():
     RESULTS["device"] = f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    RESULTS["heads"] = [HEADS, HD]
     print(RESULTS["device"], flush=True)
     steps = {f.__name__: f for f in (sdpa_by_head_dim, attention_cases, gemms, mergers, residual_gemms, fa4_attention,
                                       quack_gemms)}
-    out = Path(os.environ.get("OUT", ".")) / "kernels.json"
+    out = Path(os.environ.get("OUT", ".")) / ("kernels.json" if HD == 72 else f"kernels_hd{HD}.json")
     for step in [steps[a] for a in sys.argv[1:]] or list(steps.values())[:5]:
         step()
         out.write_text(json.dumps(RESULTS, indent=1))  # after each step: a later one may run out of time

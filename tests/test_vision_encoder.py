@@ -25,10 +25,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 class Harness:
     """`truth` is the reference tower judged against: the same module on the CPU, an fp32 copy on GPU."""
 
-    def __init__(self, visual, dtype, tol, scale=1, truth=None):
+    def __init__(self, visual, dtype, tol, scale=1, truth=None, dense_attention="sdpa"):
         self.visual, self.dtype, self.tol, self.scale = visual, dtype, tol, scale
         self.truth = truth
         self.tower = VisionTower(visual)
+        self.tower.use_dense_attention(dense_attention)  # before capture, as the service does
         self.device = self.tower.device
         budgets = [b * scale for b in BUDGETS]
         self.mgr = GraphManager(self.tower, GraphSettings(budgets=budgets, max_items_per_batch=4,
@@ -81,10 +82,11 @@ def cpu_harness(tiny_checkpoint):
     return Harness(load_vision_model(tiny_checkpoint, torch.float32), torch.float32, 1e-4)
 
 
-@pytest.fixture(scope="module")
-def gpu_harness():
+def _gpu_harness(dense_attention: str) -> Harness:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    import copy
+
     from transformers import AutoConfig
 
     from app.model_builder import PRESET_DIR
@@ -92,9 +94,24 @@ def gpu_harness():
 
     cfg = AutoConfig.for_model(**__import__("json").loads((PRESET_DIR / "qwen3-vl-2b.json").read_text()))
     visual = vision_model_from_config(cfg.vision_config, torch.bfloat16, "cuda")
-    import copy
+    return Harness(visual, torch.bfloat16, 1e-2, scale=16, truth=copy.deepcopy(visual).float(),
+                   dense_attention=dense_attention)
 
-    return Harness(visual, torch.bfloat16, 1e-2, scale=16, truth=copy.deepcopy(visual).float())
+
+@pytest.fixture(scope="module")
+def gpu_harness():
+    return _gpu_harness("sdpa")
+
+
+@pytest.fixture(scope="module")
+def gpu_flash4_harness():
+    from app.vision import flash4
+
+    if torch.cuda.is_available():
+        reason = flash4.unsupported_reason(64, torch.device("cuda"), torch.bfloat16)
+        if reason:
+            pytest.skip(f"FlashAttention-4 cannot run: {reason}")
+    return _gpu_harness("flash4")
 
 
 @pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
@@ -472,3 +489,81 @@ def test_idle_hook_captures_one_queued_shape_at_a_time(gpu_harness):
     assert mgr.stats.idle_captures == n + 1 and mgr.stats.idle_capture_ms > ms
     mgr.pending_captures()()
     assert mgr.pending_captures() is None and shapes[1] in mgr.uniform_graphs
+
+
+def test_dense_attention_choice_is_resolved_per_device():
+    """encoder.dense_attention: 'sdpa' never takes FlashAttention-4; 'flash4' where it cannot run is an error
+    at start that says why, not a silent fallback."""
+    from app.config import AppConfig
+    from app.vision import flash4
+
+    cpu = torch.device("cpu")
+    assert flash4.resolve("sdpa", 64, cpu, torch.float32) is False
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        flash4.resolve("flash4", 64, cpu, torch.bfloat16)
+    with pytest.raises(ValueError):
+        flash4.resolve("fast", 64, cpu, torch.bfloat16)
+    if torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+            flash4.resolve("flash4", 64, torch.device("cuda"), torch.float32)
+    assert AppConfig.model_validate({"encoder": {"dense_attention": "flash4"}}).encoder.dense_attention == "flash4"
+    assert AppConfig().encoder.dense_attention == "sdpa"
+    for bad in ("cudnn", "auto"):
+        with pytest.raises(ValueError):
+            AppConfig.model_validate({"encoder": {"dense_attention": bad}})
+
+
+@pytest.mark.gpu
+def test_flash4_dense_attention_equals_per_sequence_attention(gpu_flash4_harness):
+    """FlashAttention-4 as the dense path calls it: [sequences, length, heads, head] views of the packed
+    rows, v strided inside the qkv rows; against SDPA per sequence in fp32, heads of 64 and 72."""
+    import torch.nn.functional as F
+
+    from app.vision.attention import packed_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for d, s, length in [(64, 1, 4096), (64, 2, 1024), (72, 2, 784), (72, 3, 512)]:
+        n = s * length
+        q, k, v = torch.randn(n, 3, 16, d, device="cuda", dtype=torch.bfloat16, generator=g).unbind(1)
+        q, k = q.contiguous(), k.contiguous()  # as rotary_qk returns them; v stays a strided view
+        cu = torch.arange(0, n + 1, length, device="cuda", dtype=torch.int32)
+        out = packed_attention(q, k, v, cu, length, uniform=(s, length), static=True, use_flash4=True)
+        assert out.shape == q.shape
+        for i in range(s):
+            rows = slice(i * length, (i + 1) * length)
+            ref = F.scaled_dot_product_attention(*(t[rows].transpose(0, 1).float() for t in (q, k, v)))
+            got = out[rows].transpose(0, 1).float()
+            assert torch.isfinite(got).all()
+            assert (got - ref).abs().max() <= 1e-2 * ref.abs().max(), (d, s, length, i)
+
+
+@pytest.mark.gpu
+def test_flash4_uniform_graphs_equal_the_reference(gpu_flash4_harness, monkeypatch):
+    """The tower with encoder.dense_attention 'flash4': exact-shape graphs of one 4096-token image and of
+    two 1024-token images run FlashAttention-4 (counted at capture) and match the fp32 reference as
+    closely as transformers' own bf16 forward does; replays keep no stale data; eager batches of the same
+    shape keep SDPA (FA4's launcher is too slow outside graphs)."""
+    from app.vision import flash4
+
+    h = gpu_flash4_harness
+    assert h.tower.flash4
+    calls = []
+    real = flash4.dense
+    monkeypatch.setattr(flash4, "dense", lambda *a: calls.append(a[0].shape) or real(*a))
+    for grids in ([(1, 64, 64)], [(1, 32, 32)] * 2):
+        for seed in (0, 1):
+            h.check(h.items(grids, seed=seed), expect_graph=True)
+        n_calls = len(calls)
+        assert h.mgr.capture_pending() == 1
+        assert len(calls) > n_calls, "the captured graph must call FlashAttention-4"
+        assert {tuple(c) for c in calls[n_calls:]} == {(len(grids), grids[0][1] * grids[0][2], 16, 64)}
+        hits = h.mgr.stats.uniform_hits
+        first = h.check(h.items(grids, seed=2), expect_graph=True)
+        kept = first[0].main.clone()
+        h.check(h.items(grids, seed=3), expect_graph=True)
+        assert h.mgr.stats.uniform_hits == hits + 2
+        assert torch.equal(first[0].main, kept), "results must outlive later replays"
+        n_calls = len(calls)
+        with torch.inference_mode():
+            h.mgr.encode(h.items(grids, seed=4), force_eager=True)
+        assert len(calls) == n_calls

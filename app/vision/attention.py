@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 from .. import sdpa_backends
+from . import flash4
 
 try:
     import triton
@@ -178,13 +179,15 @@ def uses_torch_varlen(device: torch.device, dtype: torch.dtype) -> bool:
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                      *, table: torch.Tensor | None = None, block_m: int = BLOCK_M,
-                     uniform: tuple[int, int] | None = None, static: bool = False) -> torch.Tensor:
+                     uniform: tuple[int, int] | None = None, static: bool = False,
+                     use_flash4: bool = False) -> torch.Tensor:
     """Block-diagonal self-attention over a packed batch: q, k, v [N, H, D] -> [N, H, D], each token
     attending to the tokens of its own sequence (`cu_seqlens`, int32, monotonic, padded slots of zero
     length). Softmax scale 1/sqrt(D). Every tower's body calls this; the path depends on the device:
 
     - equal-length sequences (`uniform`) without a table, or of at least DENSE_MIN_LENGTH tokens: one
-      dense batched SDPA call (cuDNN's kernel only inside graphs: sdpa_backends says why);
+      dense batched call: in graphs FlashAttention-4 with `use_flash4` (flash4.py), else SDPA (cuDNN's
+      kernel only inside graphs: sdpa_backends says why);
     - with a block `table` (CUDA, our Triton kernel): `varlen_attention`;
     - CUDA bf16/fp16 without one: PyTorch's varlen FlashAttention;
     - CPU: one SDPA call per sequence (no graph to keep static; a mask over the whole padded batch
@@ -195,6 +198,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     n, heads, d = q.shape
     if uniform is not None and (table is None or uniform[1] >= DENSE_MIN_LENGTH):
         s, length = uniform
+        if use_flash4 and static:
+            return flash4.dense(*(t.reshape(s, length, heads, d) for t in (q, k, v))).reshape(s * length, heads, d)
         q, k, v = (t.reshape(s, length, heads, d).transpose(1, 2) for t in (q, k, v))
         backends = sdpa_backends.CAPTURED if static else sdpa_backends.UNCAPTURED
         with sdpa_kernel(backends, set_priority=True):

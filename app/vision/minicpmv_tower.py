@@ -258,7 +258,7 @@ class MiniCPMVTower(GraphTower):
         uniform = batch.uniform
         out = attention.packed_attention(q, k, v, batch.meta["cu"], batch.max_seqlen, table=batch.meta.get("table"),
                                          block_m=attention.block_m_for(uniform[1] if uniform else None),
-                                         uniform=uniform, static=batch.static)
+                                         uniform=uniform, static=batch.static, use_flash4=self.flash4)
         return out.reshape(n, self.hidden)
 
     def _siglip(self, batch: TowerBatch) -> torch.Tensor:

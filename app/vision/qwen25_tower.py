@@ -140,7 +140,7 @@ class Qwen25Tower(GraphTower):
             uniform = batch.uniform
             return attention.packed_attention(q, k, v, m["cu"], batch.max_seqlen, table=m.get("table"),
                                               block_m=attention.block_m_for(uniform[1] if uniform else None),
-                                              uniform=uniform, static=batch.static)
+                                              uniform=uniform, static=batch.static, use_flash4=self.flash4)
         return attention.packed_attention(q, k, v, m["cu_win"], self.geo.window_tokens, table=m.get("table_win"),
                                           block_m=WINDOW_BLOCK_M, static=batch.static)
 

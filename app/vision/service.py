@@ -50,6 +50,7 @@ class EncoderService:
         # the tower normalises them with the checkpoint's processor settings.
         # (the checkpoint's family picks the tower: Qwen3-VL, Qwen2.5-VL or MiniCPM-V; loading.build_tower)
         tower = build_tower(checkpoint, dtype, device, pixel_norm=PatchSpec.from_checkpoint(checkpoint).column_norm())
+        tower.use_dense_attention(enc.dense_attention)
         budgets = enc.token_budgets or GraphSettings.power_of_two_budgets(enc.min_budget, enc.max_budget,
                                                                                 enc.budget_steps_per_octave)
         self.manager = GraphManager(tower, GraphSettings(
@@ -65,7 +66,8 @@ class EncoderService:
                                      Limits(self.manager.max_budget, enc.max_items_per_batch, enc.max_frames_per_batch),
                                      enc.batch_wait_ms, enc.batch_wait_when_idle,
                                      on_idle=self.manager.pending_captures)
-        log.info("vision encoder ready on %s (%s), budgets %s, graphs %s", device, dtype, self.manager.budgets,
+        log.info("vision encoder ready on %s (%s, dense attention: %s), budgets %s, graphs %s", device, dtype,
+                 "FlashAttention-4" if tower.flash4 else "SDPA", self.manager.budgets,
                  sorted(self.manager.graphs) or "none captured")
 
     def encode(self, items: list[tuple[np.ndarray, tuple[int, int, int]]]) -> list[EncodedItem]:

@@ -126,7 +126,8 @@ class VisionTower(GraphTower):
         uniform = batch.uniform
         return attention.packed_attention(
             q, k, v, batch.meta["cu"], batch.max_seqlen, table=batch.meta.get("table"),
-            block_m=attention.block_m_for(uniform[1] if uniform else None), uniform=uniform, static=batch.static)
+            block_m=attention.block_m_for(uniform[1] if uniform else None), uniform=uniform, static=batch.static,
+            use_flash4=self.flash4)
 
     def _block(self, blk, x, cos, sin, inp: TowerBatch):
         n = x.shape[0]

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import flash4
 from .down_projection import DownProjection
 from .kernels import pad_mlp_modules
 from .metadata import BatchLayout, Grid
@@ -56,6 +57,13 @@ class GraphTower(nn.Module):
         self._pixel_norm = pixel_norm
         self.down: DownProjection | None = None  # the fused body's MLP down projection, if it has one
         self.down_weights: list[torch.Tensor] = []
+        self.flash4 = False  # FlashAttention-4 for the graphs' dense attention (flash4.py; use_dense_attention)
+
+    def use_dense_attention(self, choice: str) -> bool:
+        """Pick the kernel of the dense (equal-length) attention: `encoder.dense_attention` (flash4.resolve).
+        Call before capturing graphs. Returns whether FlashAttention-4 is used."""
+        self.flash4 = flash4.resolve(choice, self.head_dim, self.device, self.dtype)
+        return self.flash4
 
     def _init_pixel_norm(self) -> None:
         """Call at the end of a subclass's __init__, once `device` is known."""
