@@ -156,6 +156,37 @@ def test_a_bad_request_fails_alone(world, engine):
         assert collect(s)[1][-1].finish_reason
 
 
+def test_an_empty_prompt_is_refused_and_the_engine_serves_on(world, engine):
+    """An empty prompt is a client error at submit (the chat API never builds one, but the engine's API
+    allows it); before, it reached the scheduler, which reads a sequence's last token, and the error
+    handler's own IndexError ended the engine thread."""
+    from app.llm.engine import GenerationRequest
+    from app.llm.sampling import SamplingParams
+
+    with pytest.raises(ClientError, match="no tokens"):
+        engine.submit(GenerationRequest([], [], [], SamplingParams(max_tokens=3)))
+    assert collect(engine.submit(make_request(world, [], max_tokens=3)[0]))[1][-1].finish_reason == "length"
+
+
+def test_a_step_with_a_non_sampling_row_never_replays_a_decode_graph(world, engine):
+    """A decode graph samples every row, and the engine maps a step's tokens to its sampling rows only, so
+    a 1-token middle chunk of a prompt (a step's last budget token) must send the step down the eager path."""
+    from app.llm.scheduler import StepPlan
+
+    seqs = [engine.submit(make_request(world, [], data_seed=i, words=3, max_tokens=8)[0]) for i in range(2)]
+    for s in seqs:
+        collect(s)
+    a, b = seqs  # finished: only their token lists and positions matter to graph_ready
+    a.num_computed = len(a.token_ids) - 1  # its last token: a decode row that samples
+    b.num_computed = 0  # the first of its many prompt tokens: a 1-token chunk that does not
+    plan = StepPlan()
+    plan.add(a, 1)
+    assert engine.runner.graph_ready(plan)
+    plan.add(b, 1)
+    assert plan.decode_only and plan.sample == [True, False]
+    assert not engine.runner.graph_ready(plan)
+
+
 def test_seeded_sampling_is_the_same_alone_and_batched(world, engine):
     req = make_request(world, ["image"], temperature=0.9, top_p=0.95, top_k=50, seed=42, max_tokens=10)[0]
     alone = collect(engine.submit(req))[0]
@@ -466,3 +497,22 @@ def test_a_stop_token_mid_flight_ends_the_request_there(world, tiny_checkpoint, 
         assert got == full[:cut]
         assert chunks[-1].finish_reason == ("stop" if stop in full else "length")
     assert eng.blocks.num_free == eng.blocks.usable_blocks and not eng.running
+
+
+@pytest.mark.gpu
+def test_step_inputs_are_not_rewritten_before_their_copy_has_run():
+    """The engine's pinned step-input buffers come in pairs; a third step's inputs reuse the first's buffer.
+    With the stream held up (as by a long forward), that reuse must wait for the first copy: steps that
+    sample nothing (a prompt's middle chunks) are never waited on otherwise. Each step's device view is
+    cloned in stream order, as the step's kernels read it; every clone must hold its own step's data."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from app.llm.model_runner import StepInputs
+
+    inputs = StepInputs(torch.device("cuda"), 4096)
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of one busy kernel ahead of the copies
+    steps = [np.arange(1000, dtype=np.int32) + 10_000 * i for i in range(4)]
+    seen = [inputs.pack({"ids": a})["ids"].clone() for a in steps]
+    torch.cuda.synchronize()
+    for a, got in zip(steps, seen, strict=True):
+        assert np.array_equal(got.cpu().numpy(), a)

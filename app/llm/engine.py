@@ -170,6 +170,8 @@ class Engine:
         """Raise the ClientError `submit` would raise for a prompt of `length` tokens now (too long:
         400; queue full: 503), so that a caller can refuse before costly work such as encoding its
         media. Returns the KV cache's capacity in tokens."""
+        if length < 1:  # nothing to condition on, and the scheduler reads a sequence's last token
+            raise ClientError("the prompt has no tokens", param="messages", code="invalid_prompt")
         if length >= self.max_model_len:
             raise ClientError(f"prompt of {length} tokens exceeds max_model_len {self.max_model_len}",
                               param="messages", code="context_length_exceeded")
@@ -240,7 +242,11 @@ class Engine:
             except Exception as e:  # never let the loop die; what was running fails, cleanly
                 log.exception("engine step failed")
                 self._inflight = None  # its tokens are lost: whoever waits for one fails too
-                self._fail(list(self.scheduler.running) + [s for s in self.scheduler.waiting if s.token_ids[-1] < 0], e)
+                try:
+                    self._fail(list(self.scheduler.running)
+                               + [s for s in self.scheduler.waiting if s.token_ids and s.token_ids[-1] < 0], e)
+                except Exception:  # noqa: BLE001 - the loop must go on serving the others
+                    log.exception("failing the step's requests failed too")
 
     def _step(self) -> None:
         t0 = time.perf_counter()

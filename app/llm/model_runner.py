@@ -61,8 +61,12 @@ class StepInputs:
 
     def _alloc(self, capacity: int) -> None:
         cuda = self.device.type == "cuda"
-        # two pinned host buffers, used in turn: the previous step's copy may still be queued
+        # two pinned host buffers, used in turn: the previous step's copy may still be queued. Each has an
+        # event recorded after its copy, waited on before the buffer is written again: a step that samples
+        # nothing (a prompt's middle chunk) is never waited on otherwise, so with overlapped steps the
+        # buffer of step N could be rewritten by step N + 2 while step N's copy still waits in the queue.
         self.hosts = [torch.empty(capacity, dtype=torch.int32, pin_memory=cuda) for _ in range(2 if cuda else 1)]
+        self.copied = [torch.cuda.Event() if cuda else None for _ in self.hosts]
         self.turn = 0
         self.host = self.hosts[0]
         self.dev = torch.empty(capacity, dtype=torch.int32, device=self.device) if cuda else self.host
@@ -83,11 +87,15 @@ class StepInputs:
             self._alloc(max(off, 2 * self.host.numel()))
         self.turn = (self.turn + 1) % len(self.hosts)
         self.host = self.hosts[self.turn]
+        copied = self.copied[self.turn]
+        if copied is not None:
+            copied.synchronize()  # this buffer's previous copy has left it (at once unless a step lags)
         host_np = self.host.numpy()
         for _, a, o, w in layout:
             host_np[o:o + w] = a.reshape(-1).view(np.int32)
         if self.dev is not self.host:
             self.dev[:off].copy_(self.host[:off], non_blocking=True)
+            copied.record()
         dtypes = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
                   np.dtype(np.float32): torch.float32}
         return {name: self.dev[o:o + w].view(dtypes[a.dtype]).view(a.shape) for name, a, o, w in layout}
@@ -234,8 +242,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ steps
     def graph_ready(self, plan: StepPlan) -> bool:
-        """A decode step whose every token is generated (or plain prompt text) can replay a graph."""
-        if not plan.decode_only:
+        """A decode step whose every token is generated (or plain prompt text) can replay a graph. Every
+        row must sample: the graph samples all of its rows, and the engine maps the step's tokens to the
+        sampling rows (a 1-token middle chunk of a prompt, possible when max_num_seqs nearly fills the
+        step's token budget, runs eagerly)."""
+        if not plan.decode_only or not all(plan.sample):
             return False
         for s in plan.seqs:
             i = s.num_computed
@@ -289,9 +300,9 @@ class ModelRunner:
         return StepResult(result, step.host_s + (end - t_synced), step.host_s + (end - t0), step.graph)
 
     @staticmethod
-    def _feed_placeholders(ids: torch.Tensor, feed: torch.Tensor | None, host_ids) -> None:
+    def _feed_placeholders(ids: torch.Tensor, feed: torch.Tensor | None, placeholders: bool) -> None:
         """Replace placeholder ids -(k + 1) in the device view `ids` by the previous step's k-th token."""
-        if feed is None or min(host_ids, default=0) >= 0:
+        if feed is None or not placeholders:
             return
         src = feed[(-ids.long() - 1).clamp_(min=0)].to(ids.dtype)
         ids.copy_(torch.where(ids < 0, src, ids))
@@ -336,7 +347,7 @@ class ModelRunner:
         dev = self.inputs.pack({"graph": np.array([ids, pos, slots, lens, rows], dtype=np.int32),
                                 "table_idx": table_idx, "table_val": table_val, **sampling})
         self._apply_table_updates(dev)
-        self._feed_placeholders(dev["graph"][0], feed, ids)
+        self._feed_placeholders(dev["graph"][0], feed, min(ids) < 0)
         if bucket in self.graphs:
             self.graphs[bucket].replay()
             logits = self.logits_out[:n]
@@ -400,7 +411,7 @@ class ModelRunner:
                   "table_idx": table_idx, "table_val": table_val, **sampling}
         dev = self.inputs.pack(arrays)
         self._apply_table_updates(dev)
-        self._feed_placeholders(dev["ids"], feed, arrays["ids"])
+        self._feed_placeholders(dev["ids"], feed, bool(arrays["ids"].size) and arrays["ids"].min() < 0)
         meta = AttentionMetadata(dev["qstart"], dev["lens"], dev["rows"], self.block_tables, dev["wseq"], dev["wq0"],
                                  self.prefill_block_q, bs, host_query_start=qstart, host_seq_lens=arrays["lens"],
                                  host_block_tables=[s.block_table for s in plan.seqs])
