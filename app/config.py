@@ -108,8 +108,9 @@ class EncoderConfig(_Strict):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     dense_attention: Literal["sdpa", "flash4"] = Field(
         "sdpa", description="kernel of the graphs' attention over equal-length sequences (a 1024^2 image, equal "
-        "slices): 'sdpa' = PyTorch's SDPA (cuDNN), 'flash4' = FlashAttention-4 (the optional flash-attn-4 "
-        "package, Hopper/Blackwell, bf16/fp16; an error at start if it cannot run; app/vision/flash4.py)")
+        "slices): 'sdpa' = PyTorch's SDPA (cuDNN first in graphs), 'flash4' = FlashAttention-4 (the optional "
+        "flash-attn-4 package, Hopper/Blackwell, bf16/fp16; an error at start if it cannot run; no effect "
+        "with cuda_graphs off; app/vision/flash4.py)")
 
     @model_validator(mode="after")
     def _check_budgets(self) -> EncoderConfig:

@@ -156,7 +156,7 @@ def test_a_bad_request_fails_alone(world, engine):
         assert collect(s)[1][-1].finish_reason
 
 
-def test_an_empty_prompt_is_refused_and_the_engine_serves_on(world, engine):
+def test_an_empty_prompt_is_refused_at_submit(world, engine):
     """An empty prompt is a client error at submit (the chat API never builds one, but the engine's API
     allows it); before, it reached the scheduler, which reads a sequence's last token, and the error
     handler's own IndexError ended the engine thread."""
@@ -166,6 +166,25 @@ def test_an_empty_prompt_is_refused_and_the_engine_serves_on(world, engine):
     with pytest.raises(ClientError, match="no tokens"):
         engine.submit(GenerationRequest([], [], [], SamplingParams(max_tokens=3)))
     assert collect(engine.submit(make_request(world, [], max_tokens=3)[0]))[1][-1].finish_reason == "length"
+
+
+def test_a_request_that_breaks_admission_fails_alone_and_the_queue_moves_on(world, tiny_checkpoint, monkeypatch):
+    """An unexpected error while the scheduler admits a request (nothing running yet) would recur at every
+    step: that request fails with the error, once, and the requests behind it are served."""
+    eng = Engine(str(tiny_checkpoint))
+    bad_req = make_request(world, [], data_seed=1, words=3, max_tokens=3)[0]
+    bad = list(bad_req.input_ids)
+    real = eng.scheduler.schedule
+
+    def schedule():
+        if any(s.token_ids[:s.prompt_len] == bad for s in eng.scheduler.waiting):
+            raise RuntimeError("admission bug")
+        return real()
+
+    monkeypatch.setattr(eng.scheduler, "schedule", schedule)
+    with pytest.raises(RuntimeError, match="admission bug"):
+        collect(eng.submit(bad_req))
+    assert collect(eng.submit(make_request(world, [], data_seed=2, max_tokens=3)[0]))[1][-1].finish_reason == "length"
 
 
 def test_a_step_with_a_non_sampling_row_never_replays_a_decode_graph(world, engine):

@@ -516,13 +516,14 @@ def test_dense_attention_choice_is_resolved_per_device():
 @pytest.mark.gpu
 def test_flash4_dense_attention_equals_per_sequence_attention(gpu_flash4_harness):
     """FlashAttention-4 as the dense path calls it: [sequences, length, heads, head] views of the packed
-    rows, v strided inside the qkv rows; against SDPA per sequence in fp32, heads of 64 and 72."""
+    rows, v strided inside the qkv rows; against SDPA per sequence in fp32, heads of 64 (Qwen3-VL-2B), 72 (8B,
+    MiniCPM-V) and 80 (Qwen2.5-VL)."""
     import torch.nn.functional as F
 
     from app.vision.attention import packed_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    for d, s, length in [(64, 1, 4096), (64, 2, 1024), (72, 2, 784), (72, 3, 512)]:
+    for d, s, length in [(64, 1, 4096), (64, 2, 1024), (72, 2, 784), (72, 3, 512), (80, 2, 1024)]:
         n = s * length
         q, k, v = torch.randn(n, 3, 16, d, device="cuda", dtype=torch.bfloat16, generator=g).unbind(1)
         q, k = q.contiguous(), k.contiguous()  # as rotary_qk returns them; v stays a strided view

@@ -243,10 +243,16 @@ class Engine:
                 log.exception("engine step failed")
                 self._inflight = None  # its tokens are lost: whoever waits for one fails too
                 try:
-                    self._fail(list(self.scheduler.running)
-                               + [s for s in self.scheduler.waiting if s.token_ids and s.token_ids[-1] < 0], e)
+                    failed = list(self.scheduler.running) + [
+                        s for s in self.scheduler.waiting if s.token_ids and s.token_ids[-1] < 0]
+                    if not failed and self.scheduler.waiting:
+                        # nothing was running: admitting the head of the queue broke the step, and would
+                        # again at every step, so it fails alone and the queue behind it moves on
+                        failed = [self.scheduler.waiting[0]]
+                    self._fail(failed, e)
                 except Exception:  # noqa: BLE001 - the loop must go on serving the others
                     log.exception("failing the step's requests failed too")
+                    time.sleep(0.01)  # an error that recurs every step must not spin a core
 
     def _step(self) -> None:
         t0 = time.perf_counter()

@@ -95,7 +95,7 @@ class StepInputs:
             host_np[o:o + w] = a.reshape(-1).view(np.int32)
         if self.dev is not self.host:
             self.dev[:off].copy_(self.host[:off], non_blocking=True)
-            copied.record()
+            copied.record(torch.cuda.current_stream(self.device))  # the stream the copy is on
         dtypes = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
                   np.dtype(np.float32): torch.float32}
         return {name: self.dev[o:o + w].view(dtypes[a.dtype]).view(a.shape) for name, a, o, w in layout}
@@ -301,7 +301,8 @@ class ModelRunner:
 
     @staticmethod
     def _feed_placeholders(ids: torch.Tensor, feed: torch.Tensor | None, placeholders: bool) -> None:
-        """Replace placeholder ids -(k + 1) in the device view `ids` by the previous step's k-th token."""
+        """Replace placeholder ids -(k + 1) in the device view `ids` by the previous step's k-th token
+        (`feed`, on the device). `placeholders`: whether the host copy of the ids holds any (else nothing to do)."""
         if feed is None or not placeholders:
             return
         src = feed[(-ids.long() - 1).clamp_(min=0)].to(ids.dtype)

@@ -47,7 +47,7 @@ def unsupported_reason(head_dim: int, device: torch.device, dtype: torch.dtype) 
     if head_dim % 8 or head_dim > 256:
         return f"head size {head_dim} is not a multiple of 8 up to 256"
     if _flash_attn_func() is None:
-        return "the optional package flash-attn-4 is not installed (pip install flash-attn-4)"
+        return "the optional package flash-attn-4 is not installed (the project's `flash4` extra: pip install -e '.[flash4]')"
     return None
 
 
