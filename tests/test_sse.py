@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from app.config import AppConfig
 
 
@@ -209,3 +211,43 @@ def test_a_client_that_leaves_mid_answer_cancels_the_generation(tiny_checkpoint)
     assert streams[0].cancelled.is_set()
     assert records[-1]["status"] == 499
 
+
+
+class FailingThenFine:
+    """The first stream yields a chunk with no text (the first token, part of a character) and then its
+    replica dies; the second answers."""
+
+    def __init__(self, first_chunks: list[dict]):
+        self.first_chunks, self.calls = first_chunks, 0
+
+    def stream(self, gen, payload):
+        from ray.exceptions import ActorDiedError
+
+        self.calls += 1
+        if self.calls == 1:
+            return ScriptedBackend(self.first_chunks, fail_after=ActorDiedError()).stream(gen, payload)
+        return ScriptedBackend([chunk("a"), chunk("b", "length", 2)]).stream(gen, payload)
+
+
+def test_a_replica_lost_before_any_text_went_out_is_retried_in_the_same_stream(tiny_checkpoint):
+    """The client has seen only the role: the generation starts again on another replica and the
+    client reads one ordinary answer, with no error event."""
+    pytest.importorskip("ray")
+    backend = FailingThenFine([chunk("")])
+    out, records = writes(tiny_checkpoint, backend, BODY)
+    got = [e for w in out for e in events(w)]
+    assert backend.calls == 2
+    assert [e["choices"][0]["delta"] for e in got[:-1] if e["choices"]] == [
+        {"role": "assistant", "content": ""}, {"content": "a"}, {"content": "b"}, {}]
+    assert got[-1] == "[DONE]" and not any("error" in e for e in got[:-1])
+    assert records[0]["status"] == 200 and records[0]["retries"] == 1
+
+
+def test_a_replica_lost_after_text_went_out_ends_the_stream_with_an_error(tiny_checkpoint):
+    pytest.importorskip("ray")
+    backend = FailingThenFine([chunk(""), chunk("x")])
+    out, records = writes(tiny_checkpoint, backend, BODY)
+    got = [e for w in out for e in events(w)]
+    assert backend.calls == 1
+    assert got[-2]["error"]["code"] == "replica_failed" and got[-1] == "[DONE]"
+    assert records[0]["status"] == 503

@@ -121,12 +121,20 @@ class ChatService:
         """Waits for the first generated chunk, so that errors before it (overload, bad input) still
         get their HTTP status; then returns the server-sent-event stream."""
         t0 = time.perf_counter() if t0 is None else t0
-        first, stream, retries = await first_chunk(lambda: self.backend.stream(gen, payload), self.retry)
-        return self._sse(req, gen, first, stream, t0, time.perf_counter() - t0, len(payload), retries)
+        def start():
+            return self.backend.stream(gen, payload)
+
+        first, stream, retries = await first_chunk(start, self.retry)
+        return self._sse(req, gen, first, stream, t0, time.perf_counter() - t0, len(payload), retries, start)
 
     async def _sse(self, req: ChatRequest, gen: dict, first: dict, rest: AsyncIterator[dict], t0: float,
-                   ttft: float, items: int, retries: int = 0) -> AsyncIterator[str]:
+                   ttft: float, items: int, retries: int = 0,
+                   restart: Callable[[], AsyncIterator[dict]] | None = None) -> AsyncIterator[str]:
         """Server-sent events; errors after the first byte become an error event, then [DONE].
+
+        The first token may have no text yet (the detokenizer holds back part of a character); until
+        some text or the finish has gone out the client has seen only the role, so a replica that
+        fails then is retried with `restart` (the retry policy's bounds), as before the first chunk.
 
         Events that are ready together go out as one write: the role with the first text, and the
         finish, the usage and [DONE] at the end. Every write is one message through Ray Serve's proxy
@@ -141,9 +149,25 @@ class ChatService:
             return f"data: {fastjson.dumps(obj)}\n\n"
 
         async def chunks():
-            yield first
-            async for c in rest:
+            nonlocal rest, retries
+            c, shown = first, False
+            while True:
+                if c is None:
+                    try:
+                        c = await anext(rest)
+                    except StopAsyncIteration:
+                        return
+                    except Exception as e:
+                        if (shown or restart is None or not is_replica_failure(e)
+                                or retries + 1 >= self.retry.max_attempts):
+                            raise
+                        log.warning("request %s: replica failed before any text went out; retrying", req.id)
+                        c, rest, n = await first_chunk(restart, self.retry)  # raises replica_failed when spent
+                        retries += n + 1
+                        continue
+                shown = shown or bool(c["text"]) or bool(c["finish_reason"])
                 yield c
+                c = None
 
         status, last, done, ended = 200, {"prompt_tokens": 0, "completion_tokens": 0}, False, False
         pending = event(stream_chunk(req, model, {"role": "assistant", "content": ""}))

@@ -3,7 +3,8 @@
 Ray Serve restarts a dead replica, but the calls it was serving fail with Ray's actor errors. A request
 that has not produced a token yet has shown the client nothing, so it is sent again (to another
 replica, or to the restarted one: the handle queues it until one is up), within `max_attempts` and
-`budget_s`. A non-streaming request has shown nothing until it finishes, so it is retried from
+`budget_s`; so is a stream whose tokens so far have no text (the client saw only the role event;
+`ChatService._sse`). A non-streaming request has shown nothing until it finishes, so it is retried from
 scratch wherever it failed before its last chunk. A stream that already sent tokens cannot be
 replayed: it ends with an error event (503, `replica_failed`) and `[DONE]`, never a hang.
 
