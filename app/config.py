@@ -105,6 +105,11 @@ class EncoderConfig(_Strict):
                                       "on an H200 a single 448^2 image (784 rows) staged added 4-6 ms of TTFT at "
                                       "concurrency 1 in the fused replica, while batches of 1024^2 images did not")
     cache_bytes: int = Field(512 * 1024 * 1024, ge=0, description="embedding cache size per replica; 0 = off")
+    stream: Literal["shared", "own"] = Field(
+        "shared", description="`fused` placement on a GPU: 'shared' = the tower's batches queue on the engine's "
+        "stream, between its steps; 'own' = on a CUDA stream of their own, beside the steps, and a request "
+        "reaches the engine once its embeddings are made (app/vision/service.py). On an H200 'own' gave +3% "
+        "at 1024^2 and concurrency 64, -3% at 128, and 1-11 ms more TTFT at concurrency 1 (benchmarks/RESULTS.md)")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     dense_attention: Literal["sdpa", "flash4"] = Field(
         "sdpa", description="kernel of the graphs' attention over equal-length sequences (a 1024^2 image, equal "

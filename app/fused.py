@@ -7,10 +7,12 @@ object store, and the LLM replica reads, pins and copies them back to the same G
 costs the Router a second replica call. On an H200 that host path, not the GPU, was the queue
 (benchmarks/RESULTS.md, "Serving: the bottleneck sweep").
 
-Here the tower's output is handed to the engine as device tensors. No event or host wait is needed:
-the encoder's batches (a worker thread) and the engine's steps (its thread) both run on the device's
-default stream, so the engine's first prefill of a request is queued behind the batch that made its
-embeddings.
+Here the tower's output is handed to the engine as device tensors. By default
+(`encoder.stream: shared`) no event or host wait is needed: the encoder's batches (a worker thread)
+and the engine's steps (its thread) both run on the device's default stream, so the engine's first
+prefill of a request is queued behind the batch that made its embeddings. With `own` the batches
+run on a stream of their own, beside the steps, and a request reaches the engine once the GPU has
+made its embeddings (`EncoderService._encode_on_own_stream`).
 
 What it gives up: the encoder's host work (batching, copying patch rows to the GPU) now shares this
 process's GIL with the engine thread and the event loop. Graphs captured while serving are turned

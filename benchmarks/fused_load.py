@@ -10,7 +10,8 @@ Router in the way:
 - `fused`: both, as the replica runs them (`FusedBackend.chunks`).
 
 If the tower takes `t` ms of GPU per request and the engine `l` ms, the fused replica cannot beat
-1000 / (t + l) req/s on one GPU (they share its default stream); serving below the `fused` row here is
+1000 / (t + l) req/s on one GPU when they share its default stream (`encoder.stream: shared`, the
+default); on streams of their own they may run side by side. Serving below the `fused` row here is
 the host path's doing, above it is impossible. With `--profile` the fused run at the highest
 concurrency is traced and its CUDA kernels are summed by kind (GEMM, attention, norms, copies ...).
 

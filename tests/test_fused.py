@@ -110,6 +110,54 @@ def check_fused_answers(fused, cfg, tiny_checkpoint, reference, device):
     assert all(d.untyped_storage().nbytes() == d.numel() * d.element_size() for d in deepstack)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("stream", ["own", "shared"])
+def test_the_fused_tower_hands_over_only_finished_embeddings(tiny_checkpoint, reference, monkeypatch, stream):
+    """With `encoder.stream: own` the tower's batches run on a stream of their own, beside the
+    engine's. Its stream is held up by a 50 ms kernel before every batch: the embeddings handed
+    over, read at once on the caller's stream, still equal the same batch encoded on that stream, and
+    the engine's answers still equal the reference's. (Without the shared stream's ordering, a
+    hand-off before the tower's stream has made them would read unwritten memory.)"""
+    import torch
+
+    from app.config import AppConfig
+    from app.fused import FusedBackend
+    from app.vision.graphs import VisionItem
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    fp32 = {"dtype": "float32"}
+    cfg = AppConfig(**ARGS | {"model": str(tiny_checkpoint), "device": "cuda",
+                              "encoder": ARGS["encoder"] | fp32 | {"stream": stream},
+                              "llm": fp32 | {"num_kv_blocks": 256}})
+    fused = FusedBackend.build(cfg, str(tiny_checkpoint))
+    enc = fused.encoder
+    try:
+        assert (enc._stream is not None) == (stream == "own")
+        g = torch.Generator().manual_seed(5)
+        grids = [(1, 8, 8), (1, 6, 10), (2, 4, 4)]  # two images and a video: one batch
+        items = [(torch.randint(0, 256, (t * h * w, 1536), generator=g, dtype=torch.uint8).numpy(), (t, h, w), None)
+                 for t, h, w in grids]
+        want = enc.manager.encode([VisionItem(torch.from_numpy(px), grid) for px, grid, _ in items])
+        want = [(w.main.cpu(), [d.cpu() for d in w.deepstack]) for w in want]
+        real = enc.manager.encode_batch
+
+        def held_up(batch, *args, **kwargs):
+            torch.cuda._sleep(100_000_000)  # on the current stream: the tower's (about 50 ms)
+            return real(batch, *args, **kwargs)
+
+        monkeypatch.setattr(enc.manager, "encode_batch", held_up)
+        check_fused_answers(fused, cfg, tiny_checkpoint, reference, "cuda")
+        before = enc.batcher.stats.batches
+        got = asyncio.run(enc.encode_async(items))
+        assert enc.batcher.stats.batches == before + 1
+        for (main, deepstack), (want_main, want_deepstack) in zip(got, want, strict=True):
+            assert torch.equal(main.cpu(), want_main)  # .cpu() reads on this thread's stream
+            assert all(torch.equal(d.cpu(), w) for d, w in zip(deepstack, want_deepstack, strict=True))
+    finally:
+        fused.engine.shutdown()
+
+
 def test_a_request_the_engine_would_refuse_is_refused_before_its_media_is_encoded(tiny_checkpoint):
     from app.config import AppConfig
     from app.errors import ClientError

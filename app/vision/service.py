@@ -12,7 +12,7 @@ from ..llm.engine import resolve_dtype
 from ..media.preprocess import PatchSpec
 from .batcher import EncodeBatcher
 from .cache import EmbeddingCache
-from .graphs import GraphManager, GraphSettings, VisionItem
+from .graphs import GraphManager, GraphSettings, VisionEmbedding, VisionItem
 from .loading import build_tower
 from .packing import Limits
 
@@ -62,13 +62,41 @@ class EncoderService:
         self.manager.capture()
         self.keep_on_device = keep_on_device
         self.cache = EmbeddingCache(enc.cache_bytes)
-        self.batcher = EncodeBatcher(self.manager.encode_batch,
+        # `fused`: the engine's steps run on the device's default stream, from their own thread. On that
+        # stream too (`encoder.stream: shared`), a tower batch queues between two steps and the GPU runs
+        # them one after the other; on a stream of its own the two may overlap.
+        self._stream = None
+        if keep_on_device and enc.stream == "own" and torch.device(device).type == "cuda":
+            self._stream = torch.cuda.Stream(device)
+        self.batcher = EncodeBatcher(self.manager.encode_batch if self._stream is None else self._encode_on_own_stream,
                                      Limits(self.manager.max_budget, enc.max_items_per_batch, enc.max_frames_per_batch),
                                      enc.batch_wait_ms, enc.batch_wait_when_idle,
                                      on_idle=self.manager.pending_captures)
-        log.info("vision encoder ready on %s (%s, dense attention: %s), budgets %s, graphs %s", device, dtype,
-                 "FlashAttention-4" if tower.flash4 else "SDPA", self.manager.budgets,
-                 sorted(self.manager.graphs) or "none captured")
+        log.info("vision encoder ready on %s (%s, dense attention: %s%s), budgets %s, graphs %s", device, dtype,
+                 "FlashAttention-4" if tower.flash4 else "SDPA", f", stream {enc.stream}" if self._stream else "",
+                 self.manager.budgets, sorted(self.manager.graphs) or "none captured")
+
+    def _encode_on_own_stream(self, items: list[VisionItem]) -> tuple[list[VisionEmbedding], int]:
+        """The batcher's worker thread, `fused` on a GPU: one batch on the tower's stream, each item's
+        embeddings copied out there too, and returned once the GPU has made them. Until then the
+        engine never sees the request, so it never queues a step that would wait for the tower (a wait
+        on the device would stall the engine's stream behind the whole batch). The thread sleeps on
+        the event (no spinning core); the batcher forms the next batch meanwhile.
+
+        The copies are read on the caller's stream (the batcher's loop joins a video's chunks there, the
+        engine builds its request there) and freed whenever; recorded on that stream, their memory goes
+        to a later tower batch only after the work queued there at their release has run."""
+        reader = torch.cuda.current_stream(self._stream.device)  # this thread's: the default, the engine's
+        with torch.cuda.stream(self._stream):
+            outs, padded = self.manager.encode_batch(items)
+            copies = [VisionEmbedding(*_on_device(o)) for o in outs]
+            done = torch.cuda.Event(blocking=True)
+            done.record(self._stream)
+        for c in copies:
+            for t in (c.main, *c.deepstack):
+                t.record_stream(reader)
+        done.synchronize()
+        return copies, padded
 
     def encode(self, items: list[tuple[np.ndarray, tuple[int, int, int]]]) -> list[EncodedItem]:
         """One request's items (uint8 patch rows, grid) as one batch, synchronously (no cache, no
@@ -85,7 +113,10 @@ class EncoderService:
         if todo:
             outs = await self.batcher.submit([(torch.from_numpy(items[i][0]), tuple(items[i][1])) for i in todo])
             for i, o in zip(todo, outs):
-                results[i] = _on_device(o) if self.keep_on_device else _to_cpu(o)
+                if self._stream is not None:  # copied out on the tower's stream already
+                    results[i] = o.main, o.deepstack
+                else:
+                    results[i] = _on_device(o) if self.keep_on_device else _to_cpu(o)
                 self.cache.put(items[i][2], results[i])
         return results
 
