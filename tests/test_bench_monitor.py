@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from benchmarks.monitor import MonitorSummary, process_group, verdict
-from benchmarks.serve import concurrency_ladder, plateaued
+from benchmarks.serve import Workload, _body_bytes, build_bodies, concurrency_ladder, plateaued, steady_rate
 
 
 def test_ladder_doubles_up_to_the_maximum():
@@ -19,6 +21,19 @@ def test_the_sweep_stops_after_two_points_without_five_percent_gain():
     assert plateaued([10, 20, 20.5, 20.9])  # two in a row
     assert not plateaued([10, 20, 20.5, 22])  # +10% over the best restarts the count
     assert plateaued([10, 20, 18, 19])  # falling counts as no gain
+
+
+def test_the_steady_rate_leaves_out_the_start_and_the_drain():
+    """101 completions every 0.1 s after a slow start (the first 10 over 5 s) and before a slow drain:
+    the rate between the 10th and 90th percentile completions is the steady 10 per second."""
+    start = [0.5 * i for i in range(10)]
+    steady = [5.0 + 0.1 * i for i in range(82)]
+    drain = [steady[-1] + 1.0 + i for i in range(9)]
+    done = start + steady + drain
+    assert len(done) == 101
+    assert steady_rate(done) == pytest.approx(10.0)
+    assert steady_rate(done) > 100 / (max(done) - min(done)) * 2  # the whole run's rate is far lower
+    assert steady_rate(done[:5]) == 0.0  # too few to tell
 
 
 def test_processes_are_grouped_by_deployment_from_their_ray_titles():
@@ -54,3 +69,9 @@ def test_verdict_names_the_saturated_stage():
     raylet = {"pid": 11, "group": "raylet", "cores": 1.5, "busiest_thread": 0.4}
     gil = verdict(_summary([50.0], [raylet, busy_router, llm]))
     assert len(gil) == 1 and "possibly GIL-bound" in gil[0] and gil[0].split("GIL): ")[1].startswith("Router:")
+
+
+def test_bodies_built_in_a_pool_equal_those_built_one_by_one():
+    """A long run's bodies come from a process pool (256 or more); each seed's body is the same either way."""
+    w = Workload("image", image_size=32)
+    assert build_bodies(w, 7, 300) == [_body_bytes(w, 7 + i) for i in range(300)]
