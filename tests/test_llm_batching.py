@@ -182,9 +182,12 @@ def test_a_request_that_breaks_admission_fails_alone_and_the_queue_moves_on(worl
         return real()
 
     monkeypatch.setattr(eng.scheduler, "schedule", schedule)
-    with pytest.raises(RuntimeError, match="admission bug"):
-        collect(eng.submit(bad_req))
-    assert collect(eng.submit(make_request(world, [], data_seed=2, max_tokens=3)[0]))[1][-1].finish_reason == "length"
+    try:
+        with pytest.raises(RuntimeError, match="admission bug"):
+            collect(eng.submit(bad_req))
+        assert collect(eng.submit(make_request(world, [], data_seed=2, max_tokens=3)[0]))[1][-1].finish_reason == "length"
+    finally:
+        eng.shutdown()
 
 
 def test_a_step_with_a_non_sampling_row_never_replays_a_decode_graph(world, engine):

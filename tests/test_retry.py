@@ -59,6 +59,38 @@ def test_first_chunk_retries_until_a_token_then_hands_over_the_rest():
     assert rest == [{"text": "1"}, {"text": "2"}]
 
 
+def test_a_first_chunk_abandoned_by_its_caller_stops_the_stream_it_started():
+    """The client left while the first chunk was awaited: the generation just started is cancelled."""
+    started = []
+
+    class Hanging:
+        def __init__(self):
+            self.cancelled = False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await asyncio.Event().wait()
+
+        def cancel(self):
+            self.cancelled = True
+
+    def start():
+        started.append(Hanging())
+        return started[-1]
+
+    async def main():
+        task = asyncio.ensure_future(first_chunk(start, FAST))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert len(started) == 1 and started[0].cancelled
+
+
 def test_retries_stop_at_max_attempts_with_a_503():
     with pytest.raises(ClientError) as e:
         asyncio.run(first_chunk(lambda: chunks(3, die_after=0), FAST))

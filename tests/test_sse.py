@@ -33,12 +33,12 @@ def chunk(text: str, finish: str | None = None, done_tokens: int = 0) -> dict:
             "vision_embeddings": 0}
 
 
-def writes(tiny_checkpoint, backend, body: dict) -> tuple[list[str], list]:
+def writes(tiny_checkpoint, backend, body: dict, **config) -> tuple[list[str], list]:
     """(the stream's writes, the records the service logged)."""
     from helpers import local_chat
 
     records = []
-    chat = local_chat(AppConfig(model=str(tiny_checkpoint)), tiny_checkpoint, backend)
+    chat = local_chat(AppConfig(model=str(tiny_checkpoint), **config), tiny_checkpoint, backend)
     chat.observer = records.append
 
     async def run():
@@ -251,3 +251,27 @@ def test_a_replica_lost_after_text_went_out_ends_the_stream_with_an_error(tiny_c
     assert backend.calls == 1
     assert got[-2]["error"]["code"] == "replica_failed" and got[-1] == "[DONE]"
     assert records[0]["status"] == 503
+
+
+class NeverShowsText(FailingThenFine):
+    """The first stream yields a first token with no text, then its replica dies; every later one dies
+    before its first chunk."""
+
+    def stream(self, gen, payload):
+        from ray.exceptions import ActorDiedError
+
+        self.calls += 1
+        chunks = self.first_chunks if self.calls == 1 else []
+        return ScriptedBackend(chunks, fail_after=ActorDiedError()).stream(gen, payload)
+
+
+def test_restarts_count_against_the_requests_attempts(tiny_checkpoint):
+    """The policy's bounds cover all of a request's tries, restarts included: with 3 attempts, 3 streams
+    are started, then the client gets `replica_failed` after 2 retries."""
+    pytest.importorskip("ray")
+    backend = NeverShowsText([chunk("")])
+    out, records = writes(tiny_checkpoint, backend, BODY, retry={"max_attempts": 3, "backoff_s": 0})
+    got = [e for w in out for e in events(w)]
+    assert backend.calls == 3
+    assert got[-2]["error"]["code"] == "replica_failed" and "after 2 retries" in got[-2]["error"]["message"]
+    assert got[-1] == "[DONE]" and records[0]["status"] == 503 and records[0]["retries"] == 2

@@ -121,20 +121,24 @@ class ChatService:
         """Waits for the first generated chunk, so that errors before it (overload, bad input) still
         get their HTTP status; then returns the server-sent-event stream."""
         t0 = time.perf_counter() if t0 is None else t0
+
         def start():
             return self.backend.stream(gen, payload)
 
+        started = time.monotonic()  # the retry policy's clock
         first, stream, retries = await first_chunk(start, self.retry)
-        return self._sse(req, gen, first, stream, t0, time.perf_counter() - t0, len(payload), retries, start)
+        return self._sse(req, gen, first, stream, t0, time.perf_counter() - t0, len(payload), retries,
+                         (start, started))
 
     async def _sse(self, req: ChatRequest, gen: dict, first: dict, rest: AsyncIterator[dict], t0: float,
                    ttft: float, items: int, retries: int = 0,
-                   restart: Callable[[], AsyncIterator[dict]] | None = None) -> AsyncIterator[str]:
+                   restart: tuple[Callable[[], AsyncIterator[dict]], float] | None = None) -> AsyncIterator[str]:
         """Server-sent events; errors after the first byte become an error event, then [DONE].
 
         The first token may have no text yet (the detokenizer holds back part of a character); until
         some text or the finish has gone out the client has seen only the role, so a replica that
-        fails then is retried with `restart` (the retry policy's bounds), as before the first chunk.
+        fails then is retried with `restart` (the call, and the request's start on the retry policy's
+        clock: the policy's bounds cover all of the request's attempts), as before the first chunk.
 
         Events that are ready together go out as one write: the role with the first text, and the
         finish, the usage and [DONE] at the end. Every write is one message through Ray Serve's proxy
@@ -158,12 +162,20 @@ class ChatService:
                     except StopAsyncIteration:
                         return
                     except Exception as e:
-                        if (shown or restart is None or not is_replica_failure(e)
-                                or retries + 1 >= self.retry.max_attempts):
+                        if shown or restart is None or not is_replica_failure(e):
                             raise
+                        start, started = restart
+                        # raises replica_failed when the attempts or the time are spent, else backs off
+                        await self.retry._wait_or_give_up(e, retries + 1, started)
                         log.warning("request %s: replica failed before any text went out; retrying", req.id)
-                        c, rest, n = await first_chunk(restart, self.retry)  # raises replica_failed when spent
-                        retries += n + 1
+                        retries += 1
+                        try:
+                            c, rest, retries = await first_chunk(start, self.retry, retries, started)
+                        except StopAsyncIteration:  # a stream that ended without a chunk
+                            raise replica_failed(retries) from None
+                        except ClientError as given_up:
+                            retries = getattr(given_up, "retries", retries)
+                            raise
                         continue
                 shown = shown or bool(c["text"]) or bool(c["finish_reason"])
                 yield c

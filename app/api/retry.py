@@ -57,8 +57,10 @@ def is_replica_failure(e: BaseException | None) -> bool:
 
 
 def replica_failed(retries: int = 0) -> ClientError:
-    return ClientError(f"a model replica failed while serving this request (after {retries} retries); retry it",
-                       status=503, type="server_error", code="replica_failed", headers={"retry-after": "5"})
+    err = ClientError(f"a model replica failed while serving this request (after {retries} retries); retry it",
+                      status=503, type="server_error", code="replica_failed", headers={"retry-after": "5"})
+    err.retries = retries  # for the request's record
+    return err
 
 
 @dataclass(frozen=True)
@@ -96,10 +98,12 @@ async def _close(stream) -> None:
             return
 
 
-async def first_chunk(start: Callable[[], AsyncIterator[dict]], policy: RetryPolicy
-                      ) -> tuple[dict, AsyncIterator[dict], int]:
-    """(first chunk, the rest of its stream, retries): the call is retried until a chunk arrives."""
-    t0, attempt = time.monotonic(), 0
+async def first_chunk(start: Callable[[], AsyncIterator[dict]], policy: RetryPolicy, attempts: int = 0,
+                      t0: float | None = None) -> tuple[dict, AsyncIterator[dict], int]:
+    """(first chunk, the rest of its stream, retries): the call is retried until a chunk arrives.
+    `attempts` already made for this request and its start (`time.monotonic()`), when a stream that
+    showed nothing is started again: the policy's bounds cover the request, not each start."""
+    t0, attempt = time.monotonic() if t0 is None else t0, attempts
     while True:
         attempt += 1
         stream = aiter(start())
@@ -110,6 +114,9 @@ async def first_chunk(start: Callable[[], AsyncIterator[dict]], policy: RetryPol
         except Exception as e:
             await _close(stream)
             await policy._wait_or_give_up(e, attempt, t0)
+        except BaseException:  # cancelled (the client left): stop the generation just started
+            cancel_stream(stream)
+            raise
 
 
 async def collect(start: Callable[[], AsyncIterator[dict]], policy: RetryPolicy

@@ -68,13 +68,17 @@ class EncoderService:
         self._stream = None
         if keep_on_device and enc.stream == "own" and torch.device(device).type == "cuda":
             self._stream = torch.cuda.Stream(device)
-        self.batcher = EncodeBatcher(self.manager.encode_batch if self._stream is None else self._encode_on_own_stream,
+        self.batcher = EncodeBatcher(self._encode_batch,
                                      Limits(self.manager.max_budget, enc.max_items_per_batch, enc.max_frames_per_batch),
                                      enc.batch_wait_ms, enc.batch_wait_when_idle,
                                      on_idle=self.manager.pending_captures)
         log.info("vision encoder ready on %s (%s, dense attention: %s%s), budgets %s, graphs %s", device, dtype,
                  "FlashAttention-4" if tower.flash4 else "SDPA", f", stream {enc.stream}" if self._stream else "",
                  self.manager.budgets, sorted(self.manager.graphs) or "none captured")
+
+    def _encode_batch(self, items: list[VisionItem]) -> tuple[list[VisionEmbedding], int]:
+        """The batcher's worker thread: one batch, on the engine's stream or the tower's own."""
+        return self.manager.encode_batch(items) if self._stream is None else self._encode_on_own_stream(items)
 
     def _encode_on_own_stream(self, items: list[VisionItem]) -> tuple[list[VisionEmbedding], int]:
         """The batcher's worker thread, `fused` on a GPU: one batch on the tower's stream, each item's
