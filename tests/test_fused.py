@@ -62,21 +62,27 @@ def same_answer(got: dict, want: dict) -> None:
     assert got["usage"] == want["usage"]
 
 
+def fp32_config(tiny_checkpoint, device: str, **encoder):
+    """ARGS in float32 on `device`, with a small KV pool: the GPU default (most of the free memory)
+    would starve the tests that follow."""
+    from app.config import AppConfig
+
+    fp32 = {"dtype": "float32"}
+    return AppConfig(**ARGS | {"model": str(tiny_checkpoint), "device": device,
+                               "encoder": ARGS["encoder"] | fp32 | encoder, "llm": fp32 | {"num_kv_blocks": 256}})
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_fused_backend_batches_concurrent_requests_and_answers_as_the_reference(tiny_checkpoint, reference, device):
     """On CUDA (fp32, graphs on) the embeddings go from the tower's batch to the engine without leaving
     the GPU; the answers still equal the CPU reference's."""
     import torch
 
-    from app.config import AppConfig
     from app.fused import FusedBackend
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    fp32 = {"dtype": "float32"}
-    # a small KV pool: the GPU default (most of the free memory) would starve the tests that follow
-    cfg = AppConfig(**ARGS | {"model": str(tiny_checkpoint), "device": device,
-                              "encoder": ARGS["encoder"] | fp32, "llm": fp32 | {"num_kv_blocks": 256}})
+    cfg = fp32_config(tiny_checkpoint, device)
     fused = FusedBackend.build(cfg, str(tiny_checkpoint))
     assert fused.encoder.keep_on_device and fused.engine.device.type == device
     try:
@@ -120,16 +126,12 @@ def test_the_fused_tower_hands_over_only_finished_embeddings(tiny_checkpoint, re
     hand-off before the tower's stream has made them would read unwritten memory.)"""
     import torch
 
-    from app.config import AppConfig
     from app.fused import FusedBackend
     from app.vision.graphs import VisionItem
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    fp32 = {"dtype": "float32"}
-    cfg = AppConfig(**ARGS | {"model": str(tiny_checkpoint), "device": "cuda",
-                              "encoder": ARGS["encoder"] | fp32 | {"stream": stream},
-                              "llm": fp32 | {"num_kv_blocks": 256}})
+    cfg = fp32_config(tiny_checkpoint, "cuda", stream=stream)
     fused = FusedBackend.build(cfg, str(tiny_checkpoint))
     enc = fused.encoder
     try:

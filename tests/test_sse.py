@@ -212,7 +212,6 @@ def test_a_client_that_leaves_mid_answer_cancels_the_generation(tiny_checkpoint)
     assert records[-1]["status"] == 499
 
 
-
 class FailingThenFine:
     """The first stream yields a chunk with no text (the first token, part of a character) and then its
     replica dies; the second answers."""

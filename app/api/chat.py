@@ -131,8 +131,8 @@ class ChatService:
                          (start, started))
 
     async def _sse(self, req: ChatRequest, gen: dict, first: dict, rest: AsyncIterator[dict], t0: float,
-                   ttft: float, items: int, retries: int = 0,
-                   restart: tuple[Callable[[], AsyncIterator[dict]], float] | None = None) -> AsyncIterator[str]:
+                   ttft: float, items: int, retries: int,
+                   restart: tuple[Callable[[], AsyncIterator[dict]], float]) -> AsyncIterator[str]:
         """Server-sent events; errors after the first byte become an error event, then [DONE].
 
         The first token may have no text yet (the detokenizer holds back part of a character); until
@@ -162,16 +162,14 @@ class ChatService:
                     except StopAsyncIteration:
                         return
                     except Exception as e:
-                        if shown or restart is None or not is_replica_failure(e):
+                        if shown or not is_replica_failure(e):
                             raise
                         start, started = restart
-                        # raises replica_failed when the attempts or the time are spent, else backs off
-                        await self.retry._wait_or_give_up(e, retries + 1, started)
-                        log.warning("request %s: replica failed before any text went out; retrying", req.id)
-                        retries += 1
-                        try:
-                            c, rest, retries = await first_chunk(start, self.retry, retries, started)
+                        log.warning("request %s: replica failed before any text went out", req.id)
+                        try:  # replica_failed when the attempts or the time are spent
+                            c, rest, retries = await first_chunk(start, self.retry, retries + 1, started, e)
                         except StopAsyncIteration:  # a stream that ended without a chunk
+                            retries += 1
                             raise replica_failed(retries) from None
                         except ClientError as given_up:
                             retries = getattr(given_up, "retries", retries)

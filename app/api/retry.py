@@ -99,11 +99,15 @@ async def _close(stream) -> None:
 
 
 async def first_chunk(start: Callable[[], AsyncIterator[dict]], policy: RetryPolicy, attempts: int = 0,
-                      t0: float | None = None) -> tuple[dict, AsyncIterator[dict], int]:
+                      t0: float | None = None, failed: BaseException | None = None
+                      ) -> tuple[dict, AsyncIterator[dict], int]:
     """(first chunk, the rest of its stream, retries): the call is retried until a chunk arrives.
-    `attempts` already made for this request and its start (`time.monotonic()`), when a stream that
-    showed nothing is started again: the policy's bounds cover the request, not each start."""
+    A stream that showed nothing and then failed with `failed` is started again the same way:
+    `attempts` already made for the request and its start (`time.monotonic()`), so that the policy's
+    bounds and backoff cover the request, not each start."""
     t0, attempt = time.monotonic() if t0 is None else t0, attempts
+    if failed is not None:
+        await policy._wait_or_give_up(failed, attempt, t0)
     while True:
         attempt += 1
         stream = aiter(start())
