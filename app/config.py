@@ -45,6 +45,11 @@ class MediaConfig(_Strict):
     worker_threads: int = Field(2, ge=1, description="decode/resize/hash threads per MediaPreprocessor replica "
                                 "(Pillow, PyAV, numpy copies and SHA-256 release the GIL for most of an item)")
     decode_timeout_s: float = Field(30.0, gt=0, description="deadline for decoding and preparing one item")
+    router_local_below: int = Field(1, ge=0, description="the Router prepares a request's inline images itself "
+                                    "(no hop to a MediaPreprocessor replica) while fewer than this many requests "
+                                    "are preparing media in it; 0: always the replicas (app/media/adaptive.py)")
+    router_local_bytes: int = Field(2 << 20, ge=0, description="inline media (data: URL characters) of one request "
+                                    "above which it always goes to the replicas")
     max_video_streams: int = Field(16, ge=1, description="streams a video container may hold")
     max_decoded_video_bytes: int = Field(2 << 30, gt=0, description="RGB bytes of one video's sampled frames "
                                          "before the resize (64 frames of 4K: 1.6 GB)")

@@ -29,6 +29,12 @@ class RouterMetrics:
         self.e2e = _histogram("vlm_e2e_latency_ms", "request end-to-end latency (ms)", MS_BOUNDS)
         self.retries = Counter("vlm_request_retries_total",
                                description="encoder + LLM calls sent again after a replica failed")
+        self.media = Counter("vlm_media_requests_total", description="requests with media by where they were "
+                             "prepared: local (the Router, at low load) or remote (MediaPreprocessor replicas)",
+                             tag_keys=("where",))
+
+    def media_where(self, where: str) -> None:
+        self.media.inc(tags={"where": where})
 
     def observe(self, record: dict) -> None:
         self.requests.inc(tags={"status": str(record["status"])})

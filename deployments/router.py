@@ -1,12 +1,14 @@
 """Router deployment: the FastAPI ingress. Wiring only; the logic is app.api.chat.ChatService.
 
 It keeps HTTP, JSON parsing, prompt building and orchestration. Media preparation runs in
-MediaPreprocessor replicas (app/media/remote.py), encoding in VisionEncoder replicas (or, under the
+MediaPreprocessor replicas (app/media/remote.py), but for small inline images while this Router is
+nearly idle, which it prepares itself (app/media/adaptive.py: no hop at low load), encoding in VisionEncoder replicas (or, under the
 `fused` placement, in the LLM replicas) and generation in LLM replicas; the router passes object references between them and never re-serialises patch rows or
 embeddings. Several Router replicas run behind Ray Serve's HTTP proxy (autoscaled)."""
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -22,6 +24,8 @@ from app.api.retry import RetryPolicy
 from app.api.shared_port import SharedPortServer
 from app.config import AppConfig
 from app.errors import ClientError
+from app.media.adaptive import AdaptiveMedia
+from app.media.pipeline import MediaPipeline
 from app.media.preprocess import PatchSpec
 from app.media.remote import RemoteMedia
 from app.model_builder import resolve_model
@@ -89,9 +93,14 @@ class Router:
         # would otherwise pull both through this process.
         media, encoder, llm = (h.options(_by_reference=True) for h in (media, encoder, llm))
         self.metrics = RouterMetrics()
-        remote_media = RemoteMedia(media, PatchSpec.from_checkpoint(ckpt), RetryPolicy.from_config(self.cfg.retry),
-                                   on_retry=self.metrics.retries.inc)
-        self.chat = ChatService(self.cfg, AutoTokenizer.from_pretrained(ckpt), remote_media, RayBackend(encoder, llm, fused),
+        source = RemoteMedia(media, PatchSpec.from_checkpoint(ckpt), RetryPolicy.from_config(self.cfg.retry),
+                             on_retry=self.metrics.retries.inc)
+        if self.cfg.media.router_local_below > 0:  # small inline images at low load: no media hop
+            pool = ThreadPoolExecutor(max_workers=self.cfg.media.worker_threads, thread_name_prefix="media")
+            source = AdaptiveMedia(source, MediaPipeline(self.cfg.media, source.spec, pool),
+                                   self.cfg.media.router_local_below, self.cfg.media.router_local_bytes,
+                                   on_choice=self.metrics.media_where)
+        self.chat = ChatService(self.cfg, AutoTokenizer.from_pretrained(ckpt), source, RayBackend(encoder, llm, fused),
                                 observer=self.metrics.observe)
         self.encoder, self.llm, self.fused = encoder, llm, fused
         self.direct = None

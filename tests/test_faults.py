@@ -156,6 +156,15 @@ def wait_until_answering(client: httpx.Client, since: float) -> float:
     pytest.fail(f"the application did not answer within {RECOVERY_BOUND_S} s of a replica kill")
 
 
+def wait_for_replacement(deployment: str, old: int, since: float) -> list[int]:
+    """The deployment's replica pids once one other than `old` runs (within the recovery bound)."""
+    while True:
+        new = [p.pid for p in replica_processes().get(deployment, [])]
+        if (new and old not in new) or time.monotonic() - since > RECOVERY_BOUND_S:
+            return new
+        time.sleep(0.5)
+
+
 def kill_replica(deployment: str) -> int:
     (proc,) = replica_processes()[deployment]
     os.kill(proc.pid, signal.SIGKILL)
@@ -183,8 +192,10 @@ def test_killing_the_encoder_then_the_llm_loses_no_request(app, request):
             t_kill = time.monotonic()
             old = kill_replica(deployment)
             recovery[deployment] = round(wait_until_answering(app, t_kill), 1)
+            # Serve replaces the killed replica. The application may answer before it is back: a Router
+            # prepares a lone small image itself (app/media/adaptive.py), so wait for the new process.
+            new = wait_for_replacement(deployment, old, t_kill)
             time.sleep(2)  # a little load on the restarted replica
-            new = [p.pid for p in replica_processes().get(deployment, [])]
             assert new and old not in new, (deployment, old, new, replica_processes())
     finally:
         load.finish()

@@ -303,7 +303,7 @@ METRIC_NAMES = [
     "vlm_encoder_batch_fill", "vlm_encoder_queue_wait_ms", "vlm_encoder_graph_hits_total",
     "vlm_encoder_eager_fallbacks_total", "vlm_encoder_padding_ratio", "vlm_encoder_cache_hits_total",
     "vlm_encoder_cache_misses_total", "vlm_llm_running_requests", "vlm_llm_waiting_requests",
-    "vlm_llm_kv_cache_usage",
+    "vlm_llm_kv_cache_usage", "vlm_media_requests_total",
 ]
 
 
@@ -331,7 +331,9 @@ def test_serving_benchmark_report_and_metrics_endpoint(server, tmp_path):
         assert 0 < rep.ttft_ms["median"] <= rep.e2e_ms["p99"]
         assert rep.encoder["pieces"] == 4 and rep.encoder["graph_hits"] + rep.encoder["eager_batches"] >= 1
         assert 0 < rep.encoder["mean_batch_fill"] <= 1
-    # an eager fallback (896 x 896 is 3136 patches > the 1024-token budget) and a cache hit
+    # an eager fallback (896 x 896 is 3136 patches > the 1024-token budget) and a cache hit; a noise PNG
+    # this large (over `router_local_bytes` as a data: URL) is prepared by a MediaPreprocessor replica even
+    # when sent alone, as the videos are; a lone small image (test_one_image) by the Router itself
     big = [{"type": "image_url", "image_url": {"url": data_url(png_bytes(900, 900, seed=5), "image/png")}}]
     expect_ok(chat(server, big), images=1)
     expect_ok(chat(server, big), images=1)
@@ -342,6 +344,8 @@ def test_serving_benchmark_report_and_metrics_endpoint(server, tmp_path):
         time.sleep(1)
     assert not missing, missing
     assert 'reason="tokens"' in text
+    media = [line for line in text.splitlines() if line.startswith("ray_vlm_media_requests_total")]
+    assert any('where="local"' in line for line in media) and any('where="remote"' in line for line in media), media
     assert all(p.stat().st_size > 0 for p in plot_sweep(reports, tmp_path))
 
 
