@@ -12,11 +12,15 @@ weight copies inside one CUDA graph, as a tower reads its layers from HBM; µs p
 import ctypes
 import json
 import os
-import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from app.vision.timing import graph_us as _graph_us  # noqa: E402
 
 COMPUTE_32F, R_32F, R_16BF = 68, 0, 14
 TRANSA, TRANSB, EPILOGUE, BIAS_POINTER, BIAS_DATA_TYPE = 3, 4, 7, 8, 26
@@ -112,27 +116,8 @@ BF = torch.bfloat16
 L = 27  # layers: rotate weights as the tower reads them from HBM
 
 
-def graph_us(fn, runs=15):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    ts = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
+def graph_us(fn):
+    return _graph_us(fn, runs=15)
 
 
 # name: (N, K, epilogue)

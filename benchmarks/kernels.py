@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import statistics
 import sys
 import time
 from functools import partial
@@ -33,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.varlen import varlen_attn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from app.vision import attention  # noqa: E402
+from app.vision import attention, timing  # noqa: E402
 
 # The 8B tower's heads (16 x 72) unless KERNELS_HEAD_DIM says otherwise (64: the 2B tower).
 DEV, BF, HEADS, HD = "cuda", torch.bfloat16, 16, int(os.environ.get("KERNELS_HEAD_DIM", 72))
@@ -41,25 +40,7 @@ RESULTS: dict = {}
 
 
 def graph_us(fn, inner: int = 20, runs: int = 30) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
-    ts = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / inner)
-    return round(statistics.median(ts), 1)
+    return round(timing.graph_us(fn, inner, runs), 1)
 
 
 def per_sequence_reference(q, k, v, seqs):

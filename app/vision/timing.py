@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 
@@ -19,3 +21,22 @@ def cuda_times_ms(fn, runs: int, warmup: int = 3) -> list[float]:
         end.synchronize()
         out.append(start.elapsed_time(end))
     return out
+
+
+def graph_us(fn, inner: int = 1, runs: int = 30, warmup: int = 3) -> float:
+    """Median µs of one `fn()` call replayed from a CUDA graph of `inner` calls, so that launch gaps
+    weigh as they do inside the tower's graphs (the kernel benchmarks' timer). `fn` is run `warmup`
+    times on a side stream first: capture needs its lazy initialisation (cuBLAS handles, workspaces,
+    Triton compiles) done."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    times = cuda_times_ms(graph.replay, runs, warmup)
+    return statistics.median(times) * 1000 / inner
