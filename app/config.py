@@ -42,7 +42,8 @@ class MediaConfig(_Strict):
         "off: '10.0.0.5:9000', '10.1.0.0/16', '[fd00::1]:8080' (a port limits the entry to that port)")
     allowed_local_media_path: str | None = Field(None, description="directory that file:// media may be read "
                                                  "from; None = file:// refused")
-    worker_threads: int = Field(2, ge=1, description="decode/resize/hash threads per MediaPreprocessor replica "
+    worker_threads: int = Field(2, ge=1, description="decode/resize/hash threads per MediaPreprocessor replica, "
+                                "and per Router for the inline images it prepares itself "
                                 "(Pillow, PyAV, numpy copies and SHA-256 release the GIL for most of an item)")
     decode_timeout_s: float = Field(30.0, gt=0, description="deadline for decoding and preparing one item")
     router_local_below: int = Field(1, ge=0, description="the Router prepares a request's inline images itself "

@@ -1,14 +1,15 @@
 """Router deployment: the FastAPI ingress. Wiring only; the logic is app.api.chat.ChatService.
 
 It keeps HTTP, JSON parsing, prompt building and orchestration. Media preparation runs in
-MediaPreprocessor replicas (app/media/remote.py), but for small inline images while this Router is
-nearly idle, which it prepares itself (app/media/adaptive.py: no hop at low load), encoding in VisionEncoder replicas (or, under the
-`fused` placement, in the LLM replicas) and generation in LLM replicas; the router passes object references between them and never re-serialises patch rows or
-embeddings. Several Router replicas run behind Ray Serve's HTTP proxy (autoscaled)."""
+MediaPreprocessor replicas (app/media/remote.py), except for small inline images while this Router is
+nearly idle, which it prepares on its own threads (app/media/adaptive.py: no hop at low load). Encoding
+runs in VisionEncoder replicas (or, under the `fused` placement, in the LLM replicas), generation in LLM
+replicas. The Router passes the replicas' items and the embeddings on as object references and never
+re-serialises them; only the rows of items it prepared itself travel in the encoder call's arguments.
+Several Router replicas run behind Ray Serve's HTTP proxy (autoscaled)."""
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -24,7 +25,7 @@ from app.api.retry import RetryPolicy
 from app.api.shared_port import SharedPortServer
 from app.config import AppConfig
 from app.errors import ClientError
-from app.media.adaptive import AdaptiveMedia
+from app.media.adaptive import AdaptiveMedia, CountingPool
 from app.media.pipeline import MediaPipeline
 from app.media.preprocess import PatchSpec
 from app.media.remote import RemoteMedia
@@ -96,8 +97,8 @@ class Router:
         source = RemoteMedia(media, PatchSpec.from_checkpoint(ckpt), RetryPolicy.from_config(self.cfg.retry),
                              on_retry=self.metrics.retries.inc)
         if self.cfg.media.router_local_below > 0:  # small inline images at low load: no media hop
-            pool = ThreadPoolExecutor(max_workers=self.cfg.media.worker_threads, thread_name_prefix="media")
-            source = AdaptiveMedia(source, MediaPipeline(self.cfg.media, source.spec, pool),
+            self.media_pool = CountingPool(self.cfg.media.worker_threads, thread_name_prefix="media")
+            source = AdaptiveMedia(source, MediaPipeline(self.cfg.media, source.spec, self.media_pool),
                                    self.cfg.media.router_local_below, self.cfg.media.router_local_bytes,
                                    on_choice=self.metrics.media_where)
         self.chat = ChatService(self.cfg, AutoTokenizer.from_pretrained(ckpt), source, RayBackend(encoder, llm, fused),
@@ -114,6 +115,8 @@ class Router:
         deployment's `graceful_shutdown_timeout_s`, after which Ray stops the process anyway)."""
         if getattr(self, "direct", None) is not None:
             await self.direct.drain(SHARED_PORT_DRAIN_S)
+        if getattr(self, "media_pool", None) is not None:
+            self.media_pool.shutdown(wait=False, cancel_futures=True)
 
     def record_autoscaling_stats(self) -> dict:
         """Custom autoscaling metrics: requests in flight on the shared port, which Ray Serve does not

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import threading
 
 import numpy as np
 import pytest
 
 from app.config import MediaConfig
 from app.errors import ClientError
-from app.media.adaptive import AdaptiveMedia
+from app.media import pipeline
+from app.media.adaptive import AdaptiveMedia, CountingPool
 from app.media.pipeline import MediaPipeline
 from app.media.preprocess import PatchSpec
 from app.media.ref import MediaRef
@@ -41,7 +43,8 @@ class Replicas:
 
 def source(below: int = 1, max_bytes: int = 1 << 20):
     replicas, seen = Replicas(), []
-    return AdaptiveMedia(replicas, MediaPipeline(CFG, SPEC), below, max_bytes, on_choice=seen.append), replicas, seen
+    local = MediaPipeline(CFG, SPEC, CountingPool(CFG.worker_threads))
+    return AdaptiveMedia(replicas, local, below, max_bytes, on_choice=seen.append), replicas, seen
 
 
 def test_an_idle_router_prepares_inline_images_itself_and_gets_the_replicas_items():
@@ -120,3 +123,50 @@ def test_bad_media_prepared_here_is_a_client_error_and_frees_the_router():
     assert media.preparing == 0
     asyncio.run(media.prepare_all([image_ref(8)]))
     assert seen == ["local", "local"] and replicas.calls == []
+
+
+def test_a_request_without_media_is_not_counted():
+    media, replicas, seen = source()
+    assert asyncio.run(media.prepare_all([])) == []
+    assert seen == [] and replicas.calls == []
+
+
+def test_leftover_decoding_of_abandoned_requests_keeps_the_next_request_off_the_router(monkeypatch):
+    """A job handed to a thread runs to its end even when its request is gone (here: clients that left);
+    while such jobs hold every worker the Router is not idle, and the next request goes to the replicas."""
+    release, real = threading.Event(), pipeline.prepare_inline
+
+    def held(ref, cfg, spec):
+        if ref.param == "held":
+            release.wait(30)
+        return real(ref, cfg, spec)
+
+    monkeypatch.setattr(pipeline, "prepare_inline", held)
+
+    async def run():
+        media, replicas, seen = source()
+        pool = media.local.executor
+        for n in range(CFG.worker_threads):  # one abandoned request per worker
+            task = asyncio.ensure_future(media.prepare_all([MediaRef("image", image_ref(n).url, "held")]))
+            while pool.jobs < n + 1:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert media.preparing == 0 and pool.jobs == CFG.worker_threads
+        assert len(await media.prepare_all([image_ref(9)])) == 1
+        assert seen == ["local"] * CFG.worker_threads + ["remote"] and len(replicas.calls) == 1
+        release.set()
+        while pool.jobs:
+            await asyncio.sleep(0.01)
+        await media.prepare_all([image_ref(10)])  # the threads are free again: here
+        assert seen[-1] == "local" and len(replicas.calls) == 1
+
+    try:
+        asyncio.run(run())
+    finally:
+        release.set()
+
+
+def test_the_router_pipeline_must_count_its_jobs():
+    with pytest.raises(TypeError):
+        AdaptiveMedia(Replicas(), MediaPipeline(CFG, SPEC), 1, 1 << 20)

@@ -205,3 +205,26 @@ def test_a_request_with_many_slow_items_leaves_a_worker_for_other_requests(monke
         pool.shutdown()
     assert len(a) == 3 and len(b) == 1
     assert finished["B"] < min(finished[f"A{i}"] for i in range(3)), finished
+
+
+def test_inline_media_is_decoded_from_base64_in_a_worker_not_on_the_event_loop(monkeypatch):
+    """A 2 MB data URL takes milliseconds of base64 decoding, which on the event loop would stall every
+    other request of the process (the Router prepares inline images itself at low load)."""
+    import threading
+
+    import app.media.pipeline as pipeline
+
+    threads, real = [], pipeline.inline_bytes
+
+    def recorded(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "inline_bytes", recorded)
+    pool = ThreadPoolExecutor(2)
+    image = "data:image/png;base64," + base64.b64encode(bombs.valid_media()["png"]).decode()
+    try:
+        items = asyncio.run(MediaPipeline(CFG, PatchSpec(), pool).prepare_all([MediaRef("image", image, "p")]))
+    finally:
+        pool.shutdown()
+    assert len(items) == 1 and len(threads) == 1 and threads[0] is not threading.main_thread()

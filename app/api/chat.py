@@ -110,7 +110,7 @@ class ChatService:
         t0 = time.perf_counter() if t0 is None else t0
         chunks, first_at, retries = await collect(lambda: self.backend.stream(gen, payload), self.retry)
         last = chunks[-1]
-        self.record(id=req.id, status=200, e2e_s=time.perf_counter() - t0, items=len(payload),
+        self.record(id=req.id, status=200, e2e_s=time.perf_counter() - t0, items=len(req.media),
                     prompt_tokens=last["prompt_tokens"], completion_tokens=last["completion_tokens"],
                     ttft_s=first_at - t0, retries=retries)
         return completion_response(req, self.cfg.model_name, "".join(c["text"] for c in chunks),
@@ -127,7 +127,7 @@ class ChatService:
 
         started = time.monotonic()  # the retry policy's clock
         first, stream, retries = await first_chunk(start, self.retry)
-        return self._sse(req, gen, first, stream, t0, time.perf_counter() - t0, len(payload), retries,
+        return self._sse(req, gen, first, stream, t0, time.perf_counter() - t0, len(req.media), retries,
                          (start, started))
 
     async def _sse(self, req: ChatRequest, gen: dict, first: dict, rest: AsyncIterator[dict], t0: float,

@@ -1,4 +1,5 @@
-"""The bytes behind a media URL: `data:` decoded in place, `http(s)://` fetched under the network policy
+"""The bytes behind a media URL: `data:` decoded in place (`inline_bytes`, synchronous, so that the
+pipeline decodes base64 in its worker threads, not on the event loop), `http(s)://` fetched under the network policy
 (app/media/http_fetch.py), `file://` read from the one allowed directory (app/media/local_files.py).
 Every failure is a ClientError: 400 `invalid_media_url`, `media_url_forbidden`, `media_fetch_failed`,
 `invalid_media`, or 413 `media_too_large`."""
@@ -38,13 +39,34 @@ def decode_data_url(url: str, *, max_bytes: int, param: str) -> bytes:
     return unquote_to_bytes(payload)
 
 
+def _scheme(url: str) -> str:
+    return url.partition(":")[0].lower() if ":" in url[:16] else ""
+
+
+def is_inline(url: str) -> bool:
+    return _scheme(url) == "data"
+
+
+def _checked(data: bytes, cfg: MediaConfig, param: str) -> bytes:
+    if not data:
+        raise ClientError("empty media payload", param=param, code="invalid_media")
+    if len(data) > cfg.max_media_bytes:
+        raise _too_large(len(data), cfg.max_media_bytes, param)
+    return data
+
+
+def inline_bytes(url: str, cfg: MediaConfig, *, param: str) -> bytes:
+    """The bytes of a `data:` URL, within `cfg`'s limits."""
+    return _checked(decode_data_url(url, max_bytes=cfg.max_media_bytes, param=param), cfg, param)
+
+
 async def fetch(url: str, cfg: MediaConfig, *, param: str, http: HttpFetcher | None = None) -> bytes:
     """Bytes behind a `data:`, `http(s):` or `file:` URL, within `cfg`'s limits and network policy.
     `http` replaces the process's pooled fetcher (tests inject a resolver through it)."""
-    scheme = url.partition(":")[0].lower() if ":" in url[:16] else ""
+    scheme = _scheme(url)
     if scheme == "data":
-        data = decode_data_url(url, max_bytes=cfg.max_media_bytes, param=param)
-    elif scheme in ("http", "https"):
+        return inline_bytes(url, cfg, param=param)
+    if scheme in ("http", "https"):
         fetcher = http or fetcher_for(FetchPolicy.from_config(cfg))
         data = await fetcher.fetch(url, timeout_s=cfg.fetch_timeout_s, max_bytes=cfg.max_media_bytes, param=param)
     elif scheme == "file":
@@ -52,8 +74,4 @@ async def fetch(url: str, cfg: MediaConfig, *, param: str, http: HttpFetcher | N
                                        max_bytes=cfg.max_media_bytes, param=param)
     else:
         raise ClientError("media URLs must be data:, http(s): or file: URLs", param=param, code="invalid_media_url")
-    if not data:
-        raise ClientError("empty media payload", param=param, code="invalid_media")
-    if len(data) > cfg.max_media_bytes:
-        raise _too_large(len(data), cfg.max_media_bytes, param)
-    return data
+    return _checked(data, cfg, param)

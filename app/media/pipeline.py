@@ -21,7 +21,7 @@ import numpy as np
 from ..api.prompt import MediaSlot
 from ..config import MediaConfig
 from .decode import IMAGE, VIDEO, decode_video, open_rgb_image
-from .fetch import fetch
+from .fetch import fetch, inline_bytes, is_inline
 from .limits import Deadline
 from .preprocess import (
     Patches,
@@ -136,6 +136,10 @@ def prepare_bytes(data: bytes, ref: MediaRef, cfg: MediaConfig, spec: PatchSpec,
                                                             spec.temporal))
 
 
+def prepare_inline(ref: MediaRef, cfg: MediaConfig, spec: PatchSpec) -> PreparedItem:
+    return prepare_bytes(inline_bytes(ref.url, cfg, param=ref.param), ref, cfg, spec)
+
+
 class MediaPipeline:
     """Fetches concurrently, then decodes in the worker pool with two guards (app/media/workers.py):
     a request never holds every worker at once, and an item is answered by its deadline."""
@@ -144,6 +148,9 @@ class MediaPipeline:
         self.cfg, self.spec, self.executor = cfg, spec, executor
 
     async def prepare(self, ref: MediaRef, slots: asyncio.Semaphore | None = None) -> PreparedItem:
+        if is_inline(ref.url):  # base64 decoding is CPU work too: in the worker, off the event loop
+            return await run_item(self.executor, slots, self.cfg.decode_timeout_s, ref.param,
+                                  prepare_inline, ref, self.cfg, self.spec)
         data = await fetch(ref.url, self.cfg, param=ref.param)
         return await run_item(self.executor, slots, self.cfg.decode_timeout_s, ref.param,
                               prepare_bytes, data, ref, self.cfg, self.spec)
