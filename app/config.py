@@ -48,7 +48,8 @@ class MediaConfig(_Strict):
     decode_timeout_s: float = Field(30.0, gt=0, description="deadline for decoding and preparing one item")
     router_local_below: int = Field(1, ge=0, description="the Router prepares a request's inline images itself "
                                     "(no hop to a MediaPreprocessor replica) while fewer than this many requests "
-                                    "are preparing media in it; 0: always the replicas (app/media/adaptive.py)")
+                                    "are preparing media in it and one of its media threads is free; 0: always the replicas "
+                                    "(app/media/adaptive.py)")
     router_local_bytes: int = Field(2 << 20, ge=0, description="inline media (data: URL characters) of one request "
                                     "above which it always goes to the replicas")
     max_video_streams: int = Field(16, ge=1, description="streams a video container may hold")

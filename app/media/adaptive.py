@@ -27,9 +27,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .decode import IMAGE
+from .fetch import is_inline
 from .pipeline import MediaPipeline, PreparedItem
 from .ref import MediaRef
 from .remote import RemoteMedia
+from .workers import pool_size
 
 
 class CountingPool(ThreadPoolExecutor):
@@ -37,7 +39,7 @@ class CountingPool(ThreadPoolExecutor):
 
     def __init__(self, max_workers: int, thread_name_prefix: str = ""):
         super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
-        self.workers, self.jobs, self._lock = max_workers, 0, threading.Lock()
+        self.jobs, self._lock = 0, threading.Lock()
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         with self._lock:
@@ -55,7 +57,7 @@ class CountingPool(ThreadPoolExecutor):
             self.jobs -= 1
 
     def has_free_worker(self) -> bool:
-        return self.jobs < self.workers
+        return self.jobs < pool_size(self)
 
 
 class AdaptiveMedia:
@@ -70,7 +72,6 @@ class AdaptiveMedia:
         self.remote, self.local, self.below, self.max_bytes = remote, local, below, max_bytes
         self.spec, self.on_choice = remote.spec, on_choice
         self.preparing = 0  # requests preparing media in this Router, here or in the replicas
-        self.counts = {"local": 0, "remote": 0}
 
     def is_local(self, refs: list[MediaRef]) -> bool:
         """Inline images only (no network from the Router, no video decodes on its threads), small."""
@@ -78,7 +79,7 @@ class AdaptiveMedia:
             return False
         size = 0
         for r in refs:
-            if r.kind != IMAGE or not r.url.startswith("data:"):
+            if r.kind != IMAGE or not is_inline(r.url):
                 return False
             size += len(r.url)
         return size <= self.max_bytes
@@ -87,7 +88,6 @@ class AdaptiveMedia:
         if not refs:  # text only: nothing to prepare, nothing to count
             return []
         where = "local" if self.is_local(refs) else "remote"
-        self.counts[where] += 1
         if self.on_choice is not None:
             self.on_choice(where)
         self.preparing += 1

@@ -149,11 +149,11 @@ class MediaPipeline:
 
     async def prepare(self, ref: MediaRef, slots: asyncio.Semaphore | None = None) -> PreparedItem:
         if is_inline(ref.url):  # base64 decoding is CPU work too: in the worker, off the event loop
-            return await run_item(self.executor, slots, self.cfg.decode_timeout_s, ref.param,
-                                  prepare_inline, ref, self.cfg, self.spec)
-        data = await fetch(ref.url, self.cfg, param=ref.param)
+            job, args = prepare_inline, (ref,)
+        else:
+            job, args = prepare_bytes, (await fetch(ref.url, self.cfg, param=ref.param), ref)
         return await run_item(self.executor, slots, self.cfg.decode_timeout_s, ref.param,
-                              prepare_bytes, data, ref, self.cfg, self.spec)
+                              job, *args, self.cfg, self.spec)
 
     async def prepare_all(self, refs: list[MediaRef]) -> list[PreparedItem]:
         """All items, or the first failure; a failure (or the caller's cancellation) cancels the
