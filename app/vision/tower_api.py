@@ -90,7 +90,7 @@ class GraphTower(nn.Module):
         """Pick the fastest way to run the GEMMs that have several, for batches of these token counts
         (down_projection.py); the graph manager calls it before capturing. Nothing to do off CUDA."""
         if self.down is not None:
-            self.down.tune(rows, self.down_weights[0])
+            self.down.tune(rows, self.down_weights)
 
     def normalized_pixels(self, px: torch.Tensor) -> torch.Tensor:
         """Rows in the tower's dtype; uint8 rows get the processor's rescale and normalise first."""
