@@ -387,3 +387,32 @@ def test_float32_graphs_equal_the_reference_in_float32(gpu32_harness):
     h.check(h.items([(1, 24, 20)] * 3, seed=6), expect_graph=True)
     assert mgr.stats.uniform_hits == 1 and mgr.stats.eager_reasons["tokens"] == 1
     assert torch.equal(first[0].main, kept), "results must outlive later replays"
+
+
+@pytest.mark.gpu
+def test_variable_length_resampler_attention_equals_the_masked_one(gpu_harness, monkeypatch):
+    """In bf16 on CUDA, slices of unequal sizes meet the resampler in one variable-length call (each
+    slot's queries against its own slice's keys). Padded to a budget with empty slots, its live rows equal
+    the masked call's (every slot against every key under a slot-id mask) within bf16 rounding, and the
+    unused rows are finite."""
+    from app.vision import attention
+    from app.vision.tower_api import TowerBatch
+
+    tower = gpu_harness.tower
+    grids = [(1, 7, 9), (1, 20, 31), (1, 3, 4)]
+    lay = tower.layout(grids)
+    budget, slots = 1024, 6
+    meta = {k: t.cuda() for k, t in tower.metadata(lay, budget, None, slots).items()}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    heads, d = tower.res_heads, tower.embed_dim // tower.res_heads
+    # [H, N, d] views of [N, H, d] rows, as the resampler's projections give them
+    k, v = (torch.randn(budget, heads, d, generator=g, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+            for _ in range(2))
+    batch = TowerBatch(torch.empty(0), meta, max_seqlen=budget, static=True)
+    varlen = tower._cross_attention(tower.res_q, k, v, batch)
+    monkeypatch.setattr(attention, "uses_torch_varlen", lambda *a: False)
+    masked = tower._cross_attention(tower.res_q, k, v, batch)
+    live = len(grids)
+    assert varlen.shape == masked.shape == (slots, tower.queries, tower.embed_dim)
+    assert torch.isfinite(varlen).all()
+    assert rel(varlen[:live].float(), masked[:live].float()) <= 1e-2

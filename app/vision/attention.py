@@ -35,9 +35,9 @@ except ImportError:  # CPU-only installs
     triton = None
 
 try:  # torch >= 2.10
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+    from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # pragma: no cover - older torch
-    _varlen_attn = None
+    varlen_attn = None
 
 DENSE_MIN_LENGTH = 512  # equal-length sequences at least this long take one dense attention call
 
@@ -174,7 +174,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: t
 
 
 def uses_torch_varlen(device: torch.device, dtype: torch.dtype) -> bool:
-    return _varlen_attn is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    return varlen_attn is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
@@ -208,7 +208,7 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if table is not None:
         return varlen_attention(q, k, v, table, block_m)
     if uses_torch_varlen(q.device, q.dtype):
-        return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     if q.device.type == "cpu":
         bounds = cu_seqlens.tolist()
         return torch.cat([F.scaled_dot_product_attention(*(t[None, a:b].transpose(1, 2) for t in (q, k, v)))[0]

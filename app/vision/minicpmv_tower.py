@@ -16,9 +16,12 @@ loads by name:
   resampler call) is not implemented: images only.
 
 The static body never synchronises with the host: SigLIP's attention is one block-diagonal call over
-the packed slices (attention.packed_attention), and the resampler attends all slots' queries to all
-keys under a mask of slot ids, or, for equal-size slices (a uniform graph, an image without slices),
-one dense batched call. On the CPU, eager and static batches run one small attention per slice.
+the packed slices (attention.packed_attention). The resampler's queries, which do not depend on the
+input, are projected once when the tower is built; its attention is one dense batched call for
+equal-size slices (a uniform graph, an image without slices), else, on CUDA in bf16/fp16, one
+variable-length call (each slot's queries against its own slice's keys), and in float32 all slots'
+queries against all keys under a mask of slot ids. On the CPU, eager and static batches run one small
+attention per slice.
 """
 
 from __future__ import annotations
@@ -166,6 +169,8 @@ class MiniCPMVTower(GraphTower):
         self.fused = (triton_available(self.device) and tanh) if fused is None else fused
         self.split_attention = attention.available(self.head_dim, self.device) and self.dtype != torch.float32
         self._fuse_qkv()
+        self._pad_patch_embedding()
+        self.res_q = self._resampler_queries()
         # The fused body's MLPs, their width padded (kernels.pad_mlp: exact; down_projection.py says why).
         self.mlps = self._pad_mlps([(la.mlp.fc1, la.mlp.fc2) for la in vpm.encoder.layers]) if self.fused else []
         self._init_pixel_norm()
@@ -182,6 +187,28 @@ class MiniCPMVTower(GraphTower):
             for i, lin in enumerate((a.q_proj, a.k_proj, a.v_proj)):
                 lin.weight.data, lin.bias.data = w[i * d:(i + 1) * d], b[i * d:(i + 1) * d]
             self.qkv.append((w, b))
+
+    @torch.no_grad()
+    def _resampler_queries(self) -> torch.Tensor:
+        """The resampler's projected queries [heads, query_num, head_dim]: they depend on its weights
+        only (ln_q of the learned queries, then the attention's query projection), so they are computed
+        once here rather than in every forward (a 64-row GEMM and a LayerNorm, 20 µs of each 448^2 graph
+        replay on an H200). Like the fused qkv weights, this assumes the weights are final when the
+        tower is built."""
+        res, e = self.model.resampler, self.embed_dim
+        w, b = res.attn.in_proj_weight, res.attn.in_proj_bias
+        q = F.linear(res.ln_q(res.query), w[:e], b[:e])
+        return q.view(self.queries, self.res_heads, e // self.res_heads).transpose(0, 1).contiguous()
+
+    def _pad_patch_embedding(self) -> None:
+        """The patch embedding as a GEMM over rows padded with zero columns to a multiple of 8 (3 x 14 x 14
+        = 588 values make rows of 1176 bytes, not 16-byte aligned, and cuBLAS falls back to an old
+        kernel: 20 µs for a 448^2 image's 1024 rows on an H200, where the padded GEMM and its pad take
+        a few). Exact: the padded columns multiply zeros."""
+        w = self.model.vpm.embeddings.patch_embedding.weight
+        w = w.reshape(w.shape[0], -1)
+        self.patch_pad = -w.shape[1] % 8
+        self.patch_weight = F.pad(w, (0, self.patch_pad)).contiguous()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -248,8 +275,9 @@ class MiniCPMVTower(GraphTower):
     # ------------------------------------------------------------------ SigLIP
     def _embed(self, batch: TowerBatch) -> torch.Tensor:
         emb = self.model.vpm.embeddings
-        w = emb.patch_embedding.weight
-        x = F.linear(self.normalized_pixels(batch.pixels), w.view(w.shape[0], -1), emb.patch_embedding.bias)
+        px = self.normalized_pixels(batch.pixels)
+        x = F.linear(F.pad(px, (0, self.patch_pad)) if self.patch_pad else px, self.patch_weight,
+                     emb.patch_embedding.bias)
         return x + emb.position_embedding.weight.index_select(0, batch.meta["pos"])
 
     def _self_attention(self, qkv: torch.Tensor, batch: TowerBatch) -> torch.Tensor:
@@ -302,10 +330,9 @@ class MiniCPMVTower(GraphTower):
         x = res.ln_kv(res.kv_proj(feats))
         keys = x + self._key_positions(batch.meta["rc"]).to(x.dtype)
         w, b = res.attn.in_proj_weight, res.attn.in_proj_bias
-        q = F.linear(res.ln_q(res.query), w[:e], b[:e]).view(-1, heads, d).transpose(0, 1)  # [H, Q, d]
         k = F.linear(keys, w[e:2 * e], b[e:2 * e]).view(-1, heads, d).transpose(0, 1)  # [H, N, d]
         v = F.linear(x, w[2 * e:], b[2 * e:]).view(-1, heads, d).transpose(0, 1)
-        out = self._cross_attention(q, k, v, batch)  # [slots, Q, E]
+        out = self._cross_attention(self.res_q, k, v, batch)  # [slots, Q, E]
         out = res.attn.out_proj(out.reshape(-1, e))
         return res.ln_post(out) @ res.proj
 
@@ -332,6 +359,15 @@ class MiniCPMVTower(GraphTower):
                 o = F.scaled_dot_product_attention(q[None], k[None, :, a:b], v[None, :, a:b])[0]
                 out[i] = o.transpose(0, 1).reshape(nq, heads * d)
             return out
+        if attention.uses_torch_varlen(q.device, q.dtype):
+            # each slot's queries against its own slice's keys (graph-safe: bounds on the device, static
+            # maxima). An empty slot gets zeros, the padding slot the padding's keys: unused rows, finite.
+            # Its cost is the keys' count, where the masked call below costs slots x keys (0.5 ms of a
+            # 1024^2 image's 10 slices on an H200).
+            cu_q = torch.arange(0, (slots + 1) * nq, nq, dtype=torch.int32, device=q.device)
+            out = attention.varlen_attn(q.transpose(0, 1).repeat(slots, 1, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                        cu_q, meta["cu"], nq, batch.max_seqlen)
+            return out.reshape(slots, nq, heads * d)
         # graph-safe: every slot's queries against all keys under a slot-id mask; empty slots see all
         qseg = torch.arange(slots, device=q.device).repeat_interleave(nq)
         mask = (qseg[:, None] == meta["kseg"][None, :]) | meta["dead"][qseg][:, None]
