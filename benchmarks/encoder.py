@@ -181,7 +181,7 @@ def bench_preset(preset: str, runs: int, warmup: int, budgets: list[int], device
               f"{row['first_ms']:8.2f}  ours {row['ours_ms']:8.2f} (p99 {row['ours_p99']:7.2f}, {row['path']})  "
               f"ref/ours x{row['ref_over_ours']:5.2f}  ours/eager {row['ours_over_eager']:4.2f}  "
               f"err vs ref {row['ours_vs_ref_max']:.1e}", flush=True)
-        if profile and device == "cuda" and name.startswith("1x448"):
+        if profile and device == "cuda":  # every selected workload (--workloads narrows it)
             profiles = result.setdefault("profiles", {})
             profiles[f"{name} eager"] = profile_kernels(mgr, grids, force_eager=True)
             profiles[f"{name} ours ({row['path']})"] = profile_kernels(mgr, grids, force_eager=False)
@@ -205,7 +205,7 @@ def profile_kernels(mgr, grids, force_eager: bool) -> str:
         for _ in range(5):
             mgr.encode(items, force_eager=force_eager)
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
 
 
 def _ms(v, p=None) -> str:
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--scoreboard", type=Path, default=None, help="merge the 448^2 speedups into this JSON")
     p.add_argument("--workloads", nargs="+", default=None, help="only workloads matching these glob patterns")
     p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny presets, few runs")
-    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile", action="store_true", help="a CUDA kernel table per selected workload, eager and ours")
     p.add_argument("--dense-attention", default="sdpa", choices=["sdpa", "flash4"],
                    help="encoder.dense_attention: the kernel of equal-length attention (app/vision/flash4.py)")
     a = p.parse_args(argv)
