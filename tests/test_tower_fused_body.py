@@ -146,3 +146,45 @@ def test_down_projection_tuning_times_the_gpu_not_the_host():
     dp.run = slow_to_launch
     dp.tune([1024], ws)
     assert dp.timings[1024][CUBLAS] < 500, dp.timings  # a 1024 x 4304 x 1152 GEMM: tens of µs
+
+
+@pytest.mark.gpu
+def test_down_projection_tunes_while_another_thread_uses_the_gpu():
+    """The tuning captures CUDA graphs, at start-up and for each new uniform shape while serving. In a
+    fused replica the LLM engine's thread keeps allocating, launching and waiting on its own streams
+    meanwhile, which a global capture forbids (that thread or the capture fails); the tuning's captures
+    are thread-local, as the graph manager's are."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import threading
+
+    from app.vision.down_projection import DownProjection
+
+    dev = torch.device("cuda")
+    dp = DownProjection(4304, 4352, 1152, torch.bfloat16, dev)
+    ws = [torch.randn(1152, 4352, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(3)]
+    stop, errors = threading.Event(), []
+
+    def engine_like():
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                n = 256
+                while not stop.is_set():
+                    # new sizes, so the allocator has to reach the driver; no torch RNG (the engine's
+                    # sampler draws none; a capture owns the generator's offsets, from any thread)
+                    x = torch.full((n, n), 1.0 / n, device=dev)
+                    (x @ x).sum().item()  # a synchronising read, as the engine's sampling is
+                    torch.cuda.current_stream().synchronize()  # the engine waits on its streams, never the device
+                    n = 256 + (n + 64) % 2048
+        except Exception as e:  # noqa: BLE001 - the test reports whatever the thread hit
+            errors.append(e)
+
+    t = threading.Thread(target=engine_like)
+    t.start()
+    try:
+        dp.tune([784, 1024, 2048, 4096], ws)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors, errors
+    assert sorted(dp.choice) == [784, 1024, 2048, 4096]

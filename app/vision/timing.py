@@ -8,10 +8,11 @@ import torch
 
 
 def cuda_times_ms(fn, runs: int, warmup: int = 3) -> list[float]:
-    """Milliseconds of `fn()` per run, each bracketed by CUDA events, after `warmup` untimed runs."""
+    """Milliseconds of `fn()` per run, each bracketed by CUDA events, after `warmup` untimed runs. Waits
+    on the current stream only: the tuning runs in serving processes whose other threads keep working."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()
     out = []
     for _ in range(runs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -27,7 +28,9 @@ def graph_us(fn, inner: int = 1, runs: int = 30, warmup: int = 3) -> float:
     """Median µs of one `fn()` call replayed from a CUDA graph of `inner` calls, so that launch gaps
     weigh as they do inside the tower's graphs (the kernel benchmarks' timer). `fn` is run `warmup`
     times on a side stream first: capture needs its lazy initialisation (cuBLAS handles, workspaces,
-    Triton compiles) done."""
+    Triton compiles) done. The capture is thread-local, as the graph manager's: the down projection's
+    tuning (down_projection.py) captures while a serving process's other threads (the LLM engine's, in
+    a fused replica) keep launching work and allocating, which a global capture forbids."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -35,7 +38,7 @@ def graph_us(fn, inner: int = 1, runs: int = 30, warmup: int = 3) -> float:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for _ in range(inner):
             fn()
     times = cuda_times_ms(graph.replay, runs, warmup)
