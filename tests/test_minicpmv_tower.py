@@ -364,7 +364,8 @@ def test_uniform_graph_for_equal_slices(gpu_harness):
 @pytest.mark.gpu
 def test_eager_batches_build_no_cudnn_attention_plans(gpu_harness):
     """Eager batches leave cuDNN's attention out (a plan per new shape): equal slices take the dense
-    SigLIP and resampler calls, unequal ones the varlen SigLIP kernel and the masked resampler call."""
+    SigLIP and resampler calls, unequal ones the varlen SigLIP kernel and the variable-length resampler
+    call."""
     h = gpu_harness
     batches = [h.items([(1, 32, 40)] * 2, seed=20), h.items([(1, 32, 40), (1, 20, 30)], seed=21)]
     h.check_eager_without_cudnn(batches)

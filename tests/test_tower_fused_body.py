@@ -114,6 +114,8 @@ def test_down_projection_tunes_on_the_gpu_and_every_way_gives_the_product():
     dp.tune([784, 1024, 4096], ws)
     assert sorted(dp.choice) == [784, 1024, 4096] and all(dp.choice[n] == min(dp.timings[n], key=dp.timings[n].get)
                                                              for n in dp.choice)
+    for n, times in dp.timings.items():  # every way timed, at a GEMM's time (µs), not a launch's or a sync's
+        assert set(times) == set(dp.ways) and all(0 < t < 1000 for t in times.values()), (n, times)
     u = torch.randn(1024, 4352, device=dev, dtype=torch.bfloat16)
     u[:, 4304:] = 0
     for w in ws:
@@ -150,8 +152,8 @@ def test_down_projection_tuning_times_the_gpu_not_the_host():
 
 @pytest.mark.gpu
 def test_down_projection_tunes_while_another_thread_uses_the_gpu():
-    """The tuning captures CUDA graphs, at start-up and for each new uniform shape while serving. In a
-    fused replica the LLM engine's thread keeps allocating, launching and waiting on its own streams
+    """The tuning captures CUDA graphs, at start-up and for each new uniform shape while serving, and
+    other threads of the process may keep allocating, launching and waiting on their own streams
     meanwhile, which a global capture forbids (that thread or the capture fails); the tuning's captures
     are thread-local, as the graph manager's are."""
     if not torch.cuda.is_available():
@@ -163,13 +165,15 @@ def test_down_projection_tunes_while_another_thread_uses_the_gpu():
     dev = torch.device("cuda")
     dp = DownProjection(4304, 4352, 1152, torch.bfloat16, dev)
     ws = [torch.randn(1152, 4352, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(3)]
-    stop, errors = threading.Event(), []
+    stop, running, errors, rounds = threading.Event(), threading.Event(), [], []
 
     def engine_like():
         try:
             with torch.cuda.stream(torch.cuda.Stream()):
                 n = 256
                 while not stop.is_set():
+                    rounds.append(n)
+                    running.set()
                     # new sizes, so the allocator has to reach the driver; no torch RNG (the engine's
                     # sampler draws none; a capture owns the generator's offsets, from any thread)
                     x = torch.full((n, n), 1.0 / n, device=dev)
@@ -182,9 +186,13 @@ def test_down_projection_tunes_while_another_thread_uses_the_gpu():
     t = threading.Thread(target=engine_like)
     t.start()
     try:
+        assert running.wait(30)
+        before = len(rounds)
         dp.tune([784, 1024, 2048, 4096], ws)
+        during = len(rounds) - before
     finally:
         stop.set()
         t.join()
     assert not errors, errors
+    assert during > 0  # the other thread kept working while the tuning captured
     assert sorted(dp.choice) == [784, 1024, 2048, 4096]

@@ -19,6 +19,7 @@ and never mix with real rows.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -174,7 +175,14 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: t
 
 
 def uses_torch_varlen(device: torch.device, dtype: torch.dtype) -> bool:
-    return varlen_attn is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    """PyTorch's varlen FlashAttention runs here: CUDA, bf16/fp16, Ampere or newer."""
+    return (varlen_attn is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and _capability(device.index)[0] >= 8)
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,

@@ -9,9 +9,10 @@ and `.tolist()` becomes tensors here, outside any graph:
   of each patch's fractional coordinate k / h among the boundaries 1/side, 2/side, ...;
 - `rc` [N, 2] float32: (row, col) of each patch in its slice, for the resampler's 2-D sin-cos keys;
 - `kseg` [N]: the slice slot of each patch (padding tokens: the number of slots, matching no slot);
-- `dead` [slots]: slots holding no slice (their queries attend to every key, so that their unused
-  rows stay finite);
-- `cu`: slice boundaries for the SigLIP self-attention (padding one sequence of its own).
+- `dead` [slots]: slots holding no slice (in the resampler's masked attention their queries attend to
+  every key, so that their unused rows stay finite);
+- `cu`: slice boundaries (padding one sequence of its own): the SigLIP self-attention's, and the keys'
+  of the resampler's variable-length attention (where empty slots get zero rows).
 """
 
 from __future__ import annotations

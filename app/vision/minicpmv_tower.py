@@ -18,10 +18,10 @@ loads by name:
 The static body never synchronises with the host: SigLIP's attention is one block-diagonal call over
 the packed slices (attention.packed_attention). The resampler's queries, which do not depend on the
 input, are projected once when the tower is built; its attention is one dense batched call for
-equal-size slices (a uniform graph, an image without slices), else, on CUDA in bf16/fp16, one
-variable-length call (each slot's queries against its own slice's keys), and in float32 all slots'
-queries against all keys under a mask of slot ids. On the CPU, eager and static batches run one small
-attention per slice.
+equal-size slices (a uniform graph, an image without slices), else, on CUDA in bf16/fp16 (Ampere or
+newer), one variable-length call (each slot's queries against its own slice's keys), and otherwise on
+CUDA (float32) all slots' queries against all keys under a mask of slot ids. On the CPU, eager and
+static batches run one small attention per slice.
 """
 
 from __future__ import annotations
@@ -193,22 +193,26 @@ class MiniCPMVTower(GraphTower):
         """The resampler's projected queries [heads, query_num, head_dim]: they depend on its weights
         only (ln_q of the learned queries, then the attention's query projection), so they are computed
         once here rather than in every forward (a 64-row GEMM and a LayerNorm, 20 µs of each 448^2 graph
-        replay on an H200). Like the fused qkv weights, this assumes the weights are final when the
-        tower is built."""
+        replay on an H200). A copy: unlike the fused qkv weights (views of the modules' parameters), it
+        would not follow weights loaded into the model after the tower is built; towers are built from
+        loaded weights (loading.build_tower)."""
         res, e = self.model.resampler, self.embed_dim
         w, b = res.attn.in_proj_weight, res.attn.in_proj_bias
         q = F.linear(res.ln_q(res.query), w[:e], b[:e])
         return q.view(self.queries, self.res_heads, e // self.res_heads).transpose(0, 1).contiguous()
 
     def _pad_patch_embedding(self) -> None:
-        """The patch embedding as a GEMM over rows padded with zero columns to a multiple of 8 (3 x 14 x 14
-        = 588 values make rows of 1176 bytes, not 16-byte aligned, and cuBLAS falls back to an old
-        kernel: 20 µs for a 448^2 image's 1024 rows on an H200, where the padded GEMM and its pad take
-        a few). Exact: the padded columns multiply zeros."""
-        w = self.model.vpm.embeddings.patch_embedding.weight
-        w = w.reshape(w.shape[0], -1)
-        self.patch_pad = -w.shape[1] % 8
-        self.patch_weight = F.pad(w, (0, self.patch_pad)).contiguous()
+        """On CUDA, the patch embedding as a GEMM over rows padded with zero columns to a multiple of 8
+        (3 x 14 x 14 = 588 values make rows of 1176 bytes, not 16-byte aligned, and cuBLAS falls back to
+        an old kernel: 20 µs for a 448^2 image's 1024 rows on an H200, where the padded GEMM and its pad
+        take a few). Exact: the padded columns multiply zeros. The Conv2d's weight becomes a view of the
+        padded matrix (no memory added; the module keeps its published name and values)."""
+        conv = self.model.vpm.embeddings.patch_embedding
+        w = conv.weight.data
+        rows = w[0].numel()
+        self.patch_pad = -rows % 8 if w.is_cuda else 0
+        self.patch_weight = F.pad(w.reshape(w.shape[0], rows), (0, self.patch_pad))
+        conv.weight.data = self.patch_weight[:, :rows].view(w.shape)
 
     @property
     def dtype(self) -> torch.dtype:

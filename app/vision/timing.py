@@ -28,18 +28,27 @@ def graph_us(fn, inner: int = 1, runs: int = 30, warmup: int = 3) -> float:
     """Median µs of one `fn()` call replayed from a CUDA graph of `inner` calls, so that launch gaps
     weigh as they do inside the tower's graphs (the kernel benchmarks' timer). `fn` is run `warmup`
     times on a side stream first: capture needs its lazy initialisation (cuBLAS handles, workspaces,
-    Triton compiles) done. The capture is thread-local, as the graph manager's: the down projection's
-    tuning (down_projection.py) captures while a serving process's other threads (the LLM engine's, in
-    a fused replica) keep launching work and allocating, which a global capture forbids."""
+    Triton compiles) done.
+
+    The down projection's tuning (down_projection.py) calls this at run time too, for each new
+    uniform shape, while other threads of the process may keep using the GPU. So the capture is
+    thread-local, as the graph manager's (a global one forbids other threads' allocations and
+    synchronisations), and it is begun on the side stream directly rather than through
+    `torch.cuda.graph`, whose entry synchronises the whole device and empties the allocator's caches;
+    every wait here is on the streams used."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
         for _ in range(warmup):
             fn()
+        side.synchronize()  # the warm-up's lazy initialisation has run before capture begins
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            for _ in range(inner):
+                fn()
+        finally:
+            graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for _ in range(inner):
-            fn()
     times = cuda_times_ms(graph.replay, runs, warmup)
     return statistics.median(times) * 1000 / inner
