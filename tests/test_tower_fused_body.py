@@ -88,7 +88,7 @@ def test_down_projection_ways_agree_and_other_counts_take_the_nearest_tuned_choi
     for way in dp.ways:
         assert torch.allclose(dp.run(way, u, w), want, rtol=1e-12, atol=1e-12), way
     assert dp.way_for(100) == CUBLAS_PADDED  # nothing tuned: the padded product
-    dp.tune([256], w)  # off CUDA: nothing is timed
+    dp.tune([256], [w])  # off CUDA: nothing is timed
     assert dp.choice == {}
     dp.keep(256, CUBLAS)
     dp.keep(1024, LT_PADDED)

@@ -66,7 +66,7 @@ class DownProjection:
         """Off CUDA nothing is tuned, so `way_for` gives the padded product."""
         return self.run(self.way_for(u.shape[0]), u, weight)
 
-    def tune(self, rows_list: list[int], weights: torch.Tensor | list[torch.Tensor], runs: int = 5) -> None:
+    def tune(self, rows_list: list[int], weights: list[torch.Tensor], runs: int = 5) -> None:
         """Time every way at each new row count and keep the fastest. Not during graph capture; a no-op
         off CUDA.
 
@@ -75,7 +75,6 @@ class DownProjection:
         them, not from L2), so the choice follows GPU time only. Timed eagerly, a ~20 µs GEMM measures
         the host's launch time instead: on a slow host that picked a way 5 µs slower per layer
         (MiniCPM-V at 1024 rows, 2026-11-25)."""
-        weights = [weights] if isinstance(weights, torch.Tensor) else list(weights)
         if not weights[0].is_cuda or torch.cuda.is_current_stream_capturing():
             return
         for rows in sorted(set(rows_list) - set(self.choice)):

@@ -42,7 +42,7 @@ def graph_us(fn, inner: int = 1, runs: int = 30, warmup: int = 3) -> float:
     with torch.cuda.stream(side):
         for _ in range(warmup):
             fn()
-        side.synchronize()  # the warm-up's lazy initialisation has run before capture begins
+        side.synchronize()  # the warm-up has finished before capture begins (torch.cuda.graph syncs the device)
         graph.capture_begin(capture_error_mode="thread_local")
         try:
             for _ in range(inner):
