@@ -31,11 +31,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from app.vision.kernels import add_bias_layernorm, linear_gelu_tanh  # noqa: E402
+from app.vision.kernels import add_bias_layernorm, linear_gelu_tanh, padded_width  # noqa: E402
 from app.vision.timing import graph_us  # noqa: E402
 
 DEV, BF = "cuda", torch.bfloat16
-HIDDEN, WIDTH, HEADS = 1152, 4352, 16  # SigLIP-so400m; the MLP width as the towers store it (4304 padded)
+HIDDEN, MLP_WIDTH, HEADS = 1152, 4304, 16  # SigLIP-so400m
+WIDTH = padded_width(MLP_WIDTH)  # the MLP width as the towers store it (kernels.pad_mlp)
 LAYERS = 6  # distinct weights per timed graph
 ROWS = (1024, 784, 4096)  # one 448^2 image for MiniCPM-V (patch 14) and the 8B tower (patch 16); 4 images
 # name -> (N, K, bias, GELU): the layer's GEMMs as the fused body calls them
@@ -227,14 +228,14 @@ def fc1_rows():
     n, k, _, _ = GEMMS["fc1"]
     ws, bs = weights(n, k, True)
     for w, b in zip(ws, bs):  # as kernels.pad_mlp stores them: zero units past the real width
-        w[4304:], b[4304:] = 0, 0
+        w[MLP_WIDTH:], b[MLP_WIDTH:] = 0, 0
     rows_out = []
     for m in (1024, 2048, 3072, 4096, 6144, 7108, 7168, 8192):
         x = torch.randn(m, k, device=DEV, dtype=BF)
         row = {"rows": m}
-        for label, width in (("padded 4352", n), ("unpadded 4304", 4304)):
+        for label, width in ((f"padded {n}", n), (f"unpadded {MLP_WIDTH}", MLP_WIDTH)):
             row[label] = per_call_us(lambda w, b, width=width, x=x: linear_gelu_tanh(x, w[:width], b[:width]), ws, bs)
-        row["ns per row, padded"] = round(row["padded 4352"] / m * 1e3, 2)
+        row["ns per row, padded"] = round(row[f"padded {n}"] / m * 1e3, 2)
         rows_out.append(row)
         print("fc1_rows", row, flush=True)
     RESULTS["fc1_rows"] = rows_out
