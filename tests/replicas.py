@@ -38,3 +38,14 @@ def serve_replica_ids() -> set[str]:
 
 def rss_bytes(deployment: str, app: str = "vlm") -> int:
     return sum(p.memory_info().rss for p in replica_processes(app).get(deployment, []))
+
+
+def replica_logs(deployment: str, app: str = "vlm") -> str:
+    """The Serve replica logs of a deployment in this process's Ray session (every replica it has had):
+    the per-request lines a Router writes (app/api/chat.py) are read from here."""
+    from pathlib import Path
+
+    import ray._private.worker as ray_worker
+
+    serve_logs = Path(ray_worker._global_node.get_logs_dir_path()) / "serve"
+    return "".join(p.read_text(errors="replace") for p in sorted(serve_logs.glob(f"replica_{app}_{deployment}_*.log")))

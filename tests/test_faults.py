@@ -5,7 +5,9 @@ same under the `fused` placement (no encoder replica: the LLM replica, tower inc
 The application runs with an API key (so this module also checks the 401s of the real Ray app).
 Load: client threads send, in a loop, non-streamed image requests and long streamed ones. Expected:
 - a request that had not produced a token when its replica died is sent again by the Router and
-  succeeds (non-streamed requests: wherever they failed, since the client has seen nothing);
+  succeeds (non-streamed requests: wherever they failed, since the client has seen nothing); a long
+  non-streamed request is sent before the LLM kill so that one surely is inside the replica then, and
+  the Router's log (`retries=N`) and its retries counter must show the Router sent it again;
 - a stream cut mid-way ends with an error event and `[DONE]`;
 - nothing hangs (every client read has a timeout, and a timeout counts as lost) and nothing is lost;
 - the application answers again within a bound after each kill (Serve restarts the replica).
@@ -17,6 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -26,7 +29,7 @@ import httpx
 import pytest
 
 from helpers import png_bytes
-from replicas import replica_processes
+from replicas import replica_logs, replica_processes
 from served import config_from_file, deployed
 
 pytestmark = pytest.mark.integration
@@ -40,6 +43,7 @@ ARGS = {"model": "embedded:tiny", "api_key": KEY,
         "llm": {"max_num_seqs": 2}, "retry": {"max_attempts": 6, "budget_s": 150, "backoff_s": 0.5}}
 KILLED = ("VisionEncoder", "LLM", "MediaPreprocessor")
 RECOVERY_BOUND_S = 150  # a replica restart on 2 loaded cores: torch import and model load
+SENTINEL_TOKENS = 6000  # seconds of decoding for the CPU engine: still generating when its replica dies
 RESULTS = os.environ.get("FAULT_RESULTS")  # a test run leaves the working tree clean unless asked
 
 
@@ -49,16 +53,18 @@ def app(model_cache, request):
     also kills the tower that was encoding its requests."""
     pytest.importorskip("ray")
     conf = config_from_file(PORT, ARGS | {"cache_dir": model_cache, "placement": {"policy": request.param}})
-    with deployed(conf, metrics_port=METRICS_PORT), \
+    # request logs unbuffered (the throughput mode buffers 1000 lines): the test reads the Router's
+    with deployed(conf, metrics_port=METRICS_PORT, env={"RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1"}), \
             httpx.Client(base_url=f"http://127.0.0.1:{PORT}", timeout=120, headers=AUTH) as client:
         yield client
 
 
-def image_body(i: int, stream: bool = False, max_tokens: int = 8) -> dict:
+def image_body(i: int, stream: bool = False, max_tokens: int = 8, ignore_eos: bool | None = None) -> dict:
     url = "data:image/png;base64," + base64.b64encode(png_bytes(48, 64, seed=i)).decode()
     return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                       {"type": "text", "text": f"request {i}"}]}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": stream, "ignore_eos": stream}
+            "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+            "ignore_eos": stream if ignore_eos is None else ignore_eos}
 
 
 def test_the_api_key_is_required_on_v1_but_not_on_health(app):
@@ -144,6 +150,34 @@ class Load:
             return {"status": 200, "outcome": "ok", "tokens": tokens}
 
 
+class Sentinel(threading.Thread):
+    """A long non-streamed request sent a few seconds before the LLM replica is killed, so that it is
+    inside that replica (generating, or accepted into its engine's queue) when the replica dies: the
+    Router must then send it again itself. The load's own short requests cannot be relied on for that:
+    one sent just before the kill is often not yet accepted by the busy replica, and Serve's handle
+    re-routes such a call on its own (no retry of ours, `retries=0` in the Router's log)."""
+
+    def __init__(self, i: int):
+        super().__init__(daemon=True)
+        self.i, self.t0, self.t1, self.status, self.tokens, self.id = i, 0.0, 0.0, None, 0, None
+
+    def run(self):
+        with httpx.Client(base_url=f"http://127.0.0.1:{PORT}", headers=AUTH, timeout=300) as client:
+            self.t0 = time.monotonic()
+            resp = client.post("/v1/chat/completions", json=image_body(self.i, max_tokens=SENTINEL_TOKENS,
+                                                                       ignore_eos=True))
+            self.t1, self.status = time.monotonic(), resp.status_code
+            if resp.status_code == 200:
+                self.tokens, self.id = resp.json()["usage"]["completion_tokens"], resp.json()["id"]
+
+
+def router_retries(request_id: str = "") -> int:
+    """Retries the Router made, summed over its per-request log lines (`request <id> ... retries=N`),
+    for one request or all."""
+    pattern = rf"request {re.escape(request_id) if request_id else 'chatcmpl-[0-9a-f]+'} .* retries=(\d+)"
+    return sum(int(n) for n in re.findall(pattern, replica_logs("Router")))
+
+
 def wait_until_answering(client: httpx.Client, since: float) -> float:
     """Seconds from `since` until a fresh image request succeeds; fails past the bound."""
     while time.monotonic() - since < RECOVERY_BOUND_S:
@@ -185,11 +219,14 @@ def test_killing_the_encoder_then_the_llm_loses_no_request(app, request):
     assert set(before) >= {"Router", *killed}, before
     load = Load(threads=6)
     load.start()
-    recovery = {}
+    recovery, sentinel, t_kill_llm = {}, Sentinel(2 * 10**6), 0.0
     try:
         for deployment in killed:
+            if deployment == "LLM":
+                sentinel.start()
             time.sleep(4)  # load running, streams under way
             t_kill = time.monotonic()
+            t_kill_llm = t_kill if deployment == "LLM" else t_kill_llm
             old = kill_replica(deployment)
             recovery[deployment] = round(wait_until_answering(app, t_kill), 1)
             # Serve replaces the killed replica. The application may answer before it is back: a Router
@@ -199,16 +236,19 @@ def test_killing_the_encoder_then_the_llm_loses_no_request(app, request):
             assert new and old not in new, (deployment, old, new, replica_processes())
     finally:
         load.finish()
+        sentinel.join(300)
     records = load.records
-    retried = 0.0
+    retried = router_retries()
+    metric = 0.0
     deadline = time.monotonic() + 60  # Ray's metrics agent exports every few seconds
-    while time.monotonic() < deadline and retried == 0:
-        retried = retries_metric()
+    while time.monotonic() < deadline and metric < retried:
+        metric = retries_metric()
         time.sleep(2)
     counts = {
         "sent": len(records),
         "succeeded": sum(r["outcome"] == "ok" for r in records),
-        "retried": int(retried),
+        "retried": retried,
+        "retries_metric": int(metric),
         "failed_cleanly": sum(r["outcome"] in ("cut", "error") for r in records),
         "cut_mid_stream": sum(r["outcome"] == "cut" for r in records),
         "lost": sum(r["outcome"] == "lost" for r in records),
@@ -227,4 +267,10 @@ def test_killing_the_encoder_then_the_llm_loses_no_request(app, request):
             assert r["error"] == "replica_failed" and r["tokens"] > 0, r
         elif r["outcome"] == "error":  # a stream refused before its first token after the retries
             assert r["status"] == 503 and r["error"] == "replica_failed", r
-    assert counts["retried"] >= 1 and counts["succeeded"] > counts["failed_cleanly"]
+    assert counts["succeeded"] > counts["failed_cleanly"]
+    # the sentinel was inside the LLM replica when it died, and the Router's retry finished it
+    assert sentinel.t0 < t_kill_llm < sentinel.t1, (sentinel.t0, t_kill_llm, sentinel.t1)
+    assert sentinel.status == 200 and sentinel.tokens == SENTINEL_TOKENS, (sentinel.status, sentinel.tokens)
+    assert router_retries(sentinel.id) >= 1, sentinel.id
+    # the counter counts these and the media calls' retries (app/media/remote.py)
+    assert metric >= retried, (metric, retried)
