@@ -101,7 +101,11 @@ class EncoderConfig(_Strict):
                                        "stalls the replica ~0.25 s); 0 = only the listed shapes")
     max_uniform_graphs: int = Field(16, ge=0, description="exact-shape graphs per replica")
     eager_margin: float = Field(0.1, ge=0, description="a batch that fits a graph runs eagerly only when the "
-                                "tuned eager time, raised by this fraction, still beats the graph")
+                                "tuned eager time, raised by this fraction, still beats the graph (until "
+                                "observe_dispatch has timed enough of its batches)")
+    observe_dispatch: bool = Field(True, description="correct the auto-tune's graph and eager estimates with the "
+                                   "times of the batches served (CUDA events), and time the other path on one "
+                                   "batch in 16 near a tie (app/vision/observed.py)")
     batch_wait_ms: float = Field(2.0, ge=0, description="longest wait for other requests' items before a batch runs; none when the encoder was idle")
     batch_wait_when_idle: bool = Field(False, description="wait batch_wait_ms even after an idle spell: fuller batches, "
                                        "later first tokens (batch jobs turn it on)")

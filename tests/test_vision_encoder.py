@@ -368,6 +368,72 @@ def test_dispatch_prefers_eager_where_autotune_says_it_is_faster(cpu_harness):
         mgr._tuned, mgr.settings.eager_margin = saved, margin
 
 
+def test_dispatch_follows_the_observed_times_once_enough_batches_were_seen(cpu_harness):
+    """Observed ratios (observed / tuned) replace the margin once a path has min_samples of them in a
+    budget: a graph the table favours loses to eager that ran faster than its estimate, and eager the
+    table favours loses to a graph when eager ran slower."""
+    from app.vision.metadata import layout
+    from app.vision.observed import EAGER, GRAPH, ObservedTimes
+
+    mgr = cpu_harness.mgr
+    saved, margin, observed = dict(mgr._tuned), mgr.settings.eager_margin, mgr.observed
+    lay = layout([(1, 2, 80), (1, 2, 20)], 2)  # 200 tokens, unequal: eager estimate 3.28 ms at budget 256
+    try:
+        mgr.settings.eager_margin, mgr.observed = 0.1, ObservedTimes(cuda=False)
+        mgr._tuned = {64: (3.0, 1.0, 2.0), 128: (3.0, 2.0, 1.5), 256: (3.5, 4.0, 3.4)}
+        assert mgr.choose_budget(lay) == (256, None)  # 3.28 * 1.1 = 3.61 > 3.4
+        for _ in range(3):
+            mgr.observed.add(256, EAGER, 0.9)
+        assert mgr.choose_budget(lay) == (256, None)  # 3 observations: the margin still stands
+        mgr.observed.add(256, EAGER, 0.9)
+        assert mgr.choose_budget(lay) == (None, "faster_eager")  # 3.28 * 0.9 = 2.95 < 3.4
+        for _ in range(4):
+            mgr.observed.add(256, GRAPH, 0.85)
+        assert mgr.choose_budget(lay) == (256, None)  # 2.95 > 3.4 * 0.85 = 2.89
+        d = mgr.dispatch(lay)
+        assert (d.bucket, d.predicted_ms) == (256, 3.4)
+        same = layout([(1, 2, 50)] * 2, 2)  # 200 tokens, equal lengths: kept apart, the margin still holds
+        d = mgr.dispatch(same)
+        assert (d.budget, d.bucket, d.predicted_ms) == (256, "256 equal", 3.4)  # 2.0 + 2.0 * 72 / 128 = 3.125,
+        mgr.observed.add("256 equal", EAGER, 1.0)  # * 1.1 = 3.44 > 3.4
+        assert mgr.dispatch(same).budget == 256
+        mgr._tuned[256] = (2.0, 4.0, 3.4)  # the table now says eager, by far (2.0 * 1.1 < 3.4) ...
+        mgr.observed = ObservedTimes(cuda=False)
+        assert mgr.choose_budget(lay) == (None, "faster_eager")
+        assert mgr.dispatch(lay).predicted_ms == 3.0 - 1.0 * 72 / 128  # eager at 200 tokens, interpolated
+        for _ in range(4):
+            mgr.observed.add(256, EAGER, 2.0)  # ... but eager ran twice as slow as that
+        assert mgr.choose_budget(lay) == (256, None)
+    finally:
+        mgr._tuned, mgr.settings.eager_margin, mgr.observed = saved, margin, observed
+
+
+def test_served_batches_are_timed_and_one_near_a_tie_takes_the_other_path(cpu_harness):
+    """Through encode: each batch that had the choice adds its time to (budget, path); near a tie the
+    fourth batch runs eagerly to time it (reason `explore`), with the same rows out."""
+    from app.vision.observed import EAGER, GRAPH, ObservedTimes
+
+    h = cpu_harness
+    mgr = h.mgr
+    saved, margin, observed = dict(mgr._tuned), mgr.settings.eager_margin, mgr.observed
+    items = h.items([(1, 8, 10), (1, 6, 6)], seed=3)  # 116 tokens: budget 128, unequal lengths
+    try:
+        mgr.settings.eager_margin, mgr.observed = 0.1, ObservedTimes(cuda=False)
+        mgr._tuned = {64: (1.5, 1.0, 2.0), 128: (1.5, 1.5, 1.5)}  # eager 1.5 * 1.1 vs graph 1.5: a near tie
+        graphs, explored = mgr.stats.per_budget[128], mgr.stats.eager_reasons["explore"]
+        for _ in range(3):
+            h.check(items, expect_graph=True)
+        h.check(items, expect_graph=False)
+        assert mgr.stats.per_budget[128] - graphs == 3 and mgr.stats.eager_reasons["explore"] - explored == 1
+        assert {k: len(v) for k, v in mgr.observed._ratios.items()} == {(128, GRAPH): 3, (128, EAGER): 1}
+        assert all(r > 0 for v in mgr.observed._ratios.values() for r in v)
+        mgr._tuned = {}  # untuned (the CPU default): no choice, nothing timed
+        h.check(items, expect_graph=True)
+        assert sum(len(v) for v in mgr.observed._ratios.values()) == 4
+    finally:
+        mgr._tuned, mgr.settings.eager_margin, mgr.observed = saved, margin, observed
+
+
 def test_equal_length_shapes_are_queued_for_capture_at_the_threshold(tiny_checkpoint):
     """Bookkeeping of on-demand uniform graphs (capture itself needs CUDA; see the GPU tests)."""
     from app.vision.loading import load_vision_model
@@ -431,6 +497,38 @@ def test_eager_batches_build_no_cudnn_attention_plans(gpu_harness):
     assert sdpa > 0 and cudnn == 0  # the dense path ran, on another kernel
     assert h.mgr.stats.eager_batches == eager + 1
     h.check(items, expect_graph=False)
+
+
+@pytest.mark.gpu
+def test_dispatch_times_batches_with_cuda_events_and_leaves_a_path_slower_than_its_estimate(gpu_harness):
+    """On the GPU a batch's time comes from CUDA events read once they have passed. With the table
+    claiming eager takes 1 µs, dispatch runs eager until its observed time (thousands of times the
+    estimate) counts after min_samples batches; then it replays the budget graph, timed by the same
+    events, and the rows stay right on both paths."""
+    from app.vision.observed import EAGER, GRAPH, ObservedTimes
+
+    h = gpu_harness
+    mgr = h.mgr
+    saved, observed = dict(mgr._tuned), mgr.observed
+    items = h.items([(1, 16, 24), (1, 20, 20)], seed=5)  # 784 tokens, unequal: the 1024 budget
+    lay = mgr._layout(items)
+    try:
+        mgr.observed = ObservedTimes(cuda=True)
+        with torch.inference_mode():
+            graph_ms = mgr._time_ms(lambda: mgr._run_graph(items, lay, 1024))
+        mgr._tuned = {1024: (1e-3, 1e-3, graph_ms)}
+        paths = []
+        for _ in range(6):
+            eager = mgr.stats.eager_batches
+            h.check(items)
+            torch.cuda.synchronize()  # the events have passed: the next dispatch reads them
+            paths.append(EAGER if mgr.stats.eager_batches > eager else GRAPH)
+        assert paths == [EAGER] * 4 + [GRAPH] * 2, paths
+        assert mgr.observed.factor(1024, EAGER) > 100  # observed eager / 1 µs
+        assert mgr.observed.factor(1024, GRAPH) is None and len(mgr.observed._ratios[(1024, GRAPH)]) == 2
+        assert 0.3 < min(mgr.observed._ratios[(1024, GRAPH)]) < 3  # a replay's events: near the tuned time
+    finally:
+        mgr._tuned, mgr.observed = saved, observed
 
 
 def test_attention_block_table_lists_every_query_block_once():

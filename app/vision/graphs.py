@@ -13,7 +13,8 @@ and all graphs share one memory pool. Two kinds of graph:
 
 What fits no graph (too many tokens, attention sequences or items) runs eagerly through the same
 tower code and is counted. Every graph is timed against eager when captured and dropped if it is
-not faster. Without CUDA (or with graphs off) the same padded static-shape path runs without
+not faster; while serving, dispatch corrects those timings with the batch times it observes
+(observed.py). Without CUDA (or with graphs off) the same padded static-shape path runs without
 capture, so the padding logic is exercised on the CPU too.
 """
 
@@ -30,6 +31,7 @@ import torch
 
 from .device_metadata import DeviceMetadataCache
 from .metadata import BatchLayout, Grid
+from .observed import EAGER, GRAPH, ObservedTimes
 from .staging import PinnedStaging, copy_rows
 from .timing import cuda_times_ms
 from .tower_api import GraphTower, TowerBatch
@@ -74,6 +76,9 @@ class GraphSettings:
     # CPU's, while a replay's is not. Near a tie the graph wins (an 8B mixed batch tuned 7.3 ms eager
     # vs 7.6 ms graph ran 8.4 ms eager with a p99 of 25 ms).
     eager_margin: float = 0.1
+    # Correct the auto-tune's estimates with the times of the batches served, and time the path not
+    # taken now and then near a tie (observed.py); the margin then applies only until a path is known.
+    observe_dispatch: bool = True
     # uint8 rows from host memory go to the GPU through pinned buffers (app/vision/staging.py says why)
     pinned_staging: bool = False
     pinned_min_rows: int = 0  # smaller batches are copied directly
@@ -93,6 +98,18 @@ class GraphSettings:
                     out.add(v)
             b *= 2
         return sorted(out)
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """How a batch runs: the budget graph to replay, or eager (budget None) and why."""
+
+    budget: int | None
+    reason: str | None = None
+    # the budget whose graph and eager estimates were compared, as observed.py keys it: `b`, or `"b equal"`
+    # for equal-length batches (another tuned column, dense attention); None: there was no choice
+    bucket: int | str | None = None
+    predicted_ms: float = 0.0  # the tuned estimate of the path taken; its observed time is kept as a ratio
 
 
 @dataclass
@@ -159,6 +176,7 @@ class GraphManager:
         self.autotune_table: list[dict] = []
         # budget -> (eager ms on unequal lengths, eager ms on equal lengths, graph ms), from the auto-tune
         self._tuned: dict[int, tuple[float, float, float]] = {}
+        self.observed = ObservedTimes(cuda=self.device.type == "cuda") if settings.observe_dispatch else None
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.stats = EncoderStats()
@@ -214,26 +232,49 @@ class GraphManager:
     # ------------------------------------------------------------------ selection
     def choose_budget(self, lay: BatchLayout) -> tuple[int | None, str | None]:
         """Smallest budget holding the batch, or (None, reason) when it must run eagerly."""
+        d = self.dispatch(lay)
+        return d.budget, d.reason
+
+    def dispatch(self, lay: BatchLayout, explore: bool = False) -> Dispatch:
+        """The smallest captured budget holding the batch, unless eager is expected to be faster there;
+        with `explore` (a batch about to run), near a tie now and then the other path (observed.py)."""
         if self.device.type == "cuda" and not self.settings.use_cuda_graphs:
-            return None, "disabled"  # graphs off on a GPU: exact-shape eager (the CPU keeps the padded path)
+            return Dispatch(None, "disabled")  # graphs off on a GPU: exact-shape eager (the CPU keeps the padded path)
         if lay.num_items > self.settings.max_items_per_batch:
-            return None, "items"
+            return Dispatch(None, "items")
         if lay.num_seqs > self.settings.max_frames_per_batch:
-            return None, "frames"
+            return Dispatch(None, "frames")
         if lay.num_tokens > self.max_budget:
-            return None, "tokens"
+            return Dispatch(None, "tokens")
         for b in self.budgets:
             if b >= lay.num_tokens:
                 if self.capture_enabled and b not in self.graphs:
                     continue  # dropped by auto-tune: a larger captured budget may still pay
                 tuned = self._tuned.get(b)  # (eager unequal, eager equal, graph) ms
-                margin = 1 + self.settings.eager_margin
-                if tuned and self._eager_estimate(lay.num_tokens, lay.uniform is not None) * margin < tuned[2]:
-                    # Eager pays no padding (and a launch-bound floor): where the auto-tune table says
-                    # it beats this graph at the batch's real size by the margin, eager it is.
-                    return None, "faster_eager"
-                return b, None
-        return None, "no_graph"
+                if not tuned:
+                    return Dispatch(b)
+                # Eager pays no padding (and a launch-bound floor): where it is expected to beat this
+                # graph at the batch's real size, eager it is.
+                eager_ms = self._eager_estimate(lay.num_tokens, lay.uniform is not None)
+                bucket = b if lay.uniform is None else f"{b} equal"
+                eager, graph = self._expected_ms(bucket, eager_ms, tuned[2])
+                take_eager, reason = eager < graph, "faster_eager"
+                if explore and self.observed is not None and self.observed.explore(bucket, eager, graph):
+                    take_eager, reason = not take_eager, "explore"
+                if take_eager:
+                    return Dispatch(None, reason, bucket, eager_ms)
+                return Dispatch(b, None, bucket, tuned[2])
+        return Dispatch(None, "no_graph")
+
+    def _expected_ms(self, bucket: int | str, eager_ms: float, graph_ms: float) -> tuple[float, float]:
+        """Both paths' expected times for a batch of `bucket`: the tuned ones, times the corrections
+        observed in serving once enough batches were seen; until then eager's is raised by the margin
+        (its time under load is the host's, which an idle tuning run does not see)."""
+        fe = fg = None
+        if self.observed is not None:
+            fe, fg = self.observed.factor(bucket, EAGER), self.observed.factor(bucket, GRAPH)
+        eager = eager_ms * (fe if fe is not None else 1 + self.settings.eager_margin)
+        return eager, graph_ms * (fg if fg is not None else 1.0)
 
     def _eager_estimate(self, tokens: int, equal_lengths: bool) -> float:
         """Eager time for `tokens`, interpolated from the auto-tune table (inf when not tuned)."""
@@ -498,9 +539,12 @@ class GraphManager:
         lay = self.tower.layout([it.grid for it in items])
         with self._lock:
             shape = None if force_eager else self._uniform_graph_for(lay)
-            budget, reason = None, "forced"
+            d = Dispatch(None, "forced")
             if shape is None and not force_eager:
-                budget, reason = self.choose_budget(lay)
+                d = self.dispatch(lay, explore=True)
+            budget = d.budget
+            timed = self.observed is not None and d.bucket is not None and shape is None
+            mark = self.observed.start() if timed else None
             if shape is not None:
                 out = self._run_uniform(items, lay, shape)
                 self.stats.graph_hits += 1
@@ -508,12 +552,14 @@ class GraphManager:
             elif budget is None:
                 out = self._run_eager(items, lay)
                 self.stats.eager_batches += 1
-                self.stats.eager_reasons[reason] += 1
+                self.stats.eager_reasons[d.reason] += 1
             else:
                 out = self._run_graph(items, lay, budget)
                 self.stats.graph_hits += 1
                 self.stats.per_budget[budget] += 1
                 self.stats.padded_tokens += budget - lay.num_tokens
+            if timed:
+                self.observed.finish(mark, d.bucket, EAGER if budget is None else GRAPH, d.predicted_ms)
             self.stats.real_tokens += lay.num_tokens
             self.stats.items += len(items)
         return out, budget or lay.num_tokens

@@ -57,8 +57,8 @@ class EncoderService:
             budgets, enc.max_items_per_batch, enc.max_frames_per_batch, enc.cuda_graphs, enc.autotune,
             uniform_shapes=[tuple(s) for s in enc.uniform_graph_shapes],
             uniform_capture_after=enc.uniform_capture_after, max_uniform_graphs=enc.max_uniform_graphs,
-            eager_margin=enc.eager_margin, uint8_pixels=True, pinned_staging=enc.pinned_pixel_copy,
-            pinned_min_rows=enc.pinned_copy_min_rows))
+            eager_margin=enc.eager_margin, observe_dispatch=enc.observe_dispatch, uint8_pixels=True,
+            pinned_staging=enc.pinned_pixel_copy, pinned_min_rows=enc.pinned_copy_min_rows))
         self.manager.capture()
         self.keep_on_device = keep_on_device
         self.cache = EmbeddingCache(enc.cache_bytes)
@@ -129,4 +129,6 @@ class EncoderService:
                 "budgets": self.manager.budgets,
                 "captured": sorted(self.manager.graphs), "capture_seconds": self.manager.capture_seconds,
                 "uniform_graphs": [list(k) for k in self.manager.uniform_graphs],
-                "autotune": self.manager.autotune_table}
+                "autotune": self.manager.autotune_table,
+                "dispatch_observed": self.manager.observed.summary() if self.manager.observed else {},
+                "explored_batches": self.manager.observed.explored if self.manager.observed else 0}
