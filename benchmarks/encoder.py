@@ -159,15 +159,17 @@ def bench_workload(fam, mgr: GraphManager, name: str, grids, runs: int, warmup: 
 
 
 def bench_preset(preset: str, runs: int, warmup: int, budgets: list[int], device: str, tflops: float | None,
-                 profile: bool, patterns: list[str] | None = None, dense_attention: str = "sdpa") -> dict:
+                 profile: bool, patterns: list[str] | None = None, dense_attention: str = "sdpa",
+                 observe_dispatch: bool = True) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     fam = family_for(preset, dtype, device)
     fam.tower.use_dense_attention(dense_attention)  # as the service does (encoder.dense_attention)
     # As the service runs it: uint8 patch rows in, the processor's normalisation inside the graph.
     mgr = GraphManager(fam.tower, GraphSettings(budgets=budgets, max_items_per_batch=16, max_frames_per_batch=32,
-                                                uniform_capture_after=2, uint8_pixels=True))
+                                                uniform_capture_after=2, uint8_pixels=True,
+                                                observe_dispatch=observe_dispatch))
     mgr.capture()
-    result = {"preset": preset, "family": fam.name, "dtype": str(dtype).removeprefix("torch."),
+    result = {"preset": preset, "family": fam.name, "observe_dispatch": observe_dispatch, "dtype": str(dtype).removeprefix("torch."),
               "dense_attention": "flash4" if fam.tower.flash4 else "sdpa",
               "capture_s": mgr.capture_seconds, "graph_mem_mib": mgr.capture_bytes / 2**20,
               "budgets_kept": sorted(mgr.graphs), "budgets_dropped": sorted(set(mgr.budgets) - set(mgr.graphs))
@@ -186,6 +188,9 @@ def bench_preset(preset: str, runs: int, warmup: int, budgets: list[int], device
             profiles[f"{name} eager"] = profile_kernels(mgr, grids, force_eager=True)
             profiles[f"{name} ours ({row['path']})"] = profile_kernels(mgr, grids, force_eager=False)
     result["autotune"] = mgr.autotune_table  # budgets at capture, then the uniform shapes captured above
+    if mgr.observed is not None:  # what dispatch learned from the batches above (app/vision/observed.py)
+        result["dispatch_observed"] = mgr.observed.summary()
+        result["explored_batches"] = mgr.observed.explored
     if fam.tower.down is not None:  # the MLP down projection's way per token count, and the timings (µs)
         result["down_projection"] = {"choice": fam.tower.down.choice, "us": fam.tower.down.timings}
     del mgr, fam
@@ -219,7 +224,8 @@ def markdown(results: list[dict], device: str, tflops: float | None) -> str:
     lines = [f"Device: {device}; {rate}.", ""]
     for r in results:
         lines += [f"### {r['preset']} ({r['family']}, {r['dtype']}) — capture {r['capture_s']:.2f} s, graph memory "
-                  f"{r['graph_mem_mib']:.0f} MiB, budgets kept {r['budgets_kept']}, dropped {r['budgets_dropped']}", "",
+                  f"{r['graph_mem_mib']:.0f} MiB, budgets kept {r['budgets_kept']}, dropped {r['budgets_dropped']}"
+                  f"{'' if r.get('observe_dispatch', True) else ', observed dispatch off'}", "",
                   "| workload | tokens | reference ms (p99) | our eager ms (p99) | first sight ms (p99) | ours ms (p99) "
                   "| path | replay only ms | FLOP floor ms | ref / ours | ours / eager | err vs ref (max, norm) "
                   "| err vs fp32: ours / ref (max) |",
@@ -267,6 +273,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--profile", action="store_true", help="a CUDA kernel table per selected workload, eager and ours")
     p.add_argument("--dense-attention", default="sdpa", choices=["sdpa", "flash4"],
                    help="encoder.dense_attention: the kernel of equal-length attention (app/vision/flash4.py)")
+    p.add_argument("--no-observe-dispatch", action="store_true",
+                   help="encoder.observe_dispatch off: dispatch by the auto-tune table and eager_margin alone")
     a = p.parse_args(argv)
     if a.smoke:
         device, presets, runs, warmup = "cpu", a.presets or SMOKE_PRESETS, a.runs or 3, 1 if a.warmup is None else a.warmup
@@ -283,7 +291,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     for pr in presets:  # files rewritten after each preset: a run cut short keeps what it measured
         results.append(bench_preset(pr, runs, warmup, a.budgets, device, tflops, a.profile, a.workloads,
-                                    a.dense_attention))
+                                    a.dense_attention, not a.no_observe_dispatch))
         out.write_text(json.dumps({"device": name, "matmul_tflops": tflops, "runs": runs, "results": results},
                                   indent=1))
         md = markdown(results, name, tflops)
