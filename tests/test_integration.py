@@ -216,6 +216,8 @@ def test_sixteen_concurrent_requests_share_encoder_batches_and_get_their_own_ans
     pieces, batches = after["pieces"] - before["pieces"], after["batches"] - before["batches"]
     assert pieces == 16 and batches < pieces, (pieces, batches)
     assert 0 < after["batch_fill"] <= 1 and after["queue_wait_ms_max"] >= 0
+    # per replica, what dispatch learned: nothing on the CPU, where no auto-tune table gives it a choice
+    assert [(r["dispatch_observed"], r["explored_batches"]) for r in after["replicas"]] == [({}, 0)] * len(after["replicas"])
 
     # The same requests through the whole pipeline in-process, each alone, no batching, no cache.
     chat = local_chat(AppConfig(**SERVER_ARGS | {"model": str(tiny_checkpoint)}), tiny_checkpoint)
