@@ -105,7 +105,7 @@ class EncoderConfig(_Strict):
                                 "observe_dispatch has timed enough of its batches)")
     observe_dispatch: bool = Field(True, description="correct the auto-tune's graph and eager estimates with the "
                                    "times of the batches served (CUDA events), and time the other path on one "
-                                   "batch in 16 near a tie (app/vision/observed.py)")
+                                   "batch in 16 near a tie, in 4 while it has no timings (app/vision/observed.py)")
     batch_wait_ms: float = Field(2.0, ge=0, description="longest wait for other requests' items before a batch runs; none when the encoder was idle")
     batch_wait_when_idle: bool = Field(False, description="wait batch_wait_ms even after an idle spell: fuller batches, "
                                        "later first tokens (batch jobs turn it on)")

@@ -541,9 +541,11 @@ class GraphManager:
             shape = None if force_eager else self._uniform_graph_for(lay)
             d = Dispatch(None, "forced")
             if shape is None and not force_eager:
+                if self.observed is not None:
+                    self.observed.poll()  # the batches whose times have come in since
                 d = self.dispatch(lay, explore=True)
             budget = d.budget
-            timed = self.observed is not None and d.bucket is not None and shape is None
+            timed = self.observed is not None and d.bucket is not None  # a uniform graph or forced: no choice
             mark = self.observed.start() if timed else None
             if shape is not None:
                 out = self._run_uniform(items, lay, shape)

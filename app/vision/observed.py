@@ -72,13 +72,15 @@ class ObservedTimes:
         self._lock = threading.Lock()  # the stats endpoint reads while the encoding thread adds
 
     def factor(self, bucket: Hashable, path: str) -> float | None:
-        """The correction for `path`'s predictions in `bucket`, or None while too few were seen."""
-        self.poll()
+        """The correction for `path`'s predictions in `bucket` (from the batches polled so far), or None
+        while too few were seen."""
         with self._lock:
-            r = list(self._ratios.get((bucket, path), ()))
-        if len(r) < self.settings.min_samples:
+            return self._correction(self._ratios.get((bucket, path), ()))
+
+    def _correction(self, ratios) -> float | None:
+        if len(ratios) < self.settings.min_samples:
             return None
-        return quantile(r, self.settings.quantile)
+        return quantile(list(ratios), self.settings.quantile)
 
     def explore(self, bucket: Hashable, eager_ms: float, graph_ms: float) -> bool:
         """Whether this batch of `bucket` should take the path the estimates did not pick."""
@@ -117,7 +119,7 @@ class ObservedTimes:
 
     def poll(self) -> None:
         """Read the batches whose end events have passed (in order; never waits). Called by the encoding
-        thread only (dispatch, under the graph manager's lock)."""
+        thread only, once per batch before dispatch (under the graph manager's lock)."""
         while self._pending and self._pending[0][1].query():
             start, end, bucket, path, predicted = self._pending.popleft()
             self.add(bucket, path, start.elapsed_time(end) / predicted)
@@ -130,9 +132,8 @@ class ObservedTimes:
         """{bucket: {path: [correction or None, batches seen]}}: what dispatch has learned (stats; any
         thread: it reads what has been polled, and polls nothing itself)."""
         with self._lock:
-            seen = {k: list(r) for k, r in self._ratios.items()}
+            seen = {k: (self._correction(r), len(r)) for k, r in self._ratios.items()}
         out: dict = {}
-        for (bucket, path), r in sorted(seen.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
-            f = quantile(r, self.settings.quantile) if len(r) >= self.settings.min_samples else None
-            out.setdefault(str(bucket), {})[path] = [None if f is None else round(f, 3), len(r)]
+        for (bucket, path), (f, n) in sorted(seen.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+            out.setdefault(str(bucket), {})[path] = [None if f is None else round(f, 3), n]
         return out
