@@ -42,13 +42,28 @@ def rotary_qk_torch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hea
     return rot(q), rot(k)
 
 
-def add_bias_layernorm_torch(x, y, bias, ln_weight, ln_bias, eps):
-    """Residual `x` may be float32 (kept in full precision); the normed output takes y's dtype."""
-    s = x.float() + y.float() + (bias.float() if bias is not None else 0.0)
+def add_bias_layernorm_torch(x, y, bias, ln_weight, ln_bias, eps, rows=None, residual_dtype=None):
+    """Residual `x` may be float32 (kept in full precision); the normed output takes y's dtype (x's
+    without a y). With
+    `rows`, x is a table and row i of the sum reads x[rows[i]]; the residual comes out in
+    `residual_dtype` (default: x's)."""
+    if rows is not None:
+        x = x.index_select(0, rows)
+    s = x.float() + (y.float() if y is not None else 0.0) + (bias.float() if bias is not None else 0.0)
+    out_dtype = residual_dtype or x.dtype
     if ln_weight is None:
-        return s.to(x.dtype), None
+        return s.to(out_dtype), None
     h = F.layer_norm(s, (s.shape[-1],), ln_weight.float(), ln_bias.float(), eps)
-    return s.to(x.dtype), h.to(y.dtype)
+    return s.to(out_dtype), h.to((y if y is not None else x).dtype)
+
+
+def normalize_rows_torch(px, scale, offset, dtype, pad=0, rows=None):
+    """uint8 pixel rows -> px * scale + offset in float32 (the processor's rescale and normalise per
+    column), rounded once to `dtype`; gathered by `rows` and widened by `pad` zero columns if given."""
+    if rows is not None:
+        px = px.index_select(0, rows)
+    out = (px.float() * scale + offset).to(dtype)
+    return F.pad(out, (0, pad)) if pad else out
 
 
 def add_bias_rmsnorm_torch(x, y, bias, weight, eps):
@@ -124,16 +139,29 @@ if triton is not None:
             tl.store(k_ptr + off + HALF, o2.to(k_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _add_ln_kernel(x_ptr, y_ptr, b_ptr, w_ptr, lb_ptr, out_x_ptr, out_h_ptr, eps, C: tl.constexpr,
-                       BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr):
+    def _normalize_rows_kernel(px_ptr, scale_ptr, off_ptr, rows_ptr, out_ptr, C: tl.constexpr, CO: tl.constexpr,
+                               BLOCK: tl.constexpr, HAS_ROWS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        src = tl.load(rows_ptr + row).to(tl.int64) if HAS_ROWS else row
+        cols = tl.arange(0, BLOCK)
+        live = cols < C
+        px = tl.load(px_ptr + src * C + cols, mask=live, other=0).to(tl.float32)
+        val = px * tl.load(scale_ptr + cols, mask=live, other=0.0) + tl.load(off_ptr + cols, mask=live, other=0.0)
+        tl.store(out_ptr + row * CO + cols, tl.where(live, val, 0.0).to(out_ptr.dtype.element_ty), mask=cols < CO)
+
+    @triton.jit
+    def _add_ln_kernel(x_ptr, y_ptr, b_ptr, w_ptr, lb_ptr, rows_ptr, out_x_ptr, out_h_ptr, eps, C: tl.constexpr,
+                       BLOCK: tl.constexpr, HAS_Y: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LN: tl.constexpr,
+                       HAS_ROWS: tl.constexpr):
         row = tl.program_id(0)
+        src = tl.load(rows_ptr + row).to(tl.int64) if HAS_ROWS else row
         cols = tl.arange(0, BLOCK)
         mask = cols < C
-        x = tl.load(x_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
-        y = tl.load(y_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(x_ptr + src * C + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_Y:
+            s += tl.load(y_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        s = x + y
+            s += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_x_ptr + row * C + cols, s.to(out_x_ptr.dtype.element_ty), mask=mask)
         if HAS_LN:
             v = s
@@ -158,22 +186,41 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: in
     return q, k
 
 
-def add_bias_layernorm(x, y, bias, ln_weight, ln_bias, eps: float):
-    """(x + y + bias, layer_norm(that)); the norm is skipped (None) when ln_weight is None.
+def add_bias_layernorm(x, y, bias, ln_weight, ln_bias, eps: float, rows=None, residual_dtype=None):
+    """(x + y + bias, layer_norm(that)); the norm is skipped (None) when ln_weight is None, the add of
+    y when y is None.
 
     The residual x keeps its dtype (float32 in the fused tower: one rounding less per layer than
-    the reference); the normed output, which feeds the next GEMM, takes y's dtype.
+    the reference); the normed output, which feeds the next GEMM, takes y's dtype (x's without a y).
+    With `rows`, x is a table gathered row by row (a learned position embedding) and the residual
+    comes out in `residual_dtype`.
     """
     if not triton_available(x.device):
-        return add_bias_layernorm_torch(x, y, bias, ln_weight, ln_bias, eps)
-    n, c = x.shape
-    out_x = torch.empty_like(x)
-    out_h = torch.empty_like(y) if ln_weight is not None else None
+        return add_bias_layernorm_torch(x, y, bias, ln_weight, ln_bias, eps, rows, residual_dtype)
+    n = rows.shape[0] if rows is not None else x.shape[0]
+    c = x.shape[1]
+    out_x = torch.empty(n, c, dtype=residual_dtype or x.dtype, device=x.device)
+    out_h = torch.empty(n, c, dtype=(y if y is not None else x).dtype, device=x.device) if ln_weight is not None else None
     block = triton.next_power_of_2(c)
-    _add_ln_kernel[(n,)](x, y, bias if bias is not None else x, ln_weight if ln_weight is not None else x,
-                         ln_bias if ln_bias is not None else x, out_x, out_h if out_h is not None else out_x, eps,
-                         c, block, bias is not None, ln_weight is not None, num_warps=8 if block >= 2048 else 4)
+    _add_ln_kernel[(n,)](x, y if y is not None else x, bias if bias is not None else x,
+                         ln_weight if ln_weight is not None else x, ln_bias if ln_bias is not None else x,
+                         rows if rows is not None else x, out_x, out_h if out_h is not None else out_x, eps, c, block,
+                         y is not None, bias is not None, ln_weight is not None, rows is not None,
+                         num_warps=8 if block >= 2048 else 4)
     return out_x, out_h
+
+
+def normalize_rows(px, scale, offset, dtype, pad: int = 0, rows=None):
+    """`normalize_rows_torch` in one pass on CUDA (a float copy, a multiply, an add, a cast, a pad and a
+    gather were a kernel each)."""
+    if not triton_available(px.device):
+        return normalize_rows_torch(px, scale, offset, dtype, pad, rows)
+    c = px.shape[1]
+    n = rows.shape[0] if rows is not None else px.shape[0]
+    out = torch.empty(n, c + pad, dtype=dtype, device=px.device)
+    _normalize_rows_kernel[(n,)](px, scale, offset, rows if rows is not None else px, out, c, c + pad,
+                                 triton.next_power_of_2(c + pad), rows is not None, num_warps=4)
+    return out
 
 
 def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

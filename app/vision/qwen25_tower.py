@@ -147,7 +147,7 @@ class Qwen25Tower(GraphTower):
     def _embed(self, batch: TowerBatch) -> torch.Tensor:
         """Patch rows in window order, embedded (the Conv3d's kernel equals its stride: a matmul)."""
         w = self.visual.patch_embed.proj.weight
-        px = self.normalized_pixels(batch.pixels).index_select(0, batch.meta["perm"])
+        px = self.normalized_pixels(batch.pixels, rows=batch.meta["perm"])
         return F.linear(px, w.view(w.shape[0], -1))
 
     def _qkv_attention(self, blk, h: torch.Tensor, cos, sin, batch: TowerBatch, full: bool) -> torch.Tensor:

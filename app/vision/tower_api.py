@@ -23,11 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import flash4
 from .down_projection import DownProjection
-from .kernels import pad_mlp_modules
+from .kernels import normalize_rows, pad_mlp_modules
 from .metadata import BatchLayout, Grid
 
 
@@ -92,13 +93,17 @@ class GraphTower(nn.Module):
         if self.down is not None:
             self.down.tune(rows, self.down_weights)
 
-    def normalized_pixels(self, px: torch.Tensor) -> torch.Tensor:
-        """Rows in the tower's dtype; uint8 rows get the processor's rescale and normalise first."""
+    def normalized_pixels(self, px: torch.Tensor, pad: int = 0, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows in the tower's dtype; uint8 rows get the processor's rescale and normalise first (one
+        kernel on CUDA: kernels.normalize_rows). `rows` gathers rows, `pad` appends zero columns."""
         if px.dtype == torch.uint8:
             if self.pixel_scale is None:
                 raise ValueError("uint8 pixel rows need the tower's pixel_norm")
-            px = px.float() * self.pixel_scale + self.pixel_offset
-        return px.to(self.dtype)
+            return normalize_rows(px, self.pixel_scale, self.pixel_offset, self.dtype, pad, rows)
+        px = px.to(self.dtype)
+        if rows is not None:
+            px = px.index_select(0, rows)
+        return F.pad(px, (0, pad)) if pad else px
 
     # ------------------------------------------------------------------ what subclasses provide
     @property
