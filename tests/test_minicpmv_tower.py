@@ -357,15 +357,15 @@ def test_a_random_model_has_the_published_parameter_names():
 @pytest.mark.gpu
 def test_uniform_graph_for_equal_slices(gpu_harness):
     """A 448^2-class image (one 32 x 32 slice) and equal-size slices replay exact-shape graphs once seen
-    twice: dense SigLIP attention and one dense batched resampler call."""
+    twice: dense SigLIP attention and the folded resampler attention."""
     gpu_harness.check_uniform_graphs(([(1, 32, 32)], [(1, 24, 20)] * 4))
 
 
 @pytest.mark.gpu
 def test_eager_batches_build_no_cudnn_attention_plans(gpu_harness):
     """Eager batches leave cuDNN's attention out (a plan per new shape): equal slices take the dense
-    SigLIP and resampler calls, unequal ones the varlen SigLIP kernel and the variable-length resampler
-    call."""
+    SigLIP call and the folded resampler (GEMMs and a softmax), unequal ones the varlen SigLIP kernel and
+    the variable-length resampler call."""
     h = gpu_harness
     batches = [h.items([(1, 32, 40)] * 2, seed=20), h.items([(1, 32, 40), (1, 20, 30)], seed=21)]
     h.check_eager_without_cudnn(batches)

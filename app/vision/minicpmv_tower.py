@@ -17,11 +17,12 @@ loads by name:
 
 The static body never synchronises with the host: SigLIP's attention is one block-diagonal call over
 the packed slices (attention.packed_attention). The resampler's queries, which do not depend on the
-input, are projected once when the tower is built; its attention is one dense batched call for
-equal-size slices (a uniform graph, an image without slices), else, on CUDA in bf16/fp16 (Ampere or
-newer), one variable-length call (each slot's queries against its own slice's keys), and otherwise on
-CUDA (float32) all slots' queries against all keys under a mask of slot ids. On the CPU, eager and
-static batches run one small attention per slice.
+input, are projected once when the tower is built. Equal-size slices (a uniform graph, an image without
+slices) take the attention with the key and value projections folded into those queries
+(minicpmv_resampler.py: half the work). Otherwise the keys and values are projected and the attention
+is, on CUDA in bf16/fp16 (Ampere or newer), one variable-length call (each slot's queries against its
+own slice's keys), on CUDA in float32 all slots' queries against all keys under a mask of slot ids,
+and on the CPU one small attention per slice.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,15 +40,8 @@ from . import attention
 from .kernels import add_bias_layernorm, linear_gelu_tanh, triton_available
 from .metadata import BatchLayout, Grid
 from .minicpmv_metadata import layout, minicpmv_metadata
+from .minicpmv_resampler import fold_queries, folded_attention, key_positions, normed_keys, sincos_frequencies
 from .tower_api import GraphTower, TowerBatch
-
-
-def sincos_frequencies(embed_dim: int) -> torch.Tensor:
-    """The resampler's 1-D sin-cos frequencies for one coordinate (embed_dim / 4 of them), computed in
-    float32 exactly as the published numpy code does."""
-    omega = np.arange(embed_dim // 4, dtype=np.float32)
-    omega /= embed_dim / 4
-    return torch.from_numpy(1.0 / 10000**omega)
 
 
 # ---------------------------------------------------------------------------- modules (published names)
@@ -171,6 +164,8 @@ class MiniCPMVTower(GraphTower):
         self._fuse_qkv()
         self._pad_patch_embedding()
         self.res_q = self._resampler_queries()
+        # the queries through the key projection, for equal-size slices' folded attention
+        self.res_qk = fold_queries(self.res_q, res.attn.in_proj_weight[self.embed_dim:2 * self.embed_dim])
         # The fused body's MLPs, their width padded (kernels.pad_mlp: exact; down_projection.py says why).
         self.mlps = self._pad_mlps([(la.mlp.fc1, la.mlp.fc2) for la in vpm.encoder.layers]) if self.fused else []
         self._init_pixel_norm()
@@ -279,9 +274,7 @@ class MiniCPMVTower(GraphTower):
     # ------------------------------------------------------------------ SigLIP
     def _embed(self, batch: TowerBatch) -> torch.Tensor:
         emb = self.model.vpm.embeddings
-        px = self.normalized_pixels(batch.pixels)
-        x = F.linear(F.pad(px, (0, self.patch_pad)) if self.patch_pad else px, self.patch_weight,
-                     emb.patch_embedding.bias)
+        x = F.linear(self.normalized_pixels(batch.pixels, self.patch_pad), self.patch_weight, emb.patch_embedding.bias)
         return x + emb.position_embedding.weight.index_select(0, batch.meta["pos"])
 
     def _self_attention(self, qkv: torch.Tensor, batch: TowerBatch) -> torch.Tensor:
@@ -307,10 +300,11 @@ class MiniCPMVTower(GraphTower):
         """Per layer: qkv GEMM, attention, out GEMM, add+LN, fc1 GEMM+GELU, fc2 GEMM, add+LN (the next
         layer's, or post_layernorm). Residual stream in float32."""
         vpm = self.model.vpm
-        layers = vpm.encoder.layers
-        x = self._embed(batch).float()
-        n1 = layers[0].layer_norm1
-        h = F.layer_norm(x, (self.hidden,), n1.weight.float(), n1.bias.float(), n1.eps).to(self.dtype)
+        layers, emb, n1 = vpm.encoder.layers, vpm.embeddings, vpm.encoder.layers[0].layer_norm1
+        # the embedding: the patch GEMM, then its bias, the learned positions and layer_norm1 in one pass
+        y = F.linear(self.normalized_pixels(batch.pixels, self.patch_pad), self.patch_weight)
+        x, h = add_bias_layernorm(emb.position_embedding.weight, y, emb.patch_embedding.bias, n1.weight, n1.bias,
+                                  n1.eps, rows=batch.meta["pos"], residual_dtype=torch.float32)
         for i, (layer, (w, b), (w1, b1, w2)) in enumerate(zip(layers, self.qkv, self.mlps, strict=True)):
             attn = self._self_attention(F.linear(h, w, b), batch)
             out, ln2 = layer.self_attn.out_proj, layer.layer_norm2
@@ -323,22 +317,24 @@ class MiniCPMVTower(GraphTower):
     # ------------------------------------------------------------------ resampler
     def _key_positions(self, rc: torch.Tensor) -> torch.Tensor:
         """2-D sin-cos embedding [N, E] of each patch's (row, col): column half first, then row half."""
-        ang = rc[:, :, None] * self.omega  # [N, 2, E/4], float32 products as the published numpy code
-        row, col = ang.unbind(1)
-        return torch.cat([col.sin(), col.cos(), row.sin(), row.cos()], dim=-1)
+        return key_positions(rc, self.omega)
 
     def _resample(self, feats: torch.Tensor, batch: TowerBatch) -> torch.Tensor:
         res = self.model.resampler
         e, heads = self.embed_dim, self.res_heads
         d = e // heads
-        x = res.ln_kv(res.kv_proj(feats))
-        keys = x + self._key_positions(batch.meta["rc"]).to(x.dtype)
+        x, keys = normed_keys(res.kv_proj(feats), res.ln_kv, batch.meta["rc"], self.omega)
         w, b = res.attn.in_proj_weight, res.attn.in_proj_bias
-        k = F.linear(keys, w[e:2 * e], b[e:2 * e]).view(-1, heads, d).transpose(0, 1)  # [H, N, d]
-        v = F.linear(x, w[2 * e:], b[2 * e:]).view(-1, heads, d).transpose(0, 1)
-        out = self._cross_attention(self.res_q, k, v, batch)  # [slots, Q, E]
-        out = res.attn.out_proj(out.reshape(-1, e))
-        return res.ln_post(out) @ res.proj
+        if batch.uniform is not None:  # equal-size slices, no padding
+            out = folded_attention(self.res_qk, x, keys, w[2 * e:], b[2 * e:], heads, batch.uniform)
+        else:
+            k = F.linear(keys, w[e:2 * e], b[e:2 * e]).view(-1, heads, d).transpose(0, 1)  # [H, N, d]
+            v = F.linear(x, w[2 * e:], b[2 * e:]).view(-1, heads, d).transpose(0, 1)
+            out = self._cross_attention(self.res_q, k, v, batch)  # [slots, Q, E]
+        # out_proj's GEMM, then its bias and ln_post in one pass
+        _, out = add_bias_layernorm(F.linear(out.reshape(-1, e), res.attn.out_proj.weight), None,
+                                    res.attn.out_proj.bias, res.ln_post.weight, res.ln_post.bias, res.ln_post.eps)
+        return out @ res.proj
 
     def _cross_attention(self, q, k, v, batch: TowerBatch) -> torch.Tensor:
         """Each slot's queries against its own slice's keys -> [slots, Q, E]. cuDNN's kernel only
@@ -349,11 +345,6 @@ class MiniCPMVTower(GraphTower):
     def _cross_attention_any(self, q, k, v, batch: TowerBatch) -> torch.Tensor:
         heads, nq, d = q.shape
         meta = batch.meta
-        if batch.uniform is not None:  # equal-size slices, no padding: one dense batched call
-            s, length = batch.uniform
-            kk, vv = (t.view(heads, s, length, d).transpose(0, 1) for t in (k, v))
-            out = F.scaled_dot_product_attention(q.expand(s, heads, nq, d).contiguous(), kk, vv)
-            return out.transpose(1, 2).reshape(s, nq, heads * d)
         slots = meta["dead"].shape[0]
         if q.device.type == "cpu":  # no graph to keep static: one small attention per slice
             bounds = meta["cu"].tolist()
