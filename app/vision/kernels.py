@@ -44,9 +44,8 @@ def rotary_qk_torch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hea
 
 def add_bias_layernorm_torch(x, y, bias, ln_weight, ln_bias, eps, rows=None, residual_dtype=None):
     """Residual `x` may be float32 (kept in full precision); the normed output takes y's dtype (x's
-    without a y). With
-    `rows`, x is a table and row i of the sum reads x[rows[i]]; the residual comes out in
-    `residual_dtype` (default: x's)."""
+    without a y). With `rows`, x is a table and row i of the sum reads x[rows[i]]; the residual comes
+    out in `residual_dtype` (default: x's)."""
     if rows is not None:
         x = x.index_select(0, rows)
     s = x.float() + (y.float() if y is not None else 0.0) + (bias.float() if bias is not None else 0.0)
