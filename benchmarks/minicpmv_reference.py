@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from app.vision.minicpmv_metadata import bucketed_positions, row_cols
-from app.vision.minicpmv_tower import MiniCPMVision, sincos_frequencies
+from app.vision.minicpmv_resampler import key_positions, sincos_frequencies
+from app.vision.minicpmv_tower import MiniCPMVision
 
 
 class PublishedStyleMiniCPMV:
@@ -36,9 +37,7 @@ class PublishedStyleMiniCPMV:
         self.omega = sincos_frequencies(e).to(p.weight.device)
 
     def _pos2d(self, h: int, w: int, dtype) -> torch.Tensor:
-        ang = row_cols(h, w).to(self.omega.device)[:, :, None] * self.omega
-        row, col = ang.unbind(1)
-        return torch.cat([col.sin(), col.cos(), row.sin(), row.cos()], dim=-1).to(dtype)
+        return key_positions(row_cols(h, w).to(self.omega.device), self.omega).to(dtype)
 
     @torch.inference_mode()
     def __call__(self, pixels: torch.Tensor, grids) -> list[torch.Tensor]:

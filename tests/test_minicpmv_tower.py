@@ -216,10 +216,11 @@ def test_bucketed_positions_are_the_published_ones():
 
 def test_resampler_key_positions_equal_the_published_table(cpu_harness):
     from app.vision.minicpmv_metadata import row_cols
+    from app.vision.minicpmv_resampler import key_positions
 
     tower = cpu_harness.tower
     for h, w in [(5, 9), (8, 8), (1, 13)]:
-        ours = tower._key_positions(row_cols(h, w))
+        ours = key_positions(row_cols(h, w), tower.omega)
         ref = torch.from_numpy(sincos_2d(tower.embed_dim, h, w).reshape(h * w, -1))
         assert (ours - ref).abs().max() <= 1e-5
 

@@ -40,7 +40,7 @@ from . import attention
 from .kernels import add_bias_layernorm, linear_gelu_tanh, triton_available
 from .metadata import BatchLayout, Grid
 from .minicpmv_metadata import layout, minicpmv_metadata
-from .minicpmv_resampler import fold_queries, folded_attention, key_positions, normed_keys, sincos_frequencies
+from .minicpmv_resampler import fold_queries, folded_attention, normed_keys, sincos_frequencies
 from .tower_api import GraphTower, TowerBatch
 
 
@@ -315,10 +315,6 @@ class MiniCPMVTower(GraphTower):
         return h
 
     # ------------------------------------------------------------------ resampler
-    def _key_positions(self, rc: torch.Tensor) -> torch.Tensor:
-        """2-D sin-cos embedding [N, E] of each patch's (row, col): column half first, then row half."""
-        return key_positions(rc, self.omega)
-
     def _resample(self, feats: torch.Tensor, batch: TowerBatch) -> torch.Tensor:
         res = self.model.resampler
         e, heads = self.embed_dim, self.res_heads
