@@ -43,8 +43,8 @@ def make_request(world, kinds, data_seed=0, words=0, **params):
                              SamplingParams(**{"max_tokens": 10, "temperature": 0, **params})), items, prompt
 
 
-def reference_generate(world, prompt, items, max_new=10):
-    ids = torch.tensor([prompt.input_ids])
+def _pixels(prompt, items) -> dict:
+    """transformers' pixel arguments for the request's media."""
     kw = {}
     imgs = [p for p, s in zip(items, prompt_kinds(prompt, items)) if s == "image"]
     vids = [p for p, s in zip(items, prompt_kinds(prompt, items)) if s == "video"]
@@ -54,10 +54,25 @@ def reference_generate(world, prompt, items, max_new=10):
     if vids:
         kw.update(pixel_values_videos=torch.from_numpy(np.concatenate([p.pixel_values for p in vids])),
                   video_grid_thw=torch.tensor([p.grid for p in vids]))
+    return kw
+
+
+def reference_generate(world, prompt, items, max_new=10):
+    ids = torch.tensor([prompt.input_ids])
     out = world["ref"].generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                 mm_token_type_ids=torch.tensor([prompt.mm_token_type_ids]), max_new_tokens=max_new,
-                                do_sample=False, **kw)
+                                do_sample=False, **_pixels(prompt, items))
     return out[0, ids.shape[1]:].tolist()
+
+
+def reference_logits(world, prompt, items, output: list[int]) -> torch.Tensor:
+    """transformers' logits [len(output), vocab] at each output token's position, teacher-forced on
+    `output` after the prompt (the distribution each output token was drawn from)."""
+    ids = torch.tensor([prompt.input_ids + output[:-1]])
+    types = torch.tensor([prompt.mm_token_type_ids + [0] * (len(output) - 1)])
+    with torch.no_grad():
+        logits = world["ref"](input_ids=ids, mm_token_type_ids=types, **_pixels(prompt, items)).logits[0]
+    return logits[len(prompt.input_ids) - 1:]
 
 
 def prompt_kinds(prompt, items):

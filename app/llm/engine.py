@@ -23,6 +23,7 @@ Sequences whose placeholder is their last token (`max_tokens`) are not scheduled
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import sys
@@ -41,6 +42,7 @@ from .block_manager import BlockManager
 from .model import TextModel, TextSpec, load_text_model
 from .model_runner import LaunchedStep, ModelRunner
 from .mrope import Rope
+from .sampling import MAX_LOGPROBS
 from .scheduler import Scheduler
 from .sequence import GenerationRequest, Sequence, Status, VisionInput
 from .stream import Chunk, OutputStream, ThreadReader, TokenDelta
@@ -151,6 +153,9 @@ class Engine:
         """Queue a request. Its token deltas go to `sink` if given (the caller makes text of them with
         an `OutputStream`); otherwise `seq.next_chunk()` returns text chunks on any thread."""
         length = len(req.input_ids)
+        k = req.params.logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise ClientError(f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
         capacity = self.check_admission(length)
         seq = Sequence(req, rope=self.rope, vision_ids=self.vision_ids, max_model_len=min(self.max_model_len, capacity),
                        block_size=self.blocks.block_size, device=self.device, dtype=self.dtype)
@@ -317,7 +322,8 @@ class Engine:
             return
         t0 = time.perf_counter()
         outputs, eos = [], self.eos_ids
-        for (seq, i), tok in zip(step.placed, result.tokens):
+        logprobs = result.logprobs or itertools.repeat(None)
+        for (seq, i), tok, lp in zip(step.placed, result.tokens, logprobs):
             if seq.status is Status.FINISHED:  # cancelled, failed or stopped since: the token is dropped
                 continue
             if seq.first_token_time is None:
@@ -327,7 +333,8 @@ class Engine:
                 delta = TokenDelta([], "stop")
             else:
                 seq.token_ids[i] = tok
-                delta = TokenDelta([tok], "length" if i + 1 - seq.prompt_len >= seq.max_new else None)
+                delta = TokenDelta([tok], "length" if i + 1 - seq.prompt_len >= seq.max_new else None,
+                                   logprobs=None if lp is None else [lp])
             outputs.append((seq, delta))
             if delta.finish_reason:
                 self._finish(seq)

@@ -5,7 +5,8 @@ Host time per step is what caps a Python engine, so a step does little on the ho
   sampling parameters) is laid out in one pinned buffer and copied to the device once;
 - decode-only steps replay a CUDA graph of the whole forward (and lm_head) for the smallest
   captured batch bucket that holds them; mixed steps (prefill chunks) run eagerly;
-- sampling for the whole batch runs on the device, and the token ids come back in one copy.
+- sampling for the whole batch runs on the device, and the token ids come back in one copy (and,
+  in steps where a request asked for them, the rows' log-probabilities in one more).
 
 A step is launched (`launch`) and collected (`collect`) separately, so the engine can prepare and
 queue step N+1 while step N runs (`llm.overlap_steps`): a token sampled in step N that step N+1
@@ -31,6 +32,7 @@ import torch
 from .attention import AttentionMetadata, block_q_for, decode_block_n, work_table
 from .model import TextModel, VisionBatch
 from .sampler import Sampler, SamplingBatch, host_sampling_arrays
+from .sampling import MAX_LOGPROBS
 from .scheduler import StepPlan
 from .sequence import Sequence
 
@@ -107,6 +109,9 @@ class StepResult:
     host_s: float  # host time of the step (preparing inputs, launching, reading results)
     wall_s: float  # the whole call, waiting for the device included
     graph: bool
+    # per sampling row: (log-probability of its token, top ids, top log-probabilities), None for rows
+    # that did not ask; None when no row did
+    logprobs: list | None = None
 
 
 @dataclass
@@ -122,6 +127,7 @@ class LaunchedStep:
     started: float  # perf_counter at the launch's start
     keep: list = field(default_factory=list)  # tensors the queued kernels read that nobody else may hold
     placed: list = field(default_factory=list)  # (sequence, index of its placeholder token): the engine's
+    logprobs: tuple | None = None  # ([rows, 1 + 2k] on the host: sampler.token_logprobs, each row's k or None)
 
 
 class ModelRunner:
@@ -145,6 +151,10 @@ class ModelRunner:
         self.tokens_host = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
                             for _ in range(2)]  # in turn: one may still await its copy
         self._token_turn = 0
+        # log-probabilities' pinned destinations, in turn like the tokens': per row the chosen token's,
+        # up to MAX_LOGPROBS top values and their ids (sampler.token_logprobs)
+        self.logprobs_host = [torch.empty(max_num_seqs * (1 + 2 * MAX_LOGPROBS), dtype=torch.float32,
+                                          pin_memory=self.device.type == "cuda") for _ in range(2)]
         self.num_blocks = num_kv_blocks or self._blocks_that_fit(max_num_batched_tokens, max_model_len,
                                                                  gpu_memory_utilization)
         self.kv = torch.empty(s.layers, 2, self.num_blocks * block_size, s.kv_heads, s.head_dim,
@@ -277,16 +287,30 @@ class ModelRunner:
             logits, sampling = self._eager(plan, rows, feed, keep)
             graph = False
         tokens = self.sampler(logits, sampling) if rows else None
-        out = done = None
+        out = done = logprobs = None
         if tokens is not None:
             self.sampler.count(tokens, sampling)
             out = self.tokens_host[self._token_turn][:len(rows)]
-            self._token_turn ^= 1
             out.copy_(tokens, non_blocking=True)
+            wanted = [s.params.logprobs for s in rows]
+            if wanted.count(None) != len(wanted):
+                logprobs = self._logprobs_to_host(logits, tokens, wanted)
+            self._token_turn ^= 1
             if self.device.type == "cuda":
                 done = torch.cuda.Event()
                 done.record()
-        return LaunchedStep(plan, tokens, out, done, graph, time.perf_counter() - t0, t0, keep)
+        return LaunchedStep(plan, tokens, out, done, graph, time.perf_counter() - t0, t0, keep, logprobs=logprobs)
+
+    def _logprobs_to_host(self, logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]) -> tuple:
+        """Queue the log-probabilities of a step where some row asked for them, and their one copy to
+        this turn's pinned buffer (the turn of the step's tokens: read before the buffer comes round)."""
+        k = max(w for w in wanted if w is not None)
+        packed = self.sampler.token_logprobs(logits, tokens, k)
+        if self.device.type == "cuda":
+            host = self.logprobs_host[self._token_turn][:packed.numel()].view(packed.shape)
+            host.copy_(packed, non_blocking=True)
+            packed = host
+        return packed, wanted
 
     def collect(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens (only its own work: later steps may be queued behind it)."""
@@ -295,9 +319,15 @@ class ModelRunner:
             step.done.synchronize()
         t_synced = time.perf_counter()
         result = step.host_tokens.tolist() if step.host_tokens is not None else []
+        logprobs = None
+        if step.logprobs is not None:
+            packed, wanted = step.logprobs
+            width = (packed.shape[1] - 1) // 2
+            logprobs = [None if k is None else (row[0], [int(i) for i in row[1 + width:1 + width + k]], row[1:1 + k])
+                        for row, k in zip(packed.tolist(), wanted)]
         step.keep.clear()
         end = time.perf_counter()
-        return StepResult(result, step.host_s + (end - t_synced), step.host_s + (end - t0), step.graph)
+        return StepResult(result, step.host_s + (end - t_synced), step.host_s + (end - t0), step.graph, logprobs)
 
     @staticmethod
     def _feed_placeholders(ids: torch.Tensor, feed: torch.Tensor | None, placeholders: bool) -> None:

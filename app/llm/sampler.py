@@ -1,7 +1,8 @@
 """Sampling for a whole step's batch on the device: penalties, temperature, top-k, top-p, seeds.
 
 One call per step for every request that samples, with no per-request kernels and no host round
-trip: the host learns only the chosen token ids (one copy, after the step).
+trip: the host learns only the chosen token ids (one copy, after the step), plus, for steps where a
+request asked for them, log-probabilities (logprobs.py).
 
 Randomness is counter-based: the noise for token `v` of a request's `n`-th output is a hash of
 (seed, n, v), turned into Gumbel noise, and the sample is argmax(logits / T + noise), which draws
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from .logprobs import token_logprobs
 
 _M64 = (1 << 64) - 1
 
@@ -124,6 +127,10 @@ class Sampler:
         noise = uniform_noise(b.seeds, b.steps, x.shape[-1])
         sampled = (x - torch.log(-torch.log(noise))).argmax(-1)
         return torch.where(b.temperature > 0, sampled, greedy)
+
+    def token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+        """The rows' log-probabilities, packed [S, 1 + 2k] for one copy to the host (logprobs.py)."""
+        return token_logprobs(logits[:, :self.vocab], tokens, k)
 
     def count(self, tokens: torch.Tensor, b: SamplingBatch) -> None:
         """Add this step's tokens to the penalty counts of the rows that use penalties."""

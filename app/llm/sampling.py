@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's `top_logprobs` limit)
+
 
 @dataclass
 class SamplingParams:
@@ -17,3 +19,6 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
+    # None: no log-probabilities; k >= 0: each output token's log-probability and the k most likely
+    # tokens' at its position (OpenAI's `logprobs` / `top_logprobs`)
+    logprobs: int | None = None

@@ -33,6 +33,8 @@ class Chunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     vision_embeddings: int = 0
+    # with `SamplingParams.logprobs`: one (log-probability, top ids, top log-probabilities) per token id
+    logprobs: list | None = None
 
 
 @dataclass
@@ -42,6 +44,7 @@ class TokenDelta:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" (EOS), "length", "cancelled"
     error: BaseException | None = None
+    logprobs: list | None = None  # one entry per token id, for requests that asked (model_runner.StepResult)
 
 
 class Cancelled(Exception):
@@ -114,6 +117,7 @@ class OutputStream:
         self.text = ""
         self.emitted = 0
         self.ids: list[int] = []
+        self.lps: list | None = [] if params.logprobs is not None else None  # beside `ids`, one per token
         self.sent_ids = 0
         self.finished = False
         self.stopped = False
@@ -124,11 +128,14 @@ class OutputStream:
         `stopped` when a stop string ended it (the reader then cancels the request)."""
         finish = None
         new: list[int] = []
+        new_lps: list = []
         for d in deltas:
             if d.error is not None:
                 self.finished = True
                 raise d.error
             new.extend(d.token_ids)
+            if self.lps is not None:
+                new_lps.extend(d.logprobs or [None] * len(d.token_ids))
             if d.finish_reason:
                 finish = d.finish_reason
                 break
@@ -142,6 +149,8 @@ class OutputStream:
                 last = finish is not None and i == len(new) - 1
                 self.text += self.detok.feed([tok], final=last)
                 self.ids.append(tok)
+                if self.lps is not None:
+                    self.lps.append(new_lps[i])
                 cut = self.stops.find(self.text, start)
                 if cut is not None:
                     self.text, finish, self.stopped = self.text[:cut], "stop", True
@@ -151,6 +160,8 @@ class OutputStream:
                     self.text += self.detok.feed([], final=True)
         else:  # no stop strings: one detokenizer step for everything that arrived
             self.ids.extend(new)
+            if self.lps is not None:
+                self.lps.extend(new_lps)
             self.text += self.detok.feed_all(new, final=finish is not None)
         upto = len(self.text) if finish else self.stops.safe_length(self.text)
         delta = self.text[self.emitted:upto]
@@ -158,12 +169,15 @@ class OutputStream:
         if finish:
             self.finished = True
             return Chunk(delta, self.ids[self.sent_ids:], finish, self.prompt_tokens, len(self.ids),
-                         self.vision_embeddings)
+                         self.vision_embeddings, self._logprobs_since())
         if delta or first:  # the first token always goes out: it marks the time to first token
-            chunk = Chunk(delta, self.ids[self.sent_ids:])
+            chunk = Chunk(delta, self.ids[self.sent_ids:], logprobs=self._logprobs_since())
             self.sent_ids = len(self.ids)
             return chunk
         return None
+
+    def _logprobs_since(self) -> list | None:
+        return None if self.lps is None else self.lps[self.sent_ids:]
 
 
 class ThreadReader:
