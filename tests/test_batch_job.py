@@ -36,9 +36,9 @@ def user(content, **kw) -> dict:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0, **kw}
 
 
-# The body that is also sent to the HTTP server.
+# The body that is also sent to the HTTP server (with log-probabilities: batch rows carry them too).
 PROBE = user([{"type": "image_url", "image_url": {"url": data_url(png_bytes(72, 104, seed=42), "image/png")}},
-              {"type": "text", "text": "Describe the picture."}], max_tokens=6)
+              {"type": "text", "text": "Describe the picture."}], max_tokens=6, logprobs=True, top_logprobs=2)
 
 
 def dataset(tmp: Path) -> tuple[Path, Path, set[str]]:
@@ -187,7 +187,18 @@ def test_batch_answer_equals_the_http_servers(cluster, full_run):
     assert got.status_code == 200, got.text
     want, ours = got.json(), rows["probe"]["response"]
     assert ours["usage"]["prompt_tokens_details"]["image_tokens"] > 0
-    assert ours["choices"] == want["choices"] and ours["usage"] == want["usage"] and ours["model"] == want["model"]
+    assert ours["usage"] == want["usage"] and ours["model"] == want["model"]
+    # the same tokens; their log-probabilities equal up to float32 rounding (batched here, alone there)
+    lp_ours, lp_want = (c["choices"][0].pop("logprobs")["content"] for c in (ours, want))
+    assert ours["choices"] == want["choices"]
+    assert len(lp_ours) == len(lp_want) == ours["usage"]["completion_tokens"]
+
+    def close(a: dict, b: dict) -> bool:
+        return (a["token"], a["bytes"]) == (b["token"], b["bytes"]) and abs(a["logprob"] - b["logprob"]) <= 1e-4
+
+    for a, b in zip(lp_ours, lp_want):
+        assert close(a, b) and len(a["top_logprobs"]) == 2
+        assert all(close(x, y) for x, y in zip(a["top_logprobs"], b["top_logprobs"], strict=True))
 
 
 def test_a_fused_job_encodes_in_its_llm_actors_and_answers_the_same(cluster, full_run):

@@ -138,6 +138,34 @@ def test_streaming(server):
     assert text == full["choices"][0]["message"]["content"]
 
 
+def test_logprobs_through_the_official_client(server):
+    """`logprobs` / `top_logprobs` over HTTP with the openai client, answered and streamed: the same
+    entries both ways, one per generated token (their numbers against transformers: test_logprobs.py)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", max_retries=0, timeout=120)
+    kw = {"model": "tiny", "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+          "messages": [{"role": "user", "content": [
+              {"type": "image_url", "image_url": {"url": data_url(png_bytes(48, 64, 3), "image/png")}},
+              {"type": "text", "text": "Describe it"}]}]}
+    full = client.chat.completions.create(**kw)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens > 0
+    for e in content:
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        assert len(e.top_logprobs) == 2 and e.logprob <= 0
+        assert abs(e.logprob - e.top_logprobs[0].logprob) < 1e-6  # greedy: the most likely token
+        assert bytes(e.bytes).decode(errors="replace") == e.token
+    streamed = [e for chunk in client.chat.completions.create(**kw, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    plain = client.chat.completions.create(**(kw | {"logprobs": False, "top_logprobs": None}))
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == full.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**(kw | {"logprobs": False}))
+    assert e.value.body["param"] == "top_logprobs"
+
+
 def test_the_routers_own_port_serves_the_same_api_without_the_proxy(server):
     """router_http_port (app/api/shared_port.py): the same FastAPI app served by the Router process itself.
     Same answers as through Ray Serve's proxy, streamed and not, and the same OpenAI error shape."""

@@ -27,6 +27,14 @@ def test_string_and_part_contents_interleaved():
 def test_defaults():
     req = parse({"messages": [{"role": "user", "content": "hi"}]})
     assert req.params.max_tokens == 16 and req.params.temperature == 1.0 and not req.stream
+    assert req.params.logprobs is None
+
+
+@pytest.mark.parametrize("fields,want", [({"logprobs": True}, 0), ({"logprobs": True, "top_logprobs": 20}, 20),
+                                         ({"logprobs": True, "top_logprobs": 0}, 0), ({"logprobs": False}, None),
+                                         ({"top_logprobs": None}, None), ({"logprobs": None}, None)])
+def test_logprobs_and_top_logprobs(fields, want):
+    assert parse({"messages": [{"role": "user", "content": "hi"}], **fields}).params.logprobs == want
 
 
 @pytest.mark.parametrize("body,param", [
@@ -43,6 +51,11 @@ def test_defaults():
     ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": [1]}, "stop"),
     ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 1.5}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "d"}] * 4}]}, "messages"),
     ({"messages": [{"role": "assistant", "content": [{"type": "image_url", "image_url": "d"}]}]},
      "messages[0].content[0].type"),

@@ -20,6 +20,7 @@ from ..errors import ClientError
 from ..media.pipeline import PreparedItem, to_encoder_payload
 from ..media.preprocess import PatchSpec
 from . import fastjson
+from .logprobs import TokenText
 from .minicpmv_prompt import prompt_builder_for
 from .prompt import IMAGE_TYPE, VIDEO_TYPE
 from .retry import (
@@ -68,6 +69,7 @@ class ChatService:
         """`observer(record)` receives one record per finished request (metrics)."""
         self.cfg, self.media, self.backend, self.observer = cfg, media, backend, observer
         self.prompts = prompt_builder_for(tokenizer, media.spec)
+        self.token_text = TokenText(tokenizer)  # log-probabilities' token texts, for requests that ask
         self.merge = media.spec.merge
         self.retry = RetryPolicy.from_config(cfg.retry)  # replica failures before the first token
 
@@ -113,8 +115,17 @@ class ChatService:
         self.record(id=req.id, status=200, e2e_s=time.perf_counter() - t0, items=len(req.media),
                     prompt_tokens=last["prompt_tokens"], completion_tokens=last["completion_tokens"],
                     ttft_s=first_at - t0, retries=retries)
+        logprobs = None
+        if req.params.logprobs is not None:
+            logprobs = [e for c in chunks for e in self._logprobs(c)]
         return completion_response(req, self.cfg.model_name, "".join(c["text"] for c in chunks),
-                                   last["finish_reason"], self._usage(gen, last))
+                                   last["finish_reason"], self._usage(gen, last), logprobs)
+
+    def _logprobs(self, chunk: dict) -> list:
+        """OpenAI's `logprobs.content` for a chunk's tokens (chunks from replicas that predate
+        log-probabilities carry none)."""
+        entries = chunk.get("logprobs")
+        return self.token_text.content(chunk["token_ids"], entries) if entries else []
 
     async def open_stream(self, req: ChatRequest, gen: dict, payload: list,
                           t0: float | None = None) -> AsyncIterator[str]:
@@ -184,8 +195,10 @@ class ChatService:
         try:
             async for chunk in chunks():
                 out, pending = pending, ""
-                if chunk["text"]:
-                    out += event(stream_chunk(req, model, {"content": chunk["text"]}))
+                # a chunk whose tokens made no text yet (part of a character) still sends their logprobs
+                logprobs = self._logprobs(chunk) if req.params.logprobs is not None else None
+                if chunk["text"] or logprobs:
+                    out += event(stream_chunk(req, model, {"content": chunk["text"]}, logprobs=logprobs))
                 if chunk["finish_reason"]:
                     last = chunk
                     out += event(stream_chunk(req, model, {}, chunk["finish_reason"]))

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..errors import ClientError
-from ..llm.sampling import SamplingParams
+from ..llm.sampling import MAX_LOGPROBS, SamplingParams
 from ..media.ref import MediaRef
 from .prompt import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 
@@ -138,6 +138,7 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
         params.ignore_eos = ignore_eos
     if params.top_p == 0:
         raise ClientError("'top_p' must be greater than 0", param="top_p")
+    params.logprobs = _logprobs(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ClientError("'stream' must be a boolean", param="stream")
@@ -153,6 +154,21 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
     return ChatRequest(messages, media, params, stream, bool(opts.get("include_usage")), model)
 
 
+def _logprobs(body: dict) -> int | None:
+    """`logprobs` (a boolean) and `top_logprobs` (0-20, only with `logprobs: true`), as OpenAI's API
+    takes them -> SamplingParams.logprobs: None, or the number of alternatives per token."""
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ClientError("'logprobs' must be a boolean", param="logprobs")
+    top = body.get("top_logprobs")
+    if top is None:
+        return 0 if wanted else None
+    top = _num(body, "top_logprobs", 0, MAX_LOGPROBS, 0, integer=True)
+    if not wanted:
+        raise ClientError("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    return top
+
+
 def usage(prompt: int, completion: int, image_tokens: int, video_tokens: int, vision_embeddings: int) -> dict:
     return {
         "prompt_tokens": prompt,
@@ -164,19 +180,22 @@ def usage(prompt: int, completion: int, image_tokens: int, video_tokens: int, vi
     }
 
 
-def completion_response(req: ChatRequest, model: str, text: str, finish: str, usage_: dict) -> dict:
+def completion_response(req: ChatRequest, model: str, text: str, finish: str, usage_: dict,
+                        logprobs: list | None = None) -> dict:
+    """`logprobs`: OpenAI's `logprobs.content` entries (app/api/logprobs.py), for requests that asked."""
     return {
         "id": req.id, "object": "chat.completion", "created": req.created, "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                     "logprobs": None}],
+                     "logprobs": None if logprobs is None else {"content": logprobs}}],
         "usage": usage_,
     }
 
 
 def stream_chunk(req: ChatRequest, model: str, delta: dict, finish: str | None = None, usage_: dict | None = None,
-                 choices: bool = True) -> dict:
+                 choices: bool = True, logprobs: list | None = None) -> dict:
+    lp = None if logprobs is None else {"content": logprobs}
     out = {"id": req.id, "object": "chat.completion.chunk", "created": req.created, "model": model,
-           "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}] if choices else []}
+           "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}] if choices else []}
     if usage_ is not None:
         out["usage"] = usage_
     return out

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..api.chat import ChatService
+from ..api.logprobs import TokenText
 from ..api.schemas import ChatRequest, completion_response, usage
 from ..config import AppConfig
 from ..errors import ClientError
@@ -123,6 +124,7 @@ class LLMWorker:
         self.fused, self.streams = build_generation(cfg, _checkpoint(cfg), fused)
         self.engine = self.streams.engine
         self.model_name = cfg.model_name
+        self.token_text = TokenText(self.engine.tokenizer)  # for requests that ask for logprobs
 
     def ready(self) -> bool:
         return True
@@ -149,10 +151,12 @@ class LLMWorker:
         return self.fused.encoder.stats() if self.fused is not None else {}
 
     async def _complete(self, prepared: Prepared, chunks) -> dict | Failure:
-        gen, text, last = prepared.gen, [], None
+        gen, text, last, logprobs = prepared.gen, [], None, []
         try:
             async for chunk in chunks():
                 text.append(chunk.text)
+                if chunk.logprobs:
+                    logprobs += self.token_text.content(chunk.token_ids, chunk.logprobs)
                 last = chunk
         except ClientError as e:
             if e.status >= 500:
@@ -160,7 +164,8 @@ class LLMWorker:
             return Failure.of(e)
         u = usage(last.prompt_tokens, last.completion_tokens, gen["image_tokens"], gen["video_tokens"],
                   last.vision_embeddings)
-        return completion_response(prepared.req, self.model_name, "".join(text), last.finish_reason, u)
+        return completion_response(prepared.req, self.model_name, "".join(text), last.finish_reason, u,
+                                   logprobs if prepared.req.params.logprobs is not None else None)
 
     def stats(self) -> dict:
         return self.engine.stats()

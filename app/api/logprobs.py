@@ -1,0 +1,63 @@
+"""Log-probabilities in OpenAI's form: token ids become `{"token", "logprob", "bytes", "top_logprobs"}`.
+
+The engine sends ids and numbers (app/llm/stream.py: one `(logprob, top ids, top logprobs)` per
+token); text is made here, on the Router, only for requests that asked.
+
+`bytes` is the token's exact UTF-8 bytes, and `token` their text. One token can hold part of a
+character (byte-level BPE splits multi-byte characters); its `token` then shows U+FFFD for the
+missing part, and concatenating the `bytes` of consecutive tokens gives the exact text. Byte-level
+BPE tokenizers (Qwen's, GPT-2's) write each byte as one printable character; `_byte_level_alphabet`
+is that published mapping, so a token's bytes come from its vocabulary string without a decode.
+Added tokens (`<|im_end|>`...) and other tokenizers' pieces (SentencePiece) are decoded alone.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """Character -> byte of byte-level BPE: the printable Latin-1 bytes stand for themselves, and the
+    other 68 (controls, space, soft hyphen...) for the characters from U+0100 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+class TokenText:
+    """Token id -> (text, UTF-8 bytes), cached per id (a Router replica sees the same tokens again)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.alphabet = _byte_level_alphabet()
+        # added tokens (special or not) are literal text, not written in the byte-level alphabet
+        self.added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        got = self._cache.get(token_id)
+        if got is None:
+            got = self._cache[token_id] = self._text(token_id)
+        return got
+
+    def _text(self, token_id: int) -> tuple[str, list[int]]:
+        piece = self.tok.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and token_id not in self.added and all(c in self.alphabet for c in piece):
+            raw = bytes(self.alphabet[c] for c in piece)
+            return raw.decode("utf-8", errors="replace"), list(raw)
+        text = self.tok.decode([token_id], skip_special_tokens=False)
+        return text, list(text.encode("utf-8"))
+
+    def entry(self, token_id: int, logprob: float) -> dict:
+        text, raw = self(token_id)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    def content(self, token_ids: list[int], logprobs: list) -> list[dict]:
+        """OpenAI's `logprobs.content` for tokens and their engine entries."""
+        out = []
+        for tid, (lp, top_ids, top_vals) in zip(token_ids, logprobs, strict=True):
+            e = self.entry(tid, lp)
+            e["top_logprobs"] = [self.entry(i, v) for i, v in zip(top_ids, top_vals)]
+            out.append(e)
+        return out
