@@ -11,7 +11,9 @@ Measures (the LLM-engine issue's targets):
 - TTFT of 1000-token prompts arriving while 64 streams decode (p50/p99), and those streams' rate;
 - host time per decode step at batch 1, 16 and 64 (the engine's own step log);
 - KV-cache bytes per token;
-- with --profile, the CUDA kernels of a decode step at batch 1 and 64.
+- with --profile, the CUDA kernels of a decode step at batch 1 and 64;
+- with --logprobs-cost (only this phase): 64 streams decoding with and without log-probabilities
+  (top 5), alternating: what asking for them costs in tok/s and host time per step.
 
     python benchmarks/llm.py --out $OUT/llm.json
 """
@@ -41,9 +43,10 @@ from benchmarks.stats import pct  # noqa: E402
 RNG = np.random.default_rng(0)
 
 
-def request(tokens: int, new: int, vocab: int) -> GenerationRequest:
+def request(tokens: int, new: int, vocab: int, logprobs: int | None = None) -> GenerationRequest:
     ids = RNG.integers(0, min(vocab, 150000), tokens).tolist()  # below the special tokens (vision placeholders)
-    return GenerationRequest(ids, [0] * tokens, [], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
+    return GenerationRequest(ids, [0] * tokens, [], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True,
+                                                                   logprobs=logprobs))
 
 
 class Reader:
@@ -85,10 +88,11 @@ def finish(reader: Reader, req: GenerationRequest) -> dict:
     return rec
 
 
-def run_streams(engine: Engine, reader: Reader, n: int, prompt: int, new: int, vocab: int) -> dict:
+def run_streams(engine: Engine, reader: Reader, n: int, prompt: int, new: int, vocab: int,
+                logprobs: int | None = None) -> dict:
     """n concurrent requests: aggregate generated tokens per second, and per-stream decode rates."""
     t0 = time.perf_counter()
-    recs = [reader.submit(request(prompt, new, vocab)) for _ in range(n)]
+    recs = [reader.submit(request(prompt, new, vocab, logprobs)) for _ in range(n)]
     for r in recs:
         r["done"].wait(600)
     wall = max(r["end"] for r in recs) - t0
@@ -199,6 +203,21 @@ def host_time_by_batch(engine: Engine, reader: Reader, batches: list[int], vocab
         wall = [1e3 * r[4] for r in rows]
         out[b] = {"steps": len(rows), "host_ms_median": float(np.median(host)), "host_ms_p99": pct(host, 99),
                   "step_ms_median": float(np.median(wall)), "aggregate_tok_s": res["aggregate_tok_s"]}
+    return out
+
+
+def logprobs_cost(engine: Engine, reader: Reader, streams: int, vocab: int, rounds: int = 3) -> dict:
+    """`streams` streams of 256 tokens without log-probabilities and with the top 5, alternating:
+    aggregate tok/s, and host and wall ms per graph decode step at that batch (medians)."""
+    out: dict = {"off": [], "top5": []}
+    for _ in range(rounds):
+        for name, k in (("off", None), ("top5", 5)):
+            engine.step_log.clear()
+            res = run_streams(engine, reader, streams, 64, 256, vocab, logprobs=k)
+            rows = [r for r in engine.step_log if r[0] == streams and r[2]]
+            out[name].append({"aggregate_tok_s": round(res["aggregate_tok_s"], 1), "steps": len(rows),
+                              "host_ms_median": round(1e3 * float(np.median([r[3] for r in rows])), 3),
+                              "step_ms_median": round(1e3 * float(np.median([r[4] for r in rows])), 3)})
     return out
 
 
@@ -318,6 +337,7 @@ def main() -> None:
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--overlap", choices=["on", "off"], default="on",
                    help="llm.overlap_steps: launch step N+1 before reading step N's tokens")
+    p.add_argument("--logprobs-cost", action="store_true", help="run only the log-probabilities phase")
     p.add_argument("--out", default="benchmarks/llm_results.json")
     a = p.parse_args()
     cfg = AutoConfig.for_model(**load_preset(a.preset))
@@ -349,6 +369,8 @@ def main() -> None:
               ("ttft_under_load", lambda: ttft_under_load(engine, reader, a.streams, a.ttft_prompt, 30, 0.05, vocab)),
               ("host_by_batch", lambda: host_time_by_batch(engine, reader, [1, 16, 64], vocab)),
               ("engine_only", lambda: engine_only(engine, [1, 16, 64], a.ttft_prompt, vocab))]
+    if a.logprobs_cost:
+        phases = [("logprobs_cost", lambda: logprobs_cost(engine, reader, a.streams, vocab))]
     if a.profile:
         phases += [("prefill_attention_ab", lambda: prefill_attention_ab(engine)),
                    ("profile_b1", lambda: profile_decode(engine, reader, 1, vocab)),
@@ -358,6 +380,8 @@ def main() -> None:
         print(name, json.dumps(res[name])[:400], flush=True)
         out.write_text(json.dumps(res, indent=1))
     engine.shutdown()
+    if a.logprobs_cost:
+        return
     if not a.skip_transformers:
         res["transformers"] = transformers_rates(model, a.prompt, 64, a.ttft_prompt, vocab)
     out.write_text(json.dumps(res, indent=1))
