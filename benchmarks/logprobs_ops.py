@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -18,22 +19,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.llm.logprobs import token_logprobs, token_logprobs_torch  # noqa: E402
+from app.vision import timing  # noqa: E402
 
 VOCAB = 151936
 
 
 def median_us(fn, runs: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return round(sorted(times)[len(times) // 2], 1)
+    return round(statistics.median(timing.cuda_times_ms(fn, runs, warmup=5)) * 1e3, 1)
 
 
 def ops_at(rows: int) -> dict:
