@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .sampling import MAX_LOGPROBS
+
 try:
     import triton
     import triton.language as tl
@@ -26,7 +28,9 @@ except ImportError:  # CPU-only installs
     triton = None
 
 CHUNK = 4096  # logits per first-stage program
-CANDIDATES = 32  # per chunk, at least MAX_LOGPROBS (sampling.py): the first stage's output width
+# per chunk, room for the most a request may ask for, rounded up to a power of two: the first stage's
+# output width (32 for MAX_LOGPROBS = 20)
+CANDIDATES = 1 << (MAX_LOGPROBS - 1).bit_length()
 
 
 def token_logprobs_torch(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
