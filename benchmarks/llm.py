@@ -179,7 +179,7 @@ def engine_only(engine: Engine, batches: list[int], prompt: int, vocab: int, ste
         for b in batches:
             engine.step_log.clear()
             q.run([request(64, steps, vocab) for _ in range(b)])
-            host = [1e3 * r[3] for r in engine.step_log if r[0] == b and r[2]]
+            host = [1e3 * r[3] for r in engine.step_log if r[0] == b and r[2] == "decode"]
             out[f"host_b{b}"] = {"steps": len(host), "median_ms": float(np.median(host)), "p99_ms": pct(host, 99)}
         times, parts = [], []
         for _ in range(20):
@@ -198,7 +198,7 @@ def host_time_by_batch(engine: Engine, reader: Reader, batches: list[int], vocab
     for b in batches:
         engine.step_log.clear()
         res = run_streams(engine, reader, b, 64, steps, vocab)
-        rows = [r for r in engine.step_log if r[0] == b and r[2]]  # graph decode steps at batch b
+        rows = [r for r in engine.step_log if r[0] == b and r[2] == "decode"]  # graph decode steps at batch b
         host = [1e3 * r[3] for r in rows]
         wall = [1e3 * r[4] for r in rows]
         out[b] = {"steps": len(rows), "host_ms_median": float(np.median(host)), "host_ms_p99": pct(host, 99),
@@ -214,7 +214,7 @@ def logprobs_cost(engine: Engine, reader: Reader, streams: int, vocab: int, roun
         for name, k in (("off", None), ("top5", 5)):
             engine.step_log.clear()
             res = run_streams(engine, reader, streams, 64, 256, vocab, logprobs=k)
-            rows = [r for r in engine.step_log if r[0] == streams and r[2]]
+            rows = [r for r in engine.step_log if r[0] == streams and r[2] == "decode"]
             out[name].append({"aggregate_tok_s": round(res["aggregate_tok_s"], 1), "steps": len(rows),
                               "host_ms_median": round(1e3 * float(np.median([r[3] for r in rows])), 3),
                               "step_ms_median": round(1e3 * float(np.median([r[4] for r in rows])), 3)})

@@ -6,7 +6,7 @@ their deepstack features, arriving as CPU tensors as the encoder's response does
 Closed loop: `c` clients, each sending its next request when the last one ends, as serve.py does.
 
 Per concurrency it prints requests/s, TTFT and latency percentiles, and what the engine's steps were:
-how many were decode-only (CUDA graph) and how many mixed a prefill in (eager), with their median wall
+how many were decode-only (decode CUDA graphs) and how many mixed a prefill in (step graphs on CUDA), with their median wall
 time, and the time spent building sequences on the event loop (`engine.submit`). Comparing req/s here
 with serve.py's at the same concurrency says whether the engine or the path around it is the limit.
 
@@ -98,17 +98,18 @@ async def closed_loop(engine: Engine, streams: AsyncEngine, reqs: list[Generatio
     wall = time.perf_counter() - t0
     new_steps = engine.steps - steps0  # the step log keeps the last STEP_LOG steps
     steps = list(engine.step_log)[-new_steps:] if new_steps else []
-    graph = [s for s in steps if s[2]]
-    mixed = [s for s in steps if not s[2]]
+    graph = [s for s in steps if s[2] == "decode"]
+    mixed = [s for s in steps if s[2] != "decode"]
     busy = sum(s[4] for s in steps)
     return {"concurrency": c, "requests": len(reqs), "wall_s": round(wall, 3), "req_s": round(len(reqs) / wall, 2),
             "ttft_ms": q(ttft), "latency_ms": q(latency), "submit_ms": q(submit_ms),
             "engine_ms": q(engine_ms), "delivery_ms": q(delivery_ms),
-            "steps": len(steps), "graph_steps": len(graph), "eager_steps": len(mixed),
+            "steps": len(steps), "graph_steps": len(graph), "mixed_steps": len(mixed),
+            "mixed_graph_steps": sum(s[2] == "step" for s in mixed),
             "graph_step_ms_median": round(1e3 * float(np.median([s[4] for s in graph])), 3) if graph else None,
-            "eager_step_ms_median": round(1e3 * float(np.median([s[4] for s in mixed])), 3) if mixed else None,
-            "eager_step_tokens_median": float(np.median([s[1] for s in mixed])) if mixed else None,
-            "eager_step_seqs_median": float(np.median([s[0] for s in mixed])) if mixed else None,
+            "mixed_step_ms_median": round(1e3 * float(np.median([s[4] for s in mixed])), 3) if mixed else None,
+            "mixed_step_tokens_median": float(np.median([s[1] for s in mixed])) if mixed else None,
+            "mixed_step_seqs_median": float(np.median([s[0] for s in mixed])) if mixed else None,
             "engine_busy_fraction": round(busy / wall, 3)}
 
 
@@ -175,13 +176,13 @@ def main() -> None:
     else:
         asyncio.run(run_all())
     engine.shutdown()
-    print("\n| switch ms | c | req/s | TTFT p50 ms | TTFT p99 ms | latency p50 ms | steps graph/eager | graph step ms | "
-          "eager step ms (tokens, seqs) | submit ms p50 | engine ms p50 | delivery ms p50 | engine busy |\n"
+    print("\n| switch ms | c | req/s | TTFT p50 ms | TTFT p99 ms | latency p50 ms | steps decode/mixed | decode step ms | "
+          "mixed step ms (tokens, seqs) | submit ms p50 | engine ms p50 | delivery ms p50 | engine busy |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res["runs"]:
         print(f"| {r['switch_interval_ms']:g} | {r['concurrency']} | {r['req_s']} | {r['ttft_ms']['p50']:.1f} | {r['ttft_ms']['p99']:.1f} | "
-              f"{r['latency_ms']['p50']:.1f} | {r['graph_steps']}/{r['eager_steps']} | {r['graph_step_ms_median']} | "
-              f"{r['eager_step_ms_median']} ({r['eager_step_tokens_median']}, {r['eager_step_seqs_median']}) | "
+              f"{r['latency_ms']['p50']:.1f} | {r['graph_steps']}/{r['mixed_steps']} | {r['graph_step_ms_median']} | "
+              f"{r['mixed_step_ms_median']} ({r['mixed_step_tokens_median']}, {r['mixed_step_seqs_median']}) | "
               f"{r['submit_ms']['p50']:.2f} | {r['engine_ms']['p50']:.1f} | {r['delivery_ms']['p50']:.1f} | "
               f"{r['engine_busy_fraction']} |")
 

@@ -138,7 +138,7 @@ def test_our_text_forward_equals_transformers_logits(world):
     meta = AttentionMetadata(*[None] * 6, block_q=8, block_size=4, host_query_start=np.array([0, n]),
                              host_seq_lens=np.array([n]), host_block_tables=[table])
     offs, r0, r1 = seq.vision_rows(0, n)
-    vision = VisionBatch(torch.from_numpy(offs), seq.vision_main[r0:r1], seq.vision_deepstack[:, r0:r1])
+    vision = VisionBatch.from_rows(torch.from_numpy(offs), seq.vision_main[r0:r1], seq.vision_deepstack[:, r0:r1], n)
     with torch.no_grad():
         h = eng.model(torch.tensor(seq.token_ids), torch.from_numpy(seq.positions(0, n)), slots, kv, meta, vision)
         logits = eng.model.logits(h)
@@ -213,3 +213,17 @@ def test_detokenizing_many_tokens_at_once_equals_one_by_one(world):
             out.append(d.feed_all(ids[i:i + n], final=i + n >= len(ids)))
             i += n
         assert "".join(out) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_step_buckets_hold_every_step_and_pad_as_documented():
+    """Every step size up to the token budget has a step graph, padded by at most its own size up to 128
+    tokens, then by fewer than 128, 256 or 512 tokens (up to 1024, 4096, beyond)."""
+    from app.llm.model_runner import step_buckets
+
+    assert step_buckets(2048)[:6] == [16, 32, 64, 128, 256, 384] and len(step_buckets(2048)) == 15
+    for top in (16, 48, 130, 2048, 3000, 8192):
+        buckets = step_buckets(top)
+        assert buckets == sorted(set(buckets)) and buckets[-1] == top
+        for t in range(1, top + 1):
+            pad = next(b for b in buckets if b >= t) - t
+            assert pad <= max(t, 16) if t <= 128 else pad < (128 if t <= 1024 else 256 if t <= 4096 else 512)

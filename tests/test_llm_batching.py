@@ -340,15 +340,42 @@ def test_graph_decode_equals_eager_decode_and_generate_on_gpu(tiny_checkpoint, w
                      max_num_batched_tokens=64, num_kv_blocks=512)
     eager = Engine(str(tiny_checkpoint), device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8,
                    cuda_graphs=False, num_kv_blocks=512)
-    assert graphed.runner.graphs and not eager.runner.graphs
+    assert graphed.runner.graphs and graphed.runner.step_graphs and not eager.runner.graphs
     reqs = [cuda_request(r) for r in eight_requests(world)]
     outs_g = run_all(graphed, reqs)
     outs_e = run_all(eager, reqs)
-    assert graphed.graph_steps > 0
+    assert graphed.graph_steps > 0 and graphed.step_graph_steps > 0
+    assert all(r[2] in ("decode", "step") for r in graphed.step_log)  # no step ran eagerly
     assert [o[0] for o in outs_g] == [o[0] for o in outs_e]
     assert_equal_generate(world, reqs, outs_g, graphed.eos_ids)
     again = run_all(graphed, reqs[:3])  # prefix-cache hits
     assert [o[0] for o in again] == [o[0] for o in outs_g[:3]] and graphed.blocks.hit_tokens > 0
+
+
+@pytest.mark.gpu
+def test_step_graphs_give_the_eager_steps_log_probabilities_on_gpu(tiny_checkpoint, world):
+    """Prefill chunks beside decodes, with image and video rows (deepstack features), replayed from step
+    graphs on padded layouts: the same tokens as eager steps, and every token's log-probabilities
+    (chosen and top 5) equal within 1e-5 in fp32."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    kw = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=48,
+              num_kv_blocks=512)
+    graphed, eager = Engine(str(tiny_checkpoint), **kw), Engine(str(tiny_checkpoint), cuda_graphs=False, **kw)
+    assert graphed.runner.step_buckets == [16, 32, 48]
+    reqs = [cuda_request(make_request(world, kinds, data_seed=i, words=i, max_tokens=5 + i, logprobs=5))
+            for i, kinds in enumerate(KINDS)]
+    outs_g, outs_e = run_all(graphed, reqs), run_all(eager, reqs)
+    assert graphed.step_graph_steps > 0 and all(r[2] in ("decode", "step") for r in graphed.step_log)
+    assert [o[0] for o in outs_g] == [o[0] for o in outs_e]
+    worst = 0.0
+    for (_, cg), (_, ce) in zip(outs_g, outs_e):
+        for a, b in zip([e for c in cg for e in c.logprobs or []], [e for c in ce for e in c.logprobs or []]):
+            assert a[1] == b[1]
+            worst = max(worst, abs(a[0] - b[0]), *(abs(x - y) for x, y in zip(a[2], b[2])))
+    assert worst <= 1e-5, worst
+    graphed.shutdown()
+    eager.shutdown()
 
 
 @pytest.mark.gpu

@@ -102,3 +102,46 @@ def test_paged_attention_kernel_equals_per_sequence_attention(dtype):
                 want = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), meta, d ** -0.5)
             tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
             assert (got.float() - want).abs().max() <= tol * want.abs().max(), (heads, kv, d, block_m, block_n, split)
+
+
+@pytest.mark.gpu
+def test_a_padded_step_layout_changes_no_real_row_of_attention():
+    """A step graph runs every step on its token bucket's padded layout (model_runner.StepLayout): extra
+    query rows, sequences with no queries and no keys, and attention programs pointing at them. The real
+    rows' output is bit for bit the unpadded call's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from app.llm.attention import AttentionMetadata, block_q_for, paged_attention, work_table
+    from app.llm.model_runner import StepLayout
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    heads, kv, d, bs = 16, 8, 128, 16
+    lens = np.array([1, 37, 300, 129, 513, 16, 64])
+    qlens = np.array([1, 37, 1, 64, 200, 16, 1], dtype=np.int32)
+    k_cache = torch.randn(256 * bs, kv, d, device="cuda", generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(256 * bs, kv, d, device="cuda", generator=g).to(torch.bfloat16)
+    bt = torch.zeros(len(lens) + 1, 64, dtype=torch.int32, device="cuda")  # the last row: padding (block 0)
+    start = 1
+    for r, n in enumerate(lens):
+        need = -(-int(n) // bs)
+        bt[r, :need] = torch.arange(start, start + need)
+        start += need
+    t = int(qlens.sum())
+    q = torch.randn(t + 77, heads, d, device="cuda", generator=g).to(torch.bfloat16)  # 77 padding rows
+    bq = block_q_for(heads // kv, 64)
+    ws, w0 = work_table(qlens, bq)
+    a = {"ids": np.zeros(t), "pos": np.zeros((3, t)), "slots": np.zeros(t), "vis_mask": np.zeros(t),
+         "qstart": np.concatenate([[0], np.cumsum(qlens)]), "lens": lens, "rows": np.arange(len(lens)),
+         "wseq": ws, "wq0": w0}
+
+    def i32(x):
+        return torch.tensor(np.asarray(x), dtype=torch.int32, device="cuda")
+
+    exact = AttentionMetadata(i32(a["qstart"]), i32(lens), i32(a["rows"]), bt, i32(ws), i32(w0), bq, bs)
+    want = paged_attention(q[:t], k_cache, v_cache, exact, d ** -0.5)
+    layout = StepLayout(t + 77, len(lens) + 5, len(ws) + 40)
+    v = layout.views(i32(layout.fill(a, padding_row=len(lens))))
+    assert (v["wseq"][len(ws):] == len(lens) + 4).all() and (v["lens"][len(lens):] == 0).all()
+    padded = AttentionMetadata(v["qstart"], v["lens"], v["rows"], bt, v["wseq"], v["wq0"], bq, bs)
+    got = paged_attention(q, k_cache, v_cache, padded, d ** -0.5)
+    assert torch.equal(got[:t], want)

@@ -19,5 +19,5 @@ def test_llm_load_smoke(tmp_path):
     for r in res["runs"]:
         assert r["requests"] == (8 if r["concurrency"] == 1 else 16) and r["req_s"] > 0  # >= 4 per client
         # 8 requests x 4 tokens: a prefill step gives each its first token, decode steps the other 3
-        assert r["steps"] == r["graph_steps"] + r["eager_steps"] >= r["requests"] * 3 / r["concurrency"]
+        assert r["steps"] == r["graph_steps"] + r["mixed_steps"] >= r["requests"] * 3 / r["concurrency"]
         assert r["latency_ms"]["p50"] >= r["engine_ms"]["p50"] > 0 and r["delivery_ms"]["p50"] >= 0

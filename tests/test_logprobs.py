@@ -146,7 +146,7 @@ def test_logprobs_from_graphed_overlapped_steps_on_gpu(world, tiny_checkpoint):
     assert eng.overlap and eng.runner.graphs
     reqs = mixed_requests(world, "cuda")
     check_mixed(world, reqs, run_concurrently(eng, reqs), tol=1e-3)
-    assert eng.graph_steps > 0
+    assert eng.graph_steps > 0 and eng.step_graph_steps > 0  # decodes, and prompts through step graphs
     eng.shutdown()
 
 

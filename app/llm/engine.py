@@ -4,8 +4,8 @@
                           (block_manager.py)        (model.py, sampler.py)      (one call per step)
 
 A step is a plan from the scheduler (decodes plus prefill chunks under a token budget), run by the
-model runner (one host-to-device copy, a CUDA graph for pure decode steps, batched sampling, one
-device-to-host copy), then turned into one `TokenDelta` per request that advanced. `emit` gets the
+model runner (one host-to-device copy, a CUDA graph per decode batch bucket or per step token bucket,
+batched sampling, one device-to-host copy), then turned into one `TokenDelta` per request that advanced. `emit` gets the
 whole step's deltas in one call: by default each goes to its request's reader (`Sequence.next_chunk`
 on any thread); the LLM deployment replaces it with one hand-off to its event loop per step.
 
@@ -118,8 +118,9 @@ class Engine:
         self.emit: Callable[[list[tuple[Sequence, TokenDelta]]], None] = self._emit_each
         self.overlap = cfg.overlap_steps if cfg.overlap_steps is not None else self.device.type == "cuda"
         self._inflight: LaunchedStep | None = None  # launched, tokens not read yet (overlap only)
-        self.steps = self.graph_steps = 0
-        self.step_log: deque[tuple[int, int, bool, float, float]] = deque(maxlen=STEP_LOG)  # seqs, tokens, graph, host, wall
+        self.steps = self.graph_steps = self.step_graph_steps = 0  # steps; replayed from decode / step graphs
+        # per step: seqs, tokens, graph ("decode", "step" or "" for eager), host s, wall s
+        self.step_log: deque[tuple[int, int, str, float, float]] = deque(maxlen=STEP_LOG)
         # The engine thread shares the GIL with whoever reads the outputs (the replica's event loop). When
         # a step's device work is done it must get the GIL back at once, and the loop its turn, not after
         # CPython's default 5 ms switch interval (which, with a busy reader, became most of a batch-64
@@ -217,6 +218,7 @@ class Engine:
     def stats(self) -> dict:
         """load() plus step counts and host time per step (median ms by batch size) over recent steps."""
         out = self.load() | {"steps": self.steps, "graph_steps": self.graph_steps,
+                             "step_graph_steps": self.step_graph_steps,
                              "kv_bytes_per_token": self.runner.bytes_per_block // self.blocks.block_size}
         by_batch: dict[int, list[float]] = {}
         for seqs, _, _, host, _ in list(self.step_log):
@@ -310,7 +312,8 @@ class Engine:
                 seq.token_ids.append(-1 - k)
                 k += 1
         self.steps += 1
-        self.graph_steps += step.graph
+        self.graph_steps += step.graph == "decode"
+        self.step_graph_steps += step.graph == "step"
 
     def _complete(self, step: LaunchedStep) -> None:
         """Read a launched step's tokens, put them in place of its placeholders, emit them."""

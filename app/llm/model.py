@@ -44,6 +44,7 @@ class TextSpec:
     qkv_bias: bool = False
     qk_norm: bool = True
     tie_embeddings: bool = False
+    deepstack_layers: int = 0  # how many first layers take the vision tower's deepstack features (Qwen3-VL)
     # where the text model's tensors live in the checkpoint: the decoder's prefixes (the first one that
     # matches a name wins) and the LM head's name
     prefixes: tuple[str, ...] = ("model.language_model.",)
@@ -86,17 +87,35 @@ class TextSpec:
                    heads=text["num_attention_heads"], kv_heads=text["num_key_value_heads"], head_dim=head_dim,
                    intermediate=text["intermediate_size"], eps=text.get("rms_norm_eps", 1e-6), rope_theta=theta,
                    rope_axes=tuple(axes), qkv_bias=text.get("attention_bias", qwen2), qk_norm=not qwen2,
-                   tie_embeddings=bool(tie), prefixes=prefixes, head_name=head)
+                   tie_embeddings=bool(tie), prefixes=prefixes, head_name=head,
+                   deepstack_layers=len((config.get("vision_config") or {}).get("deepstack_visual_indexes") or ()))
 
 
 @dataclass
 class VisionBatch:
-    """Vision tokens of a step: their rows in the flat batch, their embeddings, and their deepstack
-    features ([layers, n, hidden]) if the model has them."""
+    """Vision tokens of a step, laid out over all T rows of the flat batch: `mask` [T] is nonzero on the
+    vision rows, `main` [T, hidden] holds their embeddings and `deepstack` [layers, T, hidden] their
+    deepstack features (None if the model has none); other rows of `main` and `deepstack` hold anything.
 
-    index: torch.Tensor
+    Dense rather than (index, values) so that every shape is the step's: a CUDA graph of a whole step
+    reads the same buffers whatever number of vision rows it carries."""
+
+    mask: torch.Tensor
     main: torch.Tensor
     deepstack: torch.Tensor | None = None
+
+    @classmethod
+    def from_rows(cls, index: torch.Tensor, main: torch.Tensor, deepstack: torch.Tensor | None,
+                  tokens: int) -> VisionBatch:
+        """From the vision rows' indices in a step of `tokens` rows, their embeddings [n, hidden] and
+        deepstack features [layers, n, hidden]."""
+        index = index.long()
+        mask = torch.zeros(tokens, dtype=torch.int32, device=main.device).index_fill_(0, index, 1)
+        dense = main.new_zeros(tokens, main.shape[1]).index_copy_(0, index, main)
+        ds = None
+        if deepstack is not None:
+            ds = deepstack.new_zeros(deepstack.shape[0], tokens, deepstack.shape[2]).index_copy_(1, index, deepstack)
+        return cls(mask, dense, ds)
 
 
 class DecoderLayer(nn.Module):
@@ -161,8 +180,10 @@ class TextModel(nn.Module):
         kv_heads, head_dim]; slots: each token's KV-cache slot."""
         s = self.spec
         x = F.embedding(input_ids, self.embed)
+        on = None
         if vision is not None:
-            x[vision.index] = vision.main
+            on = (vision.mask != 0).unsqueeze(1)
+            x = torch.where(on, vision.main, x)
         cos, sin = self.rotary(positions)
         t = x.shape[0]
         residual, pending = x, None
@@ -178,8 +199,10 @@ class TextModel(nn.Module):
             residual, h = add_rmsnorm(residual, o, layer.post_attention_norm, s.eps)
             pending = F.linear(silu_mul(F.linear(h, layer.gate_up_weight)), layer.down_weight)
             if deepstack is not None and i < deepstack.shape[0]:
+                # transformers adds the features to the layer's output on the vision rows: the same sum,
+                # rounded the same way, selected per row
                 residual = residual + pending
-                residual[vision.index] += deepstack[i]
+                residual = torch.where(on, residual + deepstack[i], residual)
                 pending = None
         _, h = add_rmsnorm(residual, pending, self.norm, s.eps)
         return h

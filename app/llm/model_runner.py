@@ -4,7 +4,13 @@ Host time per step is what caps a Python engine, so a step does little on the ho
 - every input of the step (token ids, positions, KV slots, attention layout, block-table changes,
   sampling parameters) is laid out in one pinned buffer and copied to the device once;
 - decode-only steps replay a CUDA graph of the whole forward (and lm_head) for the smallest
-  captured batch bucket that holds them; mixed steps (prefill chunks) run eagerly;
+  captured batch bucket that holds them;
+- every other step (prefill chunks, alone or beside decodes) replays a "step graph": the forward over
+  the smallest captured token bucket that holds the step's tokens, padded (`StepLayout`). Launched
+  eagerly, the ~300 kernels of a 28-layer forward took about 6 ms of host time on an H200's host,
+  as long as the GPU's work for 1000 tokens and three times its work for 256; and a busy event loop
+  sharing the GIL stretched that further. Replayed, the launch is one call. Logits and sampling
+  run after the replay, on the step's sampling rows only;
 - sampling for the whole batch runs on the device, and the token ids come back in one copy (and,
   in steps where a request asked for them, the rows' log-probabilities in one more).
 
@@ -46,6 +52,62 @@ def decode_buckets(max_batch: int) -> list[int]:
     """Batch sizes with a decode graph: 1, 2, 4, 8, then every multiple of 8 up to max_batch."""
     out = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
     return sorted(set(out + [max_batch]))
+
+
+def step_buckets(max_tokens: int) -> list[int]:
+    """Token counts with a step graph: 16, 32, 64, 128, then every 128 up to 1024, every 256 up to 4096,
+    every 512 beyond, and max_tokens itself. A step pads to at most twice its tokens up to 128, then by
+    fewer than 128 tokens up to 1024 (2.4% of a 1000-token prompt), 256 up to 4096, 512 beyond: 15
+    graphs for the default 2048-token budget."""
+    out, b = [], 16
+    while b < max_tokens:
+        out.append(b)
+        b = 2 * b if b < 128 else b + (128 if b < 1024 else 256 if b < 4096 else 512)
+    return out + [max_tokens]
+
+
+class StepLayout:
+    """Where a step's forward reads its inputs: int32 arrays for `tokens` rows, `seqs` sequences and
+    `work` attention programs, each on a 16-byte boundary, in one array that `StepInputs.pack` puts at
+    the start of the device buffer (the fixed addresses a step graph was captured on).
+
+    A step graph's layout is larger than the steps it serves; the tail entries are padding that does
+    nothing: token rows write KV slot 0 (block 0, nobody's cache), sequences have no queries and no
+    keys, and attention programs point at such a sequence."""
+
+    FIELDS = ("ids", "pos", "slots", "vis_mask", "qstart", "lens", "rows", "wseq", "wq0")
+
+    def __init__(self, tokens: int, seqs: int, work: int):
+        self.tokens, self.seqs, self.work = tokens, seqs, work
+        shapes = [(tokens,), (3, tokens), (tokens,), (tokens,), (seqs + 1,), (seqs,), (seqs,), (work,), (work,)]
+        self.slices, off = {}, 0
+        for name, shape in zip(self.FIELDS, shapes):
+            n = int(np.prod(shape))
+            self.slices[name] = (off, n, shape)
+            off += -(-n // 4) * 4
+        self.words = off
+
+    def views(self, buf):
+        """name -> view of a flat int32 buffer (numpy array or tensor) laid out this way."""
+        return {name: buf[o:o + n].reshape(shape) for name, (o, n, shape) in self.slices.items()}
+
+    def fill(self, a: dict[str, np.ndarray], padding_row: int) -> np.ndarray:
+        """The flat array for a step's host arrays `a` (as `ModelRunner._step_arrays` makes them), padded."""
+        out = np.zeros(self.words, dtype=np.int32)
+        v = self.views(out)
+        t, n, w = len(a["ids"]), len(a["lens"]), len(a["wseq"])
+        for name in ("ids", "slots", "vis_mask"):
+            v[name][:t] = a[name]
+        v["pos"][:, :t] = a["pos"]
+        v["qstart"][:n + 1] = a["qstart"]
+        v["qstart"][n + 1:] = t
+        v["lens"][:n] = a["lens"]
+        v["rows"][:n] = a["rows"]
+        v["rows"][n:] = padding_row
+        v["wseq"][:w] = a["wseq"]
+        v["wseq"][w:] = self.seqs - 1  # a padding sequence: padded layouts have one more than any step
+        v["wq0"][:w] = a["wq0"]
+        return out
 
 
 class StepInputs:
@@ -108,7 +170,7 @@ class StepResult:
     tokens: list[int]  # one per sampling sequence, in plan order
     host_s: float  # host time of the step (preparing inputs, launching, reading results)
     wall_s: float  # the whole call, waiting for the device included
-    graph: bool
+    graph: str  # "decode" or "step" (the kind of CUDA graph replayed), "" when launched eagerly
     # per sampling row: (log-probability of its token, top ids, top log-probabilities), None for rows
     # that did not ask; None when no row did
     logprobs: list | None = None
@@ -122,7 +184,7 @@ class LaunchedStep:
     tokens: torch.Tensor | None  # [sampling rows] on the device: what the next step's placeholders read
     host_tokens: torch.Tensor | None  # their pinned destination
     done: torch.cuda.Event | None  # recorded after the copy to the host
-    graph: bool
+    graph: str  # as StepResult.graph
     host_s: float  # preparing and launching
     started: float  # perf_counter at the launch's start
     keep: list = field(default_factory=list)  # tensors the queued kernels read that nobody else may hold
@@ -141,10 +203,16 @@ class ModelRunner:
         self.block_tables = torch.zeros(max_num_seqs + 1, self.max_blocks, dtype=torch.int32, device=self.device)
         self.written = [0] * max_num_seqs  # block-table entries already on the device, per row
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
-        # the largest step: every row's whole block table, the token budget's ids, positions and slots,
-        # and a dozen words per row of attention layout and sampling parameters
-        words = 2 * (max_num_seqs + 1) * self.max_blocks + 8 * max_num_batched_tokens + 32 * (max_num_seqs + 8)
+        # the largest step: every row's whole block table, the token budget's ids, positions, slots and
+        # vision rows, and a few dozen words per row of attention layout and sampling parameters
+        words = 2 * (max_num_seqs + 1) * self.max_blocks + 10 * max_num_batched_tokens + 32 * (max_num_seqs + 8)
         self.inputs = StepInputs(self.device, words)
+        self.max_tokens = max_num_batched_tokens
+        # the vision rows of a step, dense over its token rows (model.VisionBatch), written in place each
+        # step: a step graph reads them at fixed addresses
+        self.vision_main = torch.empty(max_num_batched_tokens, s.hidden, dtype=self.dtype, device=self.device)
+        self.vision_deepstack = (torch.empty(s.deepstack_layers, max_num_batched_tokens, s.hidden, dtype=self.dtype,
+                                             device=self.device) if s.deepstack_layers else None)
         self.sampler = Sampler(s.vocab, max_num_seqs, self.device)
         self.decode_block_q = block_q_for(s.heads // s.kv_heads, DECODE_BLOCK_M)
         self.prefill_block_q = block_q_for(s.heads // s.kv_heads, PREFILL_BLOCK_M)
@@ -162,8 +230,10 @@ class ModelRunner:
         self.kv[:, :, :block_size].zero_()  # block 0: where padded rows write; read only by them
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_buckets: list[int] = []
+        self.step_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.step_buckets: list[int] = []
         if cuda_graphs and self.device.type == "cuda":
-            self.capture_decode_graphs()
+            self.capture_graphs()
 
     # ------------------------------------------------------------------ memory
     @property
@@ -284,8 +354,7 @@ class ModelRunner:
             rows = plan.seqs
         else:
             rows = [s for s, sampled in zip(plan.seqs, plan.sample) if sampled]
-            logits, sampling = self._eager(plan, rows, feed, keep)
-            graph = False
+            logits, sampling, graph = self._mixed(plan, rows, feed, keep)
         tokens = self.sampler(logits, sampling) if rows else None
         out = done = logprobs = None
         if tokens is not None:
@@ -382,10 +451,10 @@ class ModelRunner:
         if bucket in self.graphs:
             self.graphs[bucket].replay()
             logits = self.logits_out[:n]
-            graph = True
+            graph = "decode"
         else:
             logits = self._decode_forward(dev["graph"], bucket)[:n]
-            graph = False
+            graph = ""
         return logits, self._sampling_batch(dev, flags), graph
 
     def _decode_meta(self, lens: torch.Tensor, rows: torch.Tensor, b: int) -> AttentionMetadata:
@@ -407,9 +476,11 @@ class ModelRunner:
         torch.mm(h, self.model.head_weight.t(), out=out)
         return out
 
-    def _eager(self, plan: StepPlan, sampling_rows: list[Sequence], feed: torch.Tensor | None, keep: list):
+    def _step_arrays(self, plan: StepPlan) -> tuple[dict[str, np.ndarray], list[int], list]:
+        """A step's host arrays (StepLayout.FIELDS, unpadded), its sampling rows' places in the flat
+        batch, and its vision parts (sequence, first row, end row of the sequence's vision embeddings)."""
         bs = self.block_size
-        ids, pos, slots, qlens, lens, rows, logit_rows, vis_idx, vis_parts = [], [], [], [], [], [], [], [], []
+        ids, pos, slots, qlens, lens, rows, logit_rows, vis_rows, vis_parts = [], [], [], [], [], [], [], [], []
         offset = 0
         for i, (s, n) in enumerate(zip(plan.seqs, plan.num_tokens)):
             start, end = s.num_computed, s.num_computed + n
@@ -426,41 +497,90 @@ class ModelRunner:
             offs, r0, r1 = s.vision_rows(start, end)
             if len(offs):
                 s.vision_to_device()  # first chunk: start the pinned copy (inside the step's error handling)
-                vis_idx.append(offs + offset)
+                vis_rows.append(offs + offset)
                 vis_parts.append((s, r0, r1))
             offset += n
         qlens_np = np.array(qlens, dtype=np.int32)
-        qstart = np.concatenate([[0], np.cumsum(qlens_np)]).astype(np.int32)
         wseq, wq0 = work_table(qlens_np, self.prefill_block_q)
+        vis_mask = np.zeros(offset, dtype=np.int32)
+        vis_idx = np.concatenate(vis_rows).astype(np.int32) if vis_rows else np.zeros(0, np.int32)
+        vis_mask[vis_idx] = 1
+        arrays = {"ids": np.array(ids, dtype=np.int32), "pos": np.concatenate(pos, axis=1),
+                  "slots": np.concatenate(slots).astype(np.int32), "vis_mask": vis_mask,
+                  "qstart": np.concatenate([[0], np.cumsum(qlens_np)]).astype(np.int32),
+                  "lens": np.array(lens, dtype=np.int32), "rows": np.array(rows, dtype=np.int32),
+                  "wseq": wseq, "wq0": wq0, "vis_idx": vis_idx}
+        return arrays, logit_rows, vis_parts
+
+    def _step_bucket(self, tokens: int) -> int | None:
+        """The smallest step graph that holds `tokens`, None when there is none."""
+        return next((b for b in self.step_buckets if b >= tokens), None) if self.step_graphs else None
+
+    def _step_layout(self, tokens: int) -> StepLayout:
+        """A step graph's layout: room for every running request and one padding sequence, and for the
+        most attention programs `tokens` rows can make (each sequence rounds its queries up once)."""
+        work = -(-tokens // self.prefill_block_q) + self.max_num_seqs
+        return StepLayout(tokens, self.max_num_seqs + 1, work)
+
+    def _mixed(self, plan: StepPlan, sampling_rows: list[Sequence], feed: torch.Tensor | None, keep: list):
+        """A step that is not a pure decode: replayed from the step graph of its token bucket, or eager
+        (no graphs: the CPU, `cuda_graphs` off)."""
+        a, logit_rows, vis_parts = self._step_arrays(plan)
+        t = len(a["ids"])
+        bucket = self._step_bucket(t)
+        layout = self._step_layout(bucket) if bucket else StepLayout(t, len(a["lens"]), len(a["wseq"]))
         table_idx, table_val = self._table_updates(plan.seqs)
         sampling, flags = self._sampling(sampling_rows)
-        arrays = {"ids": np.array(ids, dtype=np.int32), "pos": np.concatenate(pos, axis=1),
-                  "slots": np.concatenate(slots).astype(np.int32), "qstart": qstart,
-                  "lens": np.array(lens, dtype=np.int32), "rows": np.array(rows, dtype=np.int32),
-                  "wseq": wseq, "wq0": wq0, "logit_rows": np.array(logit_rows, dtype=np.int32),
-                  "vis_idx": np.concatenate(vis_idx).astype(np.int32) if vis_idx else np.zeros(0, np.int32),
-                  "table_idx": table_idx, "table_val": table_val, **sampling}
-        dev = self.inputs.pack(arrays)
+        dev = self.inputs.pack({"step": layout.fill(a, self.padding_row),
+                                "logit_rows": np.array(logit_rows, dtype=np.int32), "vis_idx": a["vis_idx"],
+                                "table_idx": table_idx, "table_val": table_val, **sampling})
         self._apply_table_updates(dev)
-        self._feed_placeholders(dev["ids"], feed, bool(arrays["ids"].size) and arrays["ids"].min() < 0)
-        meta = AttentionMetadata(dev["qstart"], dev["lens"], dev["rows"], self.block_tables, dev["wseq"], dev["wq0"],
-                                 self.prefill_block_q, bs, host_query_start=qstart, host_seq_lens=arrays["lens"],
-                                 host_block_tables=[s.block_table for s in plan.seqs])
-        vision = None
+        v = layout.views(dev["step"])
+        self._feed_placeholders(v["ids"], feed, bool(t) and a["ids"].min() < 0)
         if vis_parts:
-            main = torch.cat([s.vision_main[r0:r1] for s, r0, r1 in vis_parts])
-            ds = None
-            if vis_parts[0][0].vision_deepstack is not None:
-                ds = torch.cat([s.vision_deepstack[:, r0:r1] for s, r0, r1 in vis_parts], dim=1)
-            vision = VisionBatch(dev["vis_idx"].long(), main, ds)
+            idx = dev["vis_idx"].long()
+            self.vision_main.index_copy_(0, idx, torch.cat([s.vision_main[r0:r1] for s, r0, r1 in vis_parts]))
+            if self.vision_deepstack is not None:
+                self.vision_deepstack.index_copy_(1, idx, torch.cat([s.vision_deepstack[:, r0:r1]
+                                                                     for s, r0, r1 in vis_parts], dim=1))
             keep.extend((s.vision_main, s.vision_deepstack) for s, _, _ in vis_parts)  # read by queued kernels
-        h = self.model(dev["ids"], dev["pos"], dev["slots"], self.kv, meta, vision)
+        if bucket:
+            self.step_graphs[bucket].replay()
+            h, graph = self.step_hidden[:bucket], "step"
+        else:
+            h = self._step_forward(v, t, vision=bool(vis_parts), host=(a, plan))
+            graph = ""
         logits = self.model.logits(h[dev["logit_rows"].long()]) if logit_rows else None
-        return logits, self._sampling_batch(dev, flags)
+        return logits, self._sampling_batch(dev, flags), graph
+
+    def _step_forward(self, v: dict[str, torch.Tensor], tokens: int, vision: bool, host=None) -> torch.Tensor:
+        """The forward over a step layout's device views `v` (`tokens` rows). `host`: the step's host
+        arrays and plan, for the CPU's attention (None in a graph: the kernel reads only the device views)."""
+        meta = AttentionMetadata(v["qstart"], v["lens"], v["rows"], self.block_tables, v["wseq"], v["wq0"],
+                                 self.prefill_block_q, self.block_size)
+        if host is not None:
+            a, plan = host
+            meta.host_query_start, meta.host_seq_lens = a["qstart"], a["lens"]
+            meta.host_block_tables = [s.block_table for s in plan.seqs]
+        batch = None
+        if vision:
+            ds = self.vision_deepstack[:, :tokens] if self.vision_deepstack is not None else None
+            batch = VisionBatch(v["vis_mask"], self.vision_main[:tokens], ds)
+        return self.model(v["ids"], v["pos"], v["slots"], self.kv, meta, batch)
 
     # ------------------------------------------------------------------ graphs
     @torch.inference_mode()
-    def capture_decode_graphs(self) -> None:
+    def capture_graphs(self) -> None:
+        """Decode graphs, then step graphs, in one memory pool (each captured largest first, so smaller
+        ones reuse its blocks); then block 0, which the captures wrote, is zeroed again."""
+        pool = torch.cuda.graph_pool_handle()
+        self.capture_decode_graphs(pool)
+        self.capture_step_graphs(pool)
+        torch.cuda.synchronize(self.device)
+        self.inputs.frozen = True
+        self.kv[:, :, :self.block_size].zero_()
+
+    def capture_decode_graphs(self, pool) -> None:
         t0 = time.perf_counter()
         s = self.model.spec
         self.graph_buckets = decode_buckets(self.max_num_seqs)
@@ -468,7 +588,6 @@ class ModelRunner:
         self.logits_out = torch.empty(top, s.vocab, dtype=self.dtype, device=self.device)
         # the graphs read their inputs where `StepInputs.pack` puts the "graph" array: the buffer's start
         graph_in = self.inputs.dev
-        pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         for b in reversed(self.graph_buckets):
             view = graph_in[:5 * b].view(5, b)
@@ -483,7 +602,34 @@ class ModelRunner:
                 self._decode_forward(view, b, self.logits_out[:b])
             self.graphs[b] = g
         torch.cuda.synchronize(self.device)
-        self.inputs.frozen = True
-        self.kv[:, :, :self.block_size].zero_()
         log.info("captured %d decode graphs (batch %s) in %.2f s", len(self.graphs), self.graph_buckets,
+                 time.perf_counter() - t0)
+
+    def capture_step_graphs(self, pool) -> None:
+        """One graph per token bucket of the whole forward over a padded StepLayout at the buffer's start,
+        the vision rows included (a step without any has an all-zero mask); its final hidden states are
+        copied to `step_hidden`, where the step's logit rows are taken from."""
+        t0 = time.perf_counter()
+        self.step_buckets = step_buckets(self.max_tokens)
+        self.step_hidden = torch.empty(self.max_tokens, self.model.spec.hidden, dtype=self.dtype, device=self.device)
+        empty = {"ids": [], "pos": np.zeros((3, 0)), "slots": [], "vis_mask": [], "qstart": [0], "lens": [],
+                 "rows": [], "wseq": [], "wq0": []}
+        side = torch.cuda.Stream(self.device)
+        for b in reversed(self.step_buckets):
+            layout = self._step_layout(b)
+            if layout.words > self.inputs.dev.numel():
+                raise RuntimeError(f"a {b}-token step graph's inputs overflow the step-input buffer")
+            buf = self.inputs.dev[:layout.words]
+            buf.copy_(torch.from_numpy(layout.fill(empty, self.padding_row)).to(self.device))  # a step of no tokens
+            v = layout.views(buf)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self.step_hidden[:b].copy_(self._step_forward(v, b, vision=True))
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self.step_hidden[:b].copy_(self._step_forward(v, b, vision=True))
+            self.step_graphs[b] = g
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d step graphs (tokens %s) in %.2f s", len(self.step_graphs), self.step_buckets,
                  time.perf_counter() - t0)
