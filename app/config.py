@@ -161,6 +161,10 @@ class LLMConfig(_Strict):
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prompt prefixes; vision "
                                         "tokens are identified by their media's content key")
     cuda_graphs: bool = Field(True, description="decode steps replayed from CUDA graphs per batch bucket")
+    step_graphs: bool = Field(True, description="with cuda_graphs: every other step (prefill chunks, alone or "
+                              "beside decodes) replayed from a CUDA graph per token bucket instead of launched "
+                              "kernel by kernel (a 1000-token prompt's TTFT 7.6-8.1 against 10.2-14.7 ms on an "
+                              "H200); false launches them eagerly (benchmarks/RESULTS.md, 'Step graphs')")
     overlap_steps: bool | None = Field(None, description="plan and launch step N+1 while step N runs on the "
                                        "device (its sampled tokens fed back on the device), so the GPU does not "
                                        "wait for the host between steps; None: on with CUDA, off on the CPU "

@@ -227,3 +227,15 @@ def test_step_buckets_hold_every_step_and_pad_as_documented():
         for t in range(1, top + 1):
             pad = next(b for b in buckets if b >= t) - t
             assert pad <= max(t, 16) if t <= 128 else pad < (128 if t <= 1024 else 256 if t <= 4096 else 512)
+
+
+def test_vision_with_another_number_of_deepstack_layers_is_refused_at_submit(world):
+    """The step's dense deepstack buffers hold the text model's count of layers (its config's
+    deepstack_visual_indexes): an encoder output with another count is refused before it is queued,
+    where the forward would otherwise drop or misplace features."""
+    eng = world["engine"]
+    assert eng.spec.deepstack_layers == len(world["ref"].config.vision_config.deepstack_visual_indexes) > 0
+    req = make_request(world, ["image"])[0]
+    req.vision[0].deepstack = req.vision[0].deepstack[:-1]
+    with pytest.raises(ValueError, match="deepstack layers"):
+        eng.submit(req)

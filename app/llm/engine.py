@@ -112,7 +112,8 @@ class Engine:
         self.runner = ModelRunner(self.model, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
                                   num_kv_blocks=cfg.num_kv_blocks,
-                                  gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=cfg.cuda_graphs)
+                                  gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=cfg.cuda_graphs,
+                                  step_graphs=cfg.step_graphs)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, self.max_num_seqs, cfg.max_num_batched_tokens)
         self.emit: Callable[[list[tuple[Sequence, TokenDelta]]], None] = self._emit_each
@@ -157,6 +158,10 @@ class Engine:
         k = req.params.logprobs
         if k is not None and not 0 <= k <= MAX_LOGPROBS:
             raise ClientError(f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
+        layers = self.spec.deepstack_layers
+        if any(len(v.deepstack) != layers for v in req.vision):  # the step graphs hold exactly this many
+            raise ValueError(f"the vision encoder gave {[len(v.deepstack) for v in req.vision]} deepstack layers "
+                             f"per item; the text model takes {layers}")
         capacity = self.check_admission(length)
         seq = Sequence(req, rope=self.rope, vision_ids=self.vision_ids, max_model_len=min(self.max_model_len, capacity),
                        block_size=self.blocks.block_size, device=self.device, dtype=self.dtype)

@@ -194,7 +194,8 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: TextModel, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 block_size: int, num_kv_blocks: int | None, gpu_memory_utilization: float, cuda_graphs: bool):
+                 block_size: int, num_kv_blocks: int | None, gpu_memory_utilization: float, cuda_graphs: bool,
+                 step_graphs: bool = True):
         self.model, self.device, self.dtype = model, model.device, model.dtype
         s = model.spec
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
@@ -233,7 +234,7 @@ class ModelRunner:
         self.step_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.step_buckets: list[int] = []
         if cuda_graphs and self.device.type == "cuda":
-            self.capture_graphs()
+            self.capture_graphs(step_graphs)
 
     # ------------------------------------------------------------------ memory
     @property
@@ -570,12 +571,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ graphs
     @torch.inference_mode()
-    def capture_graphs(self) -> None:
+    def capture_graphs(self, step_graphs: bool = True) -> None:
         """Decode graphs, then step graphs, in one memory pool (each captured largest first, so smaller
         ones reuse its blocks); then block 0, which the captures wrote, is zeroed again."""
         pool = torch.cuda.graph_pool_handle()
         self.capture_decode_graphs(pool)
-        self.capture_step_graphs(pool)
+        if step_graphs:
+            self.capture_step_graphs(pool)
         torch.cuda.synchronize(self.device)
         self.inputs.frozen = True
         self.kv[:, :, :self.block_size].zero_()
