@@ -62,7 +62,7 @@ class FusedBackend:
         grid, cache key), in prompt order. A request the engine would refuse now (queue full, prompt
         too long) is refused before its media is encoded; requests still encoding do not count
         towards the queue, so a burst may still be refused after encoding, by `submit`."""
-        self.engine.check_admission(len(gen["input_ids"]))
+        self.engine.check_admission(len(gen["input_ids"]), gen["params"].get("n", 1))
         encoded = await self.encoder.encode_async(items) if items else []
         stream = self.streams.generate(request_from_dict(gen, encoded))
         del encoded  # the engine's sequence copies the embeddings: keep no GPU memory here meanwhile

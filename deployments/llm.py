@@ -45,7 +45,8 @@ class LLM:
         items, nested so that Ray passes them unresolved) is encoded here, then generated from."""
         if self.fused is None:
             raise RuntimeError("generate_from_media needs the fused placement (this replica has no tower)")
-        self.engine.check_admission(len(gen["input_ids"]))  # a full queue: 503 before reading the media
+        # a full queue: 503 before reading the media
+        self.engine.check_admission(len(gen["input_ids"]), gen["params"].get("n", 1))
         async for chunk in self.fused.chunks(gen, await resolve_payload(payload)):
             yield asdict(chunk)
 

@@ -25,11 +25,14 @@ from .stream import Chunk, TokenDelta
 
 
 class _Pending:
+    """One choice's deltas not yet made into text. The choices of a request share one event: its
+    generator wakes once for whatever arrived for any of them."""
+
     __slots__ = ("deltas", "event", "started")
 
-    def __init__(self):
+    def __init__(self, event: asyncio.Event):
         self.deltas: list[TokenDelta] = []
-        self.event = asyncio.Event()
+        self.event = event
         self.started = False
 
 
@@ -68,32 +71,41 @@ class AsyncEngine:
 
     async def generate(self, req: GenerationRequest, on_submit: Callable[[Sequence], None] | None = None
                        ) -> AsyncIterator[Chunk]:
-        """Chunks of one request. Closing the generator (a client that went away) cancels the request;
-        the engine frees its blocks at its next step. `on_submit` sees the engine's sequence."""
+        """Chunks of one request, each with its choice's `index` (OpenAI's `n`; chunks of different
+        choices interleave); it ends when every choice has finished. Closing the generator (a client
+        that went away) cancels the request; the engine frees its blocks at its next step.
+        `on_submit` sees each of the engine's sequences."""
         self.loop = asyncio.get_running_loop()
-        stream = self.engine.output_stream(req)
-        pending = _Pending()
-        seq = self.engine.submit(req, sink=pending)
-        # The sequence holds its own copy of the embeddings: drop the request's, which may be GPU
+        n, event = req.params.n, asyncio.Event()
+        streams = [self.engine.output_stream(req) for _ in range(n)]
+        pending = [_Pending(event) for _ in range(n)]
+        seqs = self.engine.submit_choices(req, pending)
+        # The sequences hold their own copy of the embeddings: drop the request's, which may be GPU
         # memory (the fused placement) that would otherwise stay for the whole generation.
         del req
         if on_submit is not None:
-            on_submit(seq)
+            for seq in seqs:
+                on_submit(seq)
+        live = list(range(n))
         try:
-            while True:
-                await pending.event.wait()
-                pending.event.clear()
-                deltas, pending.deltas = pending.deltas, []
-                if not deltas:
-                    continue
-                chunk = stream.push(deltas)
-                if stream.stopped:
-                    seq.cancel()
-                if chunk is not None:
-                    pending.started = True
-                    yield chunk
-                if stream.finished:
-                    return
+            while live:
+                await event.wait()
+                event.clear()
+                for i in list(live):
+                    p, stream = pending[i], streams[i]
+                    deltas, p.deltas = p.deltas, []
+                    if not deltas:
+                        continue
+                    chunk = stream.push(deltas)
+                    if stream.stopped:
+                        seqs[i].cancel()
+                    if chunk is not None:
+                        p.started = True
+                        chunk.index = i
+                        yield chunk
+                    if stream.finished:
+                        live.remove(i)
         finally:
-            seq.cancel()
-            self._due.discard(pending)
+            for seq, p in zip(seqs, pending):
+                seq.cancel()
+                self._due.discard(p)

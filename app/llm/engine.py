@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import random
 import sys
 import threading
 import time
@@ -152,9 +153,20 @@ class Engine:
         return self.spec.head_dim
 
     def submit(self, req: GenerationRequest, sink: Callable[[TokenDelta], None] | None = None) -> Sequence:
-        """Queue a request. Its token deltas go to `sink` if given (the caller makes text of them with
-        an `OutputStream`); otherwise `seq.next_chunk()` returns text chunks on any thread."""
-        length = len(req.input_ids)
+        """Queue a request of one choice. Its token deltas go to `sink` if given (the caller makes text of
+        them with an `OutputStream`); otherwise `seq.next_chunk()` returns text chunks on any thread."""
+        if req.params.n != 1:
+            raise ValueError(f"a request of {req.params.n} choices is queued with submit_choices")
+        return self.submit_choices(req, [sink])[0]
+
+    def submit_choices(self, req: GenerationRequest, sinks: list[Callable[[TokenDelta], None] | None]
+                       ) -> list[Sequence]:
+        """Queue the request's `params.n` choices, one sink each (as `submit`'s). Choice i draws with
+        `seed + i` when the request has a seed. The choices after the first are forks of it
+        (`Sequence.fork`): they share its prompt's KV blocks and embeddings."""
+        length, n = len(req.input_ids), req.params.n
+        if len(sinks) != n:
+            raise ValueError(f"{len(sinks)} sinks for {n} choices")
         k = req.params.logprobs
         if k is not None and not 0 <= k <= MAX_LOGPROBS:
             raise ClientError(f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
@@ -162,25 +174,31 @@ class Engine:
         if any(len(v.deepstack) != layers for v in req.vision):  # the step graphs hold exactly this many
             raise ValueError(f"the vision encoder gave {[len(v.deepstack) for v in req.vision]} deepstack layers "
                              f"per item; the text model takes {layers}")
-        capacity = self.check_admission(length)
-        seq = Sequence(req, rope=self.rope, vision_ids=self.vision_ids, max_model_len=min(self.max_model_len, capacity),
-                       block_size=self.blocks.block_size, device=self.device, dtype=self.dtype)
-        if sink is None:
-            reader = ThreadReader(OutputStream(self.tokenizer, req.params, length, _rows(req)), seq.cancel)
-            seq.reader, sink = reader, reader.put
-        seq.sink = sink
+        capacity = self.check_admission(length, n)
+        first = Sequence(req, rope=self.rope, vision_ids=self.vision_ids, max_model_len=min(self.max_model_len, capacity),
+                         block_size=self.blocks.block_size, device=self.device, dtype=self.dtype)
+        seed = req.params.seed
+        seqs = [first] + [first.fork(seed + i if seed is not None else random.getrandbits(63)) for i in range(1, n)]
+        for seq, sink in zip(seqs, sinks):
+            if sink is None:
+                reader = ThreadReader(OutputStream(self.tokenizer, req.params, length, _rows(req)), seq.cancel)
+                seq.reader, sink = reader, reader.put
+            seq.sink = sink
         with self._cv:
-            if len(self._inbox) + len(self.scheduler.waiting) >= self.max_waiting:
+            if len(self._inbox) + len(self.scheduler.waiting) + n > self.max_waiting:
                 raise _overloaded()
-            seq.queued_time = time.perf_counter()
-            self._inbox.append(seq)
+            now = time.perf_counter()
+            for seq in seqs:
+                seq.queued_time = now
+            self._inbox.extend(seqs)
             self._cv.notify()
-        return seq
+        return seqs
 
-    def check_admission(self, length: int) -> int:
+    def check_admission(self, length: int, choices: int = 1) -> int:
         """Raise the ClientError `submit` would raise for a prompt of `length` tokens now (too long:
         400; queue full: 503), so that a caller can refuse before costly work such as encoding its
-        media. Returns the KV cache's capacity in tokens."""
+        media. `choices`: the request's `n`, each a sequence in the queue. Returns the KV cache's
+        capacity in tokens."""
         if length < 1:  # nothing to condition on, and the scheduler reads a sequence's last token
             raise ClientError("the prompt has no tokens", param="messages", code="invalid_prompt")
         if length >= self.max_model_len:
@@ -190,7 +208,10 @@ class Engine:
         if length >= capacity:
             raise ClientError(f"prompt of {length} tokens exceeds the KV cache ({capacity} tokens)",
                               param="messages", code="context_length_exceeded")
-        if len(self._inbox) + len(self.scheduler.waiting) >= self.max_waiting:
+        if choices > max(1, self.max_waiting):  # would be refused with 503 however long the client retried
+            raise ClientError(f"n={choices} exceeds the {self.max_waiting} sequences this server queues",
+                              param="n")
+        if len(self._inbox) + len(self.scheduler.waiting) + choices > self.max_waiting:
             raise _overloaded()
         return capacity
 
@@ -199,16 +220,21 @@ class Engine:
         return OutputStream(self.tokenizer, req.params, len(req.input_ids), _rows(req))
 
     def generate(self, req: GenerationRequest) -> Iterator[Chunk]:
-        """Synchronous convenience: submit and yield chunks until the last; closing it cancels."""
-        seq = self.submit(req)
+        """Synchronous convenience: submit and yield chunks until the last; closing it cancels. With
+        `n` > 1 the choices run together and are yielded one after another, each chunk with its
+        `index`."""
+        seqs = self.submit_choices(req, [None] * req.params.n)
         try:
-            while True:
-                chunk = seq.next_chunk()
-                yield chunk
-                if chunk.finish_reason:
-                    return
+            for i, seq in enumerate(seqs):
+                while True:
+                    chunk = seq.next_chunk()
+                    chunk.index = i
+                    yield chunk
+                    if chunk.finish_reason:
+                        break
         finally:
-            seq.cancel()
+            for seq in seqs:
+                seq.cancel()
 
     def load(self) -> dict:
         """Queue and KV use: what routing and autoscaling look at."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's `top_logprobs` limit)
+MAX_CHOICES = 64  # most choices (OpenAI's `n`) per request: each is a sequence in the engine's batch
 
 
 @dataclass
@@ -22,3 +23,6 @@ class SamplingParams:
     # None: no log-probabilities; k >= 0: each output token's log-probability and the k most likely
     # tokens' at its position (OpenAI's `logprobs` / `top_logprobs`)
     logprobs: int | None = None
+    # choices generated from the one prompt (OpenAI's `n`): choice i draws with `seed + i` when a seed
+    # is given, so choice 0 is what the same request with n = 1 gives; the prompt is computed once
+    n: int = 1

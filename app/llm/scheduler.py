@@ -5,7 +5,9 @@ Each step has a budget of `max_num_batched_tokens` tokens, filled in this order:
    when it crosses a block boundary;
 2. running requests still prefilling, one chunk each (what is left of the prompt, or what fits);
 3. waiting requests, first come first served, while the budget, `max_num_seqs` and free KV blocks
-   last. A request's blocks, past a cached prefix, are taken when it is admitted.
+   last. A request's blocks, past a cached prefix, are taken when it is admitted. The other choices
+   of a request with `n` > 1 wait (and the queue behind them) until its first choice's prompt is in
+   the cache, so they take its blocks instead of computing the prompt again.
 
 So a long prompt is prefilled in chunks over several steps while everyone else keeps decoding. When
 a decode needs a block and none is free, the most recently admitted request is preempted: its blocks
@@ -92,6 +94,11 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.token_ids[-1] < 0:  # preempted with a token still on the device: admitted once it is read
                 break
+            lead = seq.lead
+            if lead is not None:  # another choice of a request whose first choice is ahead of it
+                if blocks.prefix_caching and lead.status is running and lead.num_computed < lead.prompt_len:
+                    break  # admitted once that one's prompt is in the cache, to take its blocks
+                seq.lead = None
             if not blocks.allocate(seq):
                 break
             self.waiting.popleft()

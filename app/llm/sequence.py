@@ -8,6 +8,7 @@ only moves counters and lists.
 
 from __future__ import annotations
 
+import copy
 import enum
 import itertools
 import random
@@ -91,7 +92,12 @@ class Sequence:
         self.block_keys = _block_keys(self.token_ids, self.is_vision, req.vision, block_size)
         # counter-based sampling noise: the same seed gives the same tokens, batched or alone
         self.seed = (req.params.seed if req.params.seed is not None else random.getrandbits(63)) & ((1 << 63) - 1)
-        # engine state
+        self._init_engine_state()
+        # another choice of the same request whose prompt this one waits for, to share its KV (`fork`)
+        self.lead: Sequence | None = None
+
+    def _init_engine_state(self) -> None:
+        """What the engine changes as the request runs (a `fork` starts it afresh)."""
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # prefix-cache hashes of the computed full prompt blocks
@@ -106,6 +112,21 @@ class Sequence:
         self._cancel = threading.Event()
         self.sink = None  # where the engine puts this request's token deltas
         self.reader = None  # set when the engine turns them into text chunks itself (`next_chunk`)
+
+    def fork(self, seed: int) -> Sequence:
+        """Another choice of this request (OpenAI's `n`), made before either is submitted. It shares the
+        prompt's positions, embeddings and block keys, which nothing changes, draws with `seed`, and
+        waits to be admitted until this sequence's prompt is in the KV cache: the scheduler then gives
+        it those blocks from the prefix cache, so n choices compute their prompt (and encode nothing)
+        once. Sharing the block keys matters: items without a content key get a random one, so
+        separately built sequences of one request would never share."""
+        twin = copy.copy(self)
+        twin.id, twin.arrival_time = next(_ids), time.perf_counter()
+        twin.token_ids = self.token_ids[:self.prompt_len]
+        twin.seed = seed & ((1 << 63) - 1)
+        twin._init_engine_state()
+        twin.lead = self
+        return twin
 
     # ------------------------------------------------------------------ views
     def __len__(self) -> int:

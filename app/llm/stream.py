@@ -35,6 +35,7 @@ class Chunk:
     vision_embeddings: int = 0
     # with `SamplingParams.logprobs`: one (log-probability, top ids, top log-probabilities) per token id
     logprobs: list | None = None
+    index: int = 0  # which of the request's choices (OpenAI's `n`) this chunk belongs to
 
 
 @dataclass
