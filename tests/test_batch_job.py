@@ -36,9 +36,11 @@ def user(content, **kw) -> dict:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0, **kw}
 
 
-# The body that is also sent to the HTTP server (with log-probabilities: batch rows carry them too).
+# The body that is also sent to the HTTP server (with log-probabilities and two seeded choices: batch
+# rows carry them too).
 PROBE = user([{"type": "image_url", "image_url": {"url": data_url(png_bytes(72, 104, seed=42), "image/png")}},
-              {"type": "text", "text": "Describe the picture."}], max_tokens=6, logprobs=True, top_logprobs=2)
+              {"type": "text", "text": "Describe the picture."}], max_tokens=6, logprobs=True, top_logprobs=2,
+             n=2, temperature=1.0, seed=9)
 
 
 def dataset(tmp: Path) -> tuple[Path, Path, set[str]]:
@@ -152,8 +154,10 @@ def test_two_hundred_mixed_rows_each_answered_once(cluster, full_run):
             continue
         resp, u = r["response"], r["usage"]
         assert resp["object"] == "chat.completion" and resp["usage"] == u and resp["model"] == "tiny"
-        assert resp["choices"][0]["finish_reason"] in ("stop", "length")
-        assert 0 < u["completion_tokens"] <= 6
+        n = 2 if r["id"] == "probe" else 1
+        assert [c["index"] for c in resp["choices"]] == list(range(n))
+        assert all(c["finish_reason"] in ("stop", "length") for c in resp["choices"])
+        assert 0 < u["completion_tokens"] <= 6 * n
         d = u["prompt_tokens_details"]
         assert d["image_tokens"] + d["video_tokens"] == d["vision_embeddings"]
         kinds["image" if d["image_tokens"] else "video" if d["video_tokens"] else "text"] += 1
@@ -188,15 +192,16 @@ def test_batch_answer_equals_the_http_servers(cluster, full_run):
     want, ours = got.json(), rows["probe"]["response"]
     assert ours["usage"]["prompt_tokens_details"]["image_tokens"] > 0
     assert ours["usage"] == want["usage"] and ours["model"] == want["model"]
-    # the same tokens; their log-probabilities equal up to float32 rounding (batched here, alone there)
-    lp_ours, lp_want = (c["choices"][0].pop("logprobs")["content"] for c in (ours, want))
-    assert ours["choices"] == want["choices"]
-    assert len(lp_ours) == len(lp_want) == ours["usage"]["completion_tokens"]
+    # the same tokens in both choices; their log-probabilities equal up to float32 rounding (batched
+    # here, alone there)
+    lp_ours, lp_want = ([c.pop("logprobs")["content"] for c in r["choices"]] for r in (ours, want))
+    assert ours["choices"] == want["choices"] and len(ours["choices"]) == 2
+    assert sum(map(len, lp_ours)) == sum(map(len, lp_want)) == ours["usage"]["completion_tokens"]
 
     def close(a: dict, b: dict) -> bool:
         return (a["token"], a["bytes"]) == (b["token"], b["bytes"]) and abs(a["logprob"] - b["logprob"]) <= 1e-4
 
-    for a, b in zip(lp_ours, lp_want):
+    for a, b in zip(sum(lp_ours, []), sum(lp_want, []), strict=True):
         assert close(a, b) and len(a["top_logprobs"]) == 2
         assert all(close(x, y) for x, y in zip(a["top_logprobs"], b["top_logprobs"], strict=True))
 

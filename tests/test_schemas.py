@@ -48,7 +48,9 @@ def test_logprobs_and_top_logprobs(fields, want):
     ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 65}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 1.5}, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": [1]}, "stop"),
     ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
@@ -97,3 +99,4 @@ def test_vision_markers_in_message_text_are_a_400(text):
             parse_chat_request({"messages": [{"role": "system", "content": content}]}, 16, 4)
         assert e.value.status == 400 and e.value.code == "reserved_token"
     assert parse_chat_request({"messages": [{"role": "user", "content": "<|im_start|> and <|x|>"}]}, 16, 4)
+

@@ -20,6 +20,7 @@ from ..errors import ClientError
 from ..media.pipeline import PreparedItem, to_encoder_payload
 from ..media.preprocess import PatchSpec
 from . import fastjson
+from .answer import Answer
 from .logprobs import TokenText
 from .minicpmv_prompt import prompt_builder_for
 from .prompt import IMAGE_TYPE, VIDEO_TYPE
@@ -32,7 +33,7 @@ from .retry import (
     is_replica_failure,
     replica_failed,
 )
-from .schemas import ChatRequest, completion_response, parse_chat_request, stream_chunk, usage
+from .schemas import ChatRequest, parse_chat_request, stream_chunk
 
 log = logging.getLogger(__name__)
 _DONE = "data: [DONE]\n\n"
@@ -104,22 +105,17 @@ class ChatService:
                "image_tokens": prompt.count(IMAGE_TYPE), "video_tokens": prompt.count(VIDEO_TYPE)}
         return req, gen, to_encoder_payload(items)
 
-    def _usage(self, gen: dict, last: dict) -> dict:
-        return usage(last["prompt_tokens"], last["completion_tokens"], gen["image_tokens"], gen["video_tokens"],
-                     last["vision_embeddings"])
-
     async def complete(self, req: ChatRequest, gen: dict, payload: list, t0: float | None = None) -> dict:
         t0 = time.perf_counter() if t0 is None else t0
-        chunks, first_at, retries = await collect(lambda: self.backend.stream(gen, payload), self.retry)
-        last = chunks[-1]
+        n = req.params.n
+        chunks, first_at, retries = await collect(lambda: self.backend.stream(gen, payload), self.retry, n)
+        answer = Answer(n, self.token_text if req.params.logprobs is not None else None)
+        for c in chunks:
+            answer.add(c)
+        prompt, completion = answer.tokens()
         self.record(id=req.id, status=200, e2e_s=time.perf_counter() - t0, items=len(req.media),
-                    prompt_tokens=last["prompt_tokens"], completion_tokens=last["completion_tokens"],
-                    ttft_s=first_at - t0, retries=retries)
-        logprobs = None
-        if req.params.logprobs is not None:
-            logprobs = [e for c in chunks for e in self._logprobs(c)]
-        return completion_response(req, self.cfg.model_name, "".join(c["text"] for c in chunks),
-                                   last["finish_reason"], self._usage(gen, last), logprobs)
+                    prompt_tokens=prompt, completion_tokens=completion, ttft_s=first_at - t0, retries=retries)
+        return answer.response(req, self.cfg.model_name, gen)
 
     def _logprobs(self, chunk: dict) -> list:
         """OpenAI's `logprobs.content` for a chunk's tokens (chunks from replicas that predate
@@ -190,21 +186,24 @@ class ChatService:
                 yield c
                 c = None
 
-        status, last, done, ended = 200, {"prompt_tokens": 0, "completion_tokens": 0}, False, False
-        pending = event(stream_chunk(req, model, {"role": "assistant", "content": ""}))
+        answer = Answer(req.params.n)  # only each choice's last chunk: the finishes and the usage
+        status, done, ended = 200, False, False
+        pending = "".join(event(stream_chunk(req, model, {"role": "assistant", "content": ""}, index=i))
+                          for i in range(req.params.n))
         try:
             async for chunk in chunks():
-                out, pending = pending, ""
+                out, pending, i = pending, "", chunk.get("index", 0)
                 # a chunk whose tokens made no text yet (part of a character) still sends their logprobs
                 logprobs = self._logprobs(chunk) if req.params.logprobs is not None else None
                 if chunk["text"] or logprobs:
-                    out += event(stream_chunk(req, model, {"content": chunk["text"]}, logprobs=logprobs))
+                    out += event(stream_chunk(req, model, {"content": chunk["text"]}, logprobs=logprobs, index=i))
                 if chunk["finish_reason"]:
-                    last = chunk
-                    out += event(stream_chunk(req, model, {}, chunk["finish_reason"]))
-                    if req.include_usage:
-                        out += event(stream_chunk(req, model, {}, usage_=self._usage(gen, chunk), choices=False))
-                    out, done = out + _DONE, True
+                    answer.finish(chunk)
+                    out += event(stream_chunk(req, model, {}, chunk["finish_reason"], index=i))
+                    if answer.done:
+                        if req.include_usage:
+                            out += event(stream_chunk(req, model, {}, usage_=answer.usage(gen), choices=False))
+                        out, done = out + _DONE, True
                 if out:
                     yield out
             ended = True
@@ -222,10 +221,10 @@ class ChatService:
                 drain_later(rest)
             elif not ended:  # it left mid-answer: stop the generation (through Ray Serve's proxy, Serve
                 cancel_stream(rest)  # cancels it too; on the Routers' own port nobody else would)
-            if status == 200 and not last.get("finish_reason"):
+            if status == 200 and not answer.done:
                 status = 499
+            prompt, completion = answer.tokens()
             self.record(id=req.id, status=status, e2e_s=time.perf_counter() - t0, items=items, ttft_s=ttft,
-                        prompt_tokens=last["prompt_tokens"], completion_tokens=last["completion_tokens"],
-                        retries=retries)
+                        prompt_tokens=prompt, completion_tokens=completion, retries=retries)
         if not done:
             yield _DONE

@@ -123,23 +123,24 @@ async def first_chunk(start: Callable[[], AsyncIterator[dict]], policy: RetryPol
             raise
 
 
-async def collect(start: Callable[[], AsyncIterator[dict]], policy: RetryPolicy
+async def collect(start: Callable[[], AsyncIterator[dict]], policy: RetryPolicy, choices: int = 1
                   ) -> tuple[list[dict], float | None, int]:
     """(every chunk, perf_counter() at the first chunk of the attempt that finished, retries): a
     whole non-streamed answer, retried from scratch when a replica fails before its last chunk.
-    The chunk with a finish reason is the last: the answer returns then, without waiting for the
-    stream's end to come back from the replica (one more round trip through Ray); the rest of the
-    stream is read in the background (`drain_later`)."""
+    The chunk that brings the last of the request's `choices` finish reasons is the last: the answer
+    returns then, without waiting for the stream's end to come back from the replica (one more round
+    trip through Ray); the rest of the stream is read in the background (`drain_later`)."""
     t0, attempt = time.monotonic(), 0
     while True:
         attempt += 1
-        chunks, first_at = [], None
+        chunks, first_at, finished = [], None, 0
         stream = aiter(start())
         try:
             async for chunk in stream:
                 first_at = time.perf_counter() if first_at is None else first_at
                 chunks.append(chunk)
-                if chunk.get("finish_reason"):
+                finished += bool(chunk.get("finish_reason"))
+                if finished == choices:
                     drain_later(stream)
                     break
             return chunks, first_at, attempt - 1

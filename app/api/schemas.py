@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..errors import ClientError
-from ..llm.sampling import MAX_LOGPROBS, SamplingParams
+from ..llm.sampling import MAX_CHOICES, MAX_LOGPROBS, SamplingParams
 from ..media.ref import MediaRef
 from .prompt import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 
@@ -78,8 +78,6 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ClientError("'messages' must be a non-empty list", param="messages")
-    if body.get("n", 1) != 1:
-        raise ClientError("only n=1 is supported", param="n")
     messages, media = [], []
     for i, m in enumerate(msgs):
         p = f"messages[{i}]"
@@ -130,6 +128,7 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
         presence_penalty=_num(body, "presence_penalty", -2, 2, 0.0),
         seed=_num(body, "seed", -(1 << 63), (1 << 63) - 1, None, integer=True),
         stop=stop or [],
+        n=_num(body, "n", 1, MAX_CHOICES, 1, integer=True),
     )
     ignore_eos = body.get("ignore_eos")
     if ignore_eos is not None:  # extension (as vLLM): benchmarks generate max_tokens
@@ -180,22 +179,25 @@ def usage(prompt: int, completion: int, image_tokens: int, video_tokens: int, vi
     }
 
 
-def completion_response(req: ChatRequest, model: str, text: str, finish: str, usage_: dict,
-                        logprobs: list | None = None) -> dict:
-    """`logprobs`: OpenAI's `logprobs.content` entries (app/api/logprobs.py), for requests that asked."""
-    return {
-        "id": req.id, "object": "chat.completion", "created": req.created, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                     "logprobs": None if logprobs is None else {"content": logprobs}}],
-        "usage": usage_,
-    }
+def choice(index: int, text: str, finish: str, logprobs: list | None = None) -> dict:
+    """One of a chat.completion's choices. `logprobs`: OpenAI's `logprobs.content` entries
+    (app/api/logprobs.py), for requests that asked."""
+    return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+            "logprobs": None if logprobs is None else {"content": logprobs}}
+
+
+def completion_response(req: ChatRequest, model: str, choices: list[dict], usage_: dict) -> dict:
+    return {"id": req.id, "object": "chat.completion", "created": req.created, "model": model,
+            "choices": choices, "usage": usage_}
 
 
 def stream_chunk(req: ChatRequest, model: str, delta: dict, finish: str | None = None, usage_: dict | None = None,
-                 choices: bool = True, logprobs: list | None = None) -> dict:
+                 choices: bool = True, logprobs: list | None = None, index: int = 0) -> dict:
+    """A chat.completion.chunk with one choice (`index`: which of the request's `n`), or with none
+    (`choices=False`: the usage chunk)."""
     lp = None if logprobs is None else {"content": logprobs}
     out = {"id": req.id, "object": "chat.completion.chunk", "created": req.created, "model": model,
-           "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}] if choices else []}
+           "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}] if choices else []}
     if usage_ is not None:
         out["usage"] = usage_
     return out

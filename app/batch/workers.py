@@ -18,11 +18,12 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
+from ..api.answer import Answer
 from ..api.chat import ChatService
 from ..api.logprobs import TokenText
-from ..api.schemas import ChatRequest, completion_response, usage
+from ..api.schemas import ChatRequest
 from ..config import AppConfig
 from ..errors import ClientError
 from ..media.preprocess import PatchSpec
@@ -151,21 +152,16 @@ class LLMWorker:
         return self.fused.encoder.stats() if self.fused is not None else {}
 
     async def _complete(self, prepared: Prepared, chunks) -> dict | Failure:
-        gen, text, last, logprobs = prepared.gen, [], None, []
+        params = prepared.req.params
+        answer = Answer(params.n, self.token_text if params.logprobs is not None else None)
         try:
             async for chunk in chunks():
-                text.append(chunk.text)
-                if chunk.logprobs:
-                    logprobs += self.token_text.content(chunk.token_ids, chunk.logprobs)
-                last = chunk
+                answer.add(asdict(chunk))
         except ClientError as e:
             if e.status >= 500:
                 raise  # overloaded: the driver retries it
             return Failure.of(e)
-        u = usage(last.prompt_tokens, last.completion_tokens, gen["image_tokens"], gen["video_tokens"],
-                  last.vision_embeddings)
-        return completion_response(prepared.req, self.model_name, "".join(text), last.finish_reason, u,
-                                   logprobs if prepared.req.params.logprobs is not None else None)
+        return answer.response(prepared.req, self.model_name, prepared.gen)
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -93,7 +93,7 @@ WRONG = {
     "stop": [1, [1], ["a"] * 5, {}, True, [None]],
     "stream": ["true", 1, None, [], {}],
     "stream_options": [[], "x", 1, {"include_usage": "yes"}],
-    "n": [2, 0, "1", 1.5, None],
+    "n": [0, "1", 1.5, 65, True],
     "ignore_eos": ["x", 1, []],
     "messages": [{}, "hi", 1, None, True, [], [1], ["hi"], [None], [{}], [[]]],
 }
