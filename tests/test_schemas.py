@@ -100,3 +100,34 @@ def test_vision_markers_in_message_text_are_a_400(text):
         assert e.value.status == 400 and e.value.code == "reserved_token"
     assert parse_chat_request({"messages": [{"role": "user", "content": "<|im_start|> and <|x|>"}]}, 16, 4)
 
+
+X = {"messages": [{"role": "user", "content": "x"}]}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": [TOOL]}, "tools"),
+    ({"tools": [TOOL], "tool_choice": "auto"}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"functions": [TOOL["function"]]}, "functions"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {}}}}, "response_format"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+])
+def test_parameters_that_would_be_silently_ignored_are_a_400(extra, param):
+    with pytest.raises(ClientError) as e:
+        parse(X | extra)
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, "unsupported_parameter")
+
+
+@pytest.mark.parametrize("extra", [
+    {"tools": [TOOL], "tool_choice": "none"}, {"tools": []}, {"tool_choice": "auto"}, {"tool_choice": "none"},
+    {"response_format": {"type": "text"}}, {"logit_bias": {}}, {"modalities": ["text"]},
+    {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "parallel_tool_calls": True},
+])
+def test_their_off_values_and_labels_are_accepted(extra):
+    assert parse(X | extra).messages == [{"role": "user", "content": "x"}]

@@ -72,9 +72,41 @@ def _url_of(part: dict, key: str, param: str) -> str:
     return _unicode(url, f"{param}.{key}.url")
 
 
+def _unsupported(param: str, what: str) -> ClientError:
+    return ClientError(f"'{param}' is not supported by this server: {what}", param=param, code="unsupported_parameter")
+
+
+def _refuse_what_would_be_ignored(body: dict) -> None:
+    """OpenAI parameters that ask for a behaviour this server does not have (tool calls, a JSON
+    format, token biases, audio) are a 400 naming them, never silently dropped: an answer that ignored
+    them would look like the model's own failure. Parameters that only label or route a request
+    (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`) and their off values
+    (`tool_choice: "none"`, `response_format: {"type": "text"}`, `modalities: ["text"]`, empty
+    lists and maps) are accepted."""
+    for key in ("tools", "functions"):
+        if body.get(key) and body.get("tool_choice", body.get("function_call")) != "none":
+            raise _unsupported(key, "no tool calls are parsed (send tool_choice: \"none\" to ignore the tools)")
+    choice = body.get("tool_choice", body.get("function_call"))
+    if choice not in (None, "none", "auto"):  # a forced call ("required", a named function)
+        raise _unsupported("tool_choice" if "tool_choice" in body else "function_call", "no tool calls are parsed")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise _unsupported("response_format", "no constrained (JSON) decoding; only {\"type\": \"text\"}")
+    if body.get("logit_bias"):
+        raise _unsupported("logit_bias", "no per-token biases")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise _unsupported("modalities", "text output only")
+    if body.get("audio") is not None:
+        raise _unsupported("audio", "text output only")
+    if body.get("prediction") is not None:
+        raise _unsupported("prediction", "no predicted outputs")
+
+
 def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatRequest:
     if not isinstance(body, dict):
         raise ClientError("request body must be a JSON object")
+    _refuse_what_would_be_ignored(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ClientError("'messages' must be a non-empty list", param="messages")

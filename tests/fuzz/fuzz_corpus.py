@@ -95,6 +95,11 @@ WRONG = {
     "stream_options": [[], "x", 1, {"include_usage": "yes"}],
     "n": [0, "1", 1.5, 65, True],
     "ignore_eos": ["x", 1, []],
+    # asks for what the server does not do: refused (unsupported_parameter), never silently dropped
+    "tools": [[{"type": "function", "function": {"name": "f"}}], "x", 1, {"a": 1}],
+    "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}, 1, "x"],
+    "response_format": [{"type": "json_object"}, "json", 1, [1]],
+    "logit_bias": [{"1": 5}, "x", [1], True],
     "messages": [{}, "hi", 1, None, True, [], [1], ["hi"], [None], [{}], [[]]],
 }
 BAD_MESSAGES = [
