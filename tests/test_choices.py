@@ -142,3 +142,22 @@ def test_the_answer_and_the_stream_hold_every_choice_and_their_usage(tiny_checkp
     assert finish == [c["finish_reason"] for c in choices]
     roles = [ev["choices"][0]["index"] for ev in events[:-1] if ev["choices"][0]["delta"].get("role")]
     assert roles == [0, 1, 2]
+
+
+def test_a_batch_worker_queues_every_choice_of_the_rows_it_keeps_in_flight(world, tiny_checkpoint):
+    """The batch driver keeps `capacity()` rows in flight on an LLM worker and a row refused with 503
+    only comes back: rows of the most choices each must all be queued at once, and all answered."""
+    from app.batch.workers import LLMWorker
+    from app.llm.sampling import MAX_CHOICES
+
+    worker = LLMWorker({"model": str(tiny_checkpoint)})
+
+    async def row():
+        req = make_request(world, [], n=MAX_CHOICES, max_tokens=1)[0]
+        return sorted(c.index for c in [c async for c in worker.streams.generate(req)] if c.finish_reason)
+
+    async def all_rows():
+        return await asyncio.gather(*(row() for _ in range(worker.capacity())))
+
+    assert asyncio.run(asyncio.wait_for(all_rows(), 120)) == [list(range(MAX_CHOICES))] * worker.capacity()
+    worker.engine.shutdown()

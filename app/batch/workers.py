@@ -26,6 +26,7 @@ from ..api.logprobs import TokenText
 from ..api.schemas import ChatRequest
 from ..config import AppConfig
 from ..errors import ClientError
+from ..llm.sampling import MAX_CHOICES
 from ..media.preprocess import PatchSpec
 from ..model_builder import resolve_model
 from ..placement import pinned_gpu
@@ -116,12 +117,12 @@ class LLMWorker:
         cfg = AppConfig(**config)
         # Nothing streams here: wake each request for its first and last chunk, rarely between. The
         # driver keeps `capacity()` rows in flight here (a full batch and as many again); the engine
-        # queues them all: its `max_waiting` guards a server's latency, and a batch row refused with
-        # 503 would only come back (under `fused` all of them arrive at once, none paced by an
-        # encoder stage).
+        # queues them all, each row's `n` choices included: its `max_waiting` guards a server's
+        # latency, and a batch row refused with 503 would only come back (under `fused` all of them
+        # arrive at once, none paced by an encoder stage).
         seqs = cfg.llm.resolved_max_num_seqs(pick_device(cfg.device))
         cfg = cfg.model_copy(update={"llm": cfg.llm.model_copy(update={
-            "stream_interval_ms": 500.0, "max_waiting": max(cfg.llm.max_waiting, 2 * seqs)})})
+            "stream_interval_ms": 500.0, "max_waiting": max(cfg.llm.max_waiting, 2 * seqs * MAX_CHOICES)})})
         self.fused, self.streams = build_generation(cfg, _checkpoint(cfg), fused)
         self.engine = self.streams.engine
         self.model_name = cfg.model_name

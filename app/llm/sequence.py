@@ -118,7 +118,7 @@ class Sequence:
         prompt's positions, embeddings and block keys, which nothing changes, draws with `seed`, and
         waits to be admitted until this sequence's prompt is in the KV cache: the scheduler then gives
         it those blocks from the prefix cache, so n choices compute their prompt (and encode nothing)
-        once. Sharing the block keys matters: items without a content key get a random one, so
+        once. (With prefix caching off it is not held, and computes the prompt again.) Sharing the block keys matters: items without a content key get a random one, so
         separately built sequences of one request would never share."""
         twin = copy.copy(self)
         twin.id, twin.arrival_time = next(_ids), time.perf_counter()
