@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import random
 import sys
 import threading
 import time
@@ -178,7 +177,7 @@ class Engine:
         first = Sequence(req, rope=self.rope, vision_ids=self.vision_ids, max_model_len=min(self.max_model_len, capacity),
                          block_size=self.blocks.block_size, device=self.device, dtype=self.dtype)
         seed = req.params.seed
-        seqs = [first] + [first.fork(seed + i if seed is not None else random.getrandbits(63)) for i in range(1, n)]
+        seqs = [first] + [first.fork(None if seed is None else seed + i) for i in range(1, n)]
         for seq, sink in zip(seqs, sinks):
             if sink is None:
                 reader = ThreadReader(OutputStream(self.tokenizer, req.params, length, _rows(req)), seq.cancel)

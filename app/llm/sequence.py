@@ -91,7 +91,7 @@ class Sequence:
                 ), dtype, device)
         self.block_keys = _block_keys(self.token_ids, self.is_vision, req.vision, block_size)
         # counter-based sampling noise: the same seed gives the same tokens, batched or alone
-        self.seed = (req.params.seed if req.params.seed is not None else random.getrandbits(63)) & ((1 << 63) - 1)
+        self.seed = _seed(req.params.seed)
         self._init_engine_state()
         # another choice of the same request whose prompt this one waits for, to share its KV (`fork`)
         self.lead: Sequence | None = None
@@ -113,17 +113,18 @@ class Sequence:
         self.sink = None  # where the engine puts this request's token deltas
         self.reader = None  # set when the engine turns them into text chunks itself (`next_chunk`)
 
-    def fork(self, seed: int) -> Sequence:
+    def fork(self, seed: int | None) -> Sequence:
         """Another choice of this request (OpenAI's `n`), made before either is submitted. It shares the
-        prompt's positions, embeddings and block keys, which nothing changes, draws with `seed`, and
-        waits to be admitted until this sequence's prompt is in the KV cache: the scheduler then gives
-        it those blocks from the prefix cache, so n choices compute their prompt (and encode nothing)
-        once. (With prefix caching off it is not held, and computes the prompt again.) Sharing the block keys matters: items without a content key get a random one, so
+        prompt's positions, embeddings and block keys, which nothing changes, draws with `seed` (None:
+        a random one), and waits to be admitted until this sequence's prompt is in the KV cache: the
+        scheduler then gives it those blocks from the prefix cache, so n choices compute their prompt
+        (and encode nothing) once. With prefix caching off it is not held, and computes the prompt
+        again. Sharing the block keys matters: items without a content key get a random one, so
         separately built sequences of one request would never share."""
         twin = copy.copy(self)
         twin.id, twin.arrival_time = next(_ids), time.perf_counter()
         twin.token_ids = self.token_ids[:self.prompt_len]
-        twin.seed = seed & ((1 << 63) - 1)
+        twin.seed = _seed(seed)
         twin._init_engine_state()
         twin.lead = self
         return twin
@@ -193,6 +194,11 @@ class Sequence:
 
     def release_vision(self) -> None:
         self.vision_main = self.vision_deepstack = None
+
+
+def _seed(given: int | None) -> int:
+    """The sampling noise's 63-bit seed: the request's, or a random one."""
+    return (given if given is not None else random.getrandbits(63)) & ((1 << 63) - 1)
 
 
 def _host(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
