@@ -13,7 +13,10 @@ Measures (the LLM-engine issue's targets):
 - KV-cache bytes per token;
 - with --profile, the CUDA kernels of a decode step at batch 1 and 64;
 - with --logprobs-cost (only this phase): 64 streams decoding with and without log-probabilities
-  (top 5), alternating: what asking for them costs in tok/s and host time per step.
+  (top 5), alternating: what asking for them costs in tok/s and host time per step;
+- with --rollouts N (only this phase): N samples of one 1000-token prompt (reinforcement-learning
+  rollouts) as one request with `n=N` against N requests of that prompt sent together, alternating:
+  wall time, first and last choice's TTFT, and the prompt tokens each way computed.
 
     python benchmarks/llm.py --out $OUT/llm.json
 """
@@ -60,12 +63,15 @@ class Reader:
         self.streams = AsyncEngine(engine, interval_s)
         self.streams.loop = self.loop
 
-    def submit(self, req: GenerationRequest) -> dict:
-        """-> a record: 'seq' (once submitted), 'tokens' read so far, 'end' and 'done' when it ends."""
+    def submit(self, req: GenerationRequest, on_seq=None) -> dict:
+        """-> a record: 'seq' (once submitted; a request's last choice), 'tokens' read so far, 'end' and
+        'done' when it ends. `on_seq` sees each of the request's sequences."""
         rec: dict = {"tokens": 0, "seq": None, "done": threading.Event(), "submitted": threading.Event()}
 
         def seen(seq):
             rec["seq"] = seq
+            if on_seq is not None:
+                on_seq(seq)
             rec["submitted"].set()
 
         async def consume():
@@ -100,6 +106,36 @@ def run_streams(engine: Engine, reader: Reader, n: int, prompt: int, new: int, v
     return {"streams": n, "tokens": n * new, "wall_s": wall, "aggregate_tok_s": n * new / wall,
             "per_stream_decode_tok_s_median": float(np.median(rates)),
             "ttft_ms_median": 1e3 * float(np.median([r["seq"].first_token_time - t0 for r in recs]))}
+
+
+def rollouts(engine: Engine, reader: Reader, n: int, prompt: int, new: int, vocab: int, rounds: int = 3) -> dict:
+    """n samples (temperature 1) of one prompt: one request with `n` (the prompt computed once, its
+    forks take its KV blocks from the prefix cache) against n one-choice requests of the same prompt
+    submitted together (each may compute it: they arrive before any of them has it cached). A new
+    prompt each round, so no round hits the previous one's blocks."""
+    def one(ids: list[int], choices: int, copies: int) -> dict:
+        seqs: list = []
+        params = SamplingParams(max_tokens=new, temperature=1.0, seed=7, ignore_eos=True, n=choices)
+        hits = engine.blocks.hit_tokens
+        t0 = time.perf_counter()
+        recs = [reader.submit(GenerationRequest(ids, [0] * len(ids), [], params), on_seq=seqs.append)
+                for _ in range(copies)]
+        for r in recs:
+            r["done"].wait(600)
+        wall = max(r["end"] for r in recs) - t0
+        ttfts = sorted(1e3 * (s.first_token_time - t0) for s in seqs)
+        prompt_tokens = choices * copies * len(ids) - (engine.blocks.hit_tokens - hits)
+        return {"wall_ms": 1e3 * wall, "ttft_first_ms": ttfts[0], "ttft_last_ms": ttfts[-1],
+                "prompt_tokens_computed": prompt_tokens, "tokens": sum(r["tokens"] for r in recs)}
+
+    out: dict = {"n": n, "prompt": prompt, "new": new, "rounds": []}
+    for _ in range(rounds):
+        ids_a, ids_b = (RNG.integers(0, min(vocab, 150000), prompt).tolist() for _ in range(2))
+        out["rounds"].append({"one_request_n": one(ids_a, n, 1), "n_requests": one(ids_b, 1, n)})
+    for side in ("one_request_n", "n_requests"):
+        out[side] = {k: float(np.median([r[side][k] for r in out["rounds"]]))
+                     for k in out["rounds"][0][side]}
+    return out
 
 
 def ttft_parts(seq, t0: float) -> dict:
@@ -338,6 +374,7 @@ def main() -> None:
     p.add_argument("--overlap", choices=["on", "off"], default="on",
                    help="llm.overlap_steps: launch step N+1 before reading step N's tokens")
     p.add_argument("--logprobs-cost", action="store_true", help="run only the log-probabilities phase")
+    p.add_argument("--rollouts", type=int, default=0, help="run only the rollouts phase, with n = this")
     p.add_argument("--out", default="benchmarks/llm_results.json")
     a = p.parse_args()
     cfg = AutoConfig.for_model(**load_preset(a.preset))
@@ -371,6 +408,8 @@ def main() -> None:
               ("engine_only", lambda: engine_only(engine, [1, 16, 64], a.ttft_prompt, vocab))]
     if a.logprobs_cost:
         phases = [("logprobs_cost", lambda: logprobs_cost(engine, reader, a.streams, vocab))]
+    if a.rollouts:
+        phases = [("rollouts", lambda: rollouts(engine, reader, a.rollouts, a.ttft_prompt, a.new, vocab))]
     if a.profile:
         phases += [("prefill_attention_ab", lambda: prefill_attention_ab(engine)),
                    ("profile_b1", lambda: profile_decode(engine, reader, 1, vocab)),
@@ -380,7 +419,7 @@ def main() -> None:
         print(name, json.dumps(res[name])[:400], flush=True)
         out.write_text(json.dumps(res, indent=1))
     engine.shutdown()
-    if a.logprobs_cost:
+    if a.logprobs_cost or a.rollouts:
         return
     if not a.skip_transformers:
         res["transformers"] = transformers_rates(model, a.prompt, 64, a.ttft_prompt, vocab)
