@@ -260,6 +260,16 @@ async def run_load(url: str, workload: Workload, num_requests: int, concurrency:
         steady_request_throughput=steady_rate([r.start_s + r.e2e_s for r in ok]))
 
 
+def print_repeats(reports: list[Report]) -> None:
+    """One line for a point measured several times: medians, and the range of the throughput."""
+    rates = [r.request_throughput for r in reports]
+    steady = [r.steady_request_throughput for r in reports]
+    ttft = [r.ttft_ms["median"] for r in reports]
+    print(f"=== {reports[0].workload}, concurrency {reports[0].concurrency}, {len(reports)} runs: "
+          f"req/s median {statistics.median(rates):.2f} (min {min(rates):.2f}, max {max(rates):.2f}); "
+          f"steady median {statistics.median(steady):.2f}; TTFT p50 median {statistics.median(ttft):.1f} ms")
+
+
 def print_report(r: Report, label: str = "") -> None:
     print(f"--- {label} {r.workload}, concurrency {r.concurrency}, rate {r.request_rate} ---")
     print(f"successful {r.successful}, failed {r.failed}, duration {r.duration_s:.2f} s")
@@ -534,6 +544,9 @@ def main() -> None:
     p.add_argument("--via", choices=("auto", "proxy", "port"), default="auto",
                    help="with --start: send the load through Ray Serve's proxy or to the Routers' own port "
                         "(auto: the Routers' port when router_http_port is set, as the GPU presets set it)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measure each fixed point this many times in a row on the same server (new media each "
+                        "time) and print the median and range: runs of one server spread by 20%% (RESULTS.md)")
     p.add_argument("--out-dir", default="benchmarks/serve_results")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args()
@@ -551,11 +564,17 @@ def main() -> None:
         out = []
         for wl in workloads:
             for c in a.concurrency:
-                offset = 100_000 * len(out)  # the same ranges on both sides of --compare
-                r = asyncio.run(run_load(url, wl, a.num_requests, None if a.request_rate else c, a.request_rate,
-                                         a.warmup, not a.no_progress, seed_offset=offset, monitor=not a.no_monitor))
-                print_report(r, label)
-                out.append(asdict(r))
+                point = []
+                for _ in range(a.repeat):
+                    offset = 100_000 * len(out)  # the same ranges on both sides of --compare
+                    r = asyncio.run(run_load(url, wl, a.num_requests, None if a.request_rate else c, a.request_rate,
+                                             a.warmup, not a.no_progress, seed_offset=offset,
+                                             monitor=not a.no_monitor))
+                    print_report(r, label)
+                    out.append(asdict(r))
+                    point.append(r)
+                if a.repeat > 1:
+                    print_repeats(point)
         return out
 
     if a.router_port:  # the Routers' own shared port (app/api/shared_port.py)

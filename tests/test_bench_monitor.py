@@ -7,7 +7,16 @@ import os
 import pytest
 
 from benchmarks.monitor import MonitorSummary, process_group, verdict
-from benchmarks.serve import Workload, _body_bytes, build_bodies, concurrency_ladder, plateaued, steady_rate
+from benchmarks.serve import (
+    Report,
+    Workload,
+    _body_bytes,
+    build_bodies,
+    concurrency_ladder,
+    plateaued,
+    print_repeats,
+    steady_rate,
+)
 
 
 def test_ladder_doubles_up_to_the_maximum():
@@ -21,6 +30,17 @@ def test_the_sweep_stops_after_two_points_without_five_percent_gain():
     assert plateaued([10, 20, 20.5, 20.9])  # two in a row
     assert not plateaued([10, 20, 20.5, 22])  # +10% over the best restarts the count
     assert plateaued([10, 20, 18, 19])  # falling counts as no gain
+
+
+def test_repeated_runs_of_a_point_report_their_median_and_range(capsys):
+    def report(rate, steady, ttft):
+        return Report("image 448^2", 256, None, 10, 0, 1.0, rate, 0.0, 0.0, {"median": ttft}, {},
+                      steady_request_throughput=steady)
+
+    print_repeats([report(182.6, 189.1, 964.0), report(145.7, 157.1, 1400.0), report(151.2, 164.9, 1254.0)])
+    line = capsys.readouterr().out
+    assert "3 runs: req/s median 151.20 (min 145.70, max 182.60)" in line
+    assert "steady median 164.90" in line and "TTFT p50 median 1254.0 ms" in line
 
 
 def test_the_steady_rate_leaves_out_the_start_and_the_drain():
