@@ -239,3 +239,38 @@ def test_vision_with_another_number_of_deepstack_layers_is_refused_at_submit(wor
     req.vision[0].deepstack = req.vision[0].deepstack[:-1]
     with pytest.raises(ValueError, match="deepstack layers"):
         eng.submit(req)
+
+
+class _Prompt:
+    """What the block manager reads of a sequence: its tokens' block keys and its engine state."""
+
+    def __init__(self, tokens: list[int], bs: int):
+        self.token_ids = tokens
+        self.block_keys = [tuple(tokens[i:i + bs]) for i in range(0, len(tokens) // bs * bs, bs)]
+        self.prompt_hashes = None
+        self.block_table, self.block_hashes, self.num_computed, self.num_cached = [], [], 0, 0
+
+    def __len__(self):
+        return len(self.token_ids)
+
+
+def test_a_prompt_waits_for_shared_blocks_being_computed_only_when_they_are_worth_a_step():
+    """A is admitted (its 25 blocks of 4 noted as being computed). D (A's prompt) and C (A's first 80
+    tokens) wait for A; B shares only 8 tokens (two blocks, below WAIT_MIN_TOKENS) and does not. Once
+    A's step is launched (its blocks registered), nobody waits and C takes A's 20 shared blocks."""
+    from app.llm.block_manager import WAIT_MIN_TOKENS, BlockManager
+
+    bm, bs = BlockManager(256, 4), 4
+    assert WAIT_MIN_TOKENS == 64
+    base = list(range(1000, 1100))
+    a, d = _Prompt(base, bs), _Prompt(list(base), bs)
+    b = _Prompt(base[:8] + list(range(2000, 2092)), bs)
+    c = _Prompt(base[:80] + list(range(3000, 3020)), bs)
+    assert bm.allocate(a) and len(bm.computing) == 25
+    assert bm.computed_by(d) is a and bm.computed_by(c) is a and bm.computed_by(b) is None
+    a.num_computed = 100
+    bm.register_computed(a)
+    assert bm.computing == {} and bm.computed_by(c) is None
+    assert bm.allocate(c) and c.num_cached == 80 and c.block_table[:20] == a.block_table[:20]
+    bm.free_seq(c)
+    assert bm.computing == {}  # c's own noted blocks are forgotten with it

@@ -168,6 +168,68 @@ def test_an_empty_prompt_is_refused_at_submit(world, engine):
     assert collect(engine.submit(make_request(world, [], max_tokens=3)[0]))[1][-1].finish_reason == "length"
 
 
+@pytest.mark.parametrize("budget", [2048, 32])
+def test_one_prompt_sent_together_is_computed_once(world, tiny_checkpoint, budget):
+    """Four separate requests with the same image prompt, queued before the engine's next step (as
+    rollouts sent one request per sample arrive): the first computes the prompt, the other three wait
+    for its blocks and take them from the prefix cache, whether one step's budget would have admitted
+    all four prompts (2048) or the first takes several steps (32). All four give the lone answer."""
+    eng = Engine(str(tiny_checkpoint), max_num_batched_tokens=budget)
+    reqs = [make_request(world, ["image"], data_seed=6, words=20, max_tokens=6, ignore_eos=True) for _ in range(4)]
+    length, bs = len(reqs[0][0].input_ids), eng.blocks.block_size
+    assert 3 * 32 < length and 4 * length < 2048
+    with eng._cv:  # the engine thread takes its inbox only once all four are in it
+        seqs = [eng.submit(r[0]) for r in reqs]
+    outs = [collect(s) for s in seqs]
+    alone = collect(world["engine"].submit(make_request(world, ["image"], data_seed=6, words=20, max_tokens=6,
+                                                        ignore_eos=True)[0]))[0]
+    assert [o[0] for o in outs] == [alone] * 4
+    assert eng.blocks.hit_tokens == 3 * ((length - 1) // bs) * bs
+    prefilled = sum(tokens for _, tokens, _, _, _ in eng.step_log) - 4 * (6 - 1)  # less the decodes
+    assert prefilled == length + 3 * (length - (length - 1) // bs * bs)
+    assert eng.blocks.computing == {}  # nothing is left noted as being computed
+    eng.shutdown()
+
+
+def test_a_request_waiting_for_a_shared_prefix_lets_the_queue_behind_it_go(world, tiny_checkpoint):
+    """A, then B (A's prompt), then C (another prompt), queued together: the first step runs A and C,
+    B waits one step and takes A's blocks. Nobody's answer changes."""
+    eng = Engine(str(tiny_checkpoint))
+    a, b, c = (make_request(world, kinds, data_seed=seed, words=30, max_tokens=4)
+               for kinds, seed in ((["image"], 11), (["image"], 11), (["video"], 12)))
+    log0 = len(eng.step_log)
+    with eng._cv:
+        seqs = [eng.submit(r[0]) for r in (a, b, c)]
+    outs = [collect(s)[0] for s in seqs]
+    first = list(eng.step_log)[log0]
+    assert first[:2] == (2, len(a[0].input_ids) + len(c[0].input_ids))  # A and C; not B
+    assert seqs[2].scheduled_time < seqs[1].scheduled_time
+    bs = eng.blocks.block_size
+    assert seqs[1].num_cached == (len(b[0].input_ids) - 1) // bs * bs
+    for (_, items, prompt), got in zip((a, b, c), outs):
+        want = reference_generate(world, prompt, items, max_new=4)
+        assert got == [t for t in want if t not in eng.eos_ids]
+    eng.shutdown()
+
+
+def test_a_cancelled_request_no_longer_holds_back_one_waiting_for_its_prefix(world, tiny_checkpoint):
+    """The scheduler driven by hand (engine thread stopped): B waits while A is about to compute their
+    shared prompt; A is cancelled before its step, and B is admitted and computes the prompt itself."""
+    eng = Engine(str(tiny_checkpoint))
+    eng.shutdown()
+    a, b = (eng.submit(make_request(world, ["image"], data_seed=13, words=30, max_tokens=3)[0]) for _ in range(2))
+    eng._inbox.clear()
+    sched = eng.scheduler
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    assert plan.seqs == [a] and list(sched.waiting) == [b] and eng.blocks.computed_by(b) is a
+    sched.remove(a)
+    assert eng.blocks.computing == {} and eng.blocks.computed_by(b) is None
+    plan = sched.schedule()
+    assert plan.seqs == [b] and plan.num_tokens == [len(b)] and b.num_cached == 0
+
+
 def test_a_request_that_breaks_admission_fails_alone_and_the_queue_moves_on(world, tiny_checkpoint, monkeypatch):
     """An unexpected error while the scheduler admits a request (nothing running yet) would recur at every
     step: that request fails with the error, once, and the requests behind it are served."""

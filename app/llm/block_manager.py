@@ -8,6 +8,12 @@ block's KV depends on the whole prefix). A later prompt that starts with the sam
 text and same media content, takes them by reference instead of recomputing them. Freed blocks keep
 their contents and registration until the pool hands them out again, least recently freed first.
 
+Prompts that share a prefix and arrive together would each compute it: a block is registered only once
+the step computing it is launched. So the blocks an admitted prompt is about to compute are noted as
+being computed (`computing`), and a waiting prompt whose next uncached block is among them waits
+(`computed_by`) until they are registered, then takes them (several choices of one request, rollouts
+sent as separate requests, many questions about one image).
+
 Block 0 is never handed out: padded rows of a CUDA-graph batch write their keys and values there.
 """
 
@@ -16,6 +22,10 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from .sequence import Sequence
+
+# A waiting prompt waits for another's computation of their shared blocks only when they hold this many
+# tokens at least (computed_by).
+WAIT_MIN_TOKENS = 64
 
 
 class BlockManager:
@@ -28,6 +38,7 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.cached: dict[int, int] = {}  # chained hash -> block
         self.meta: dict[int, tuple[int, tuple, int]] = {}  # block -> (parent hash, keys, own hash)
+        self.computing: dict[int, Sequence] = {}  # chained hash -> the admitted sequence about to compute it
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -47,14 +58,26 @@ class BlockManager:
         return -(-tokens // self.block_size)
 
     # ------------------------------------------------------------------ prefix cache
+    @staticmethod
+    def chain(seq: Sequence) -> list[int]:
+        """The chained hash of each full prompt block of `seq` (a block's KV depends on every block
+        before it), computed once per sequence."""
+        if seq.prompt_hashes is None:
+            hashes, parent = [], 0
+            for keys in seq.block_keys:
+                parent = hash((parent, keys))
+                hashes.append(parent)
+            seq.prompt_hashes = hashes
+        return seq.prompt_hashes
+
     def _lookup(self, seq: Sequence) -> list[int]:
         """Registered blocks matching the start of `seq`, leaving at least one token to compute (its
         logits give the next token)."""
         if not self.prefix_caching:
             return []
-        hits, parent = [], 0
-        for keys in seq.block_keys[:(len(seq) - 1) // self.block_size]:
-            h = hash((parent, keys))
+        hits, parent, chain = [], 0, self.chain(seq)
+        for i, keys in enumerate(seq.block_keys[:(len(seq) - 1) // self.block_size]):
+            h = chain[i]
             b = self.cached.get(h)
             if b is None or self.meta[b][:2] != (parent, keys):
                 break
@@ -62,22 +85,46 @@ class BlockManager:
             parent = h
         return hits
 
+    def computed_by(self, seq: Sequence) -> Sequence | None:
+        """The admitted sequence about to compute the next blocks `seq` could take from the cache (past
+        the blocks already there), or None. `seq` waits for it rather than compute them too, when they
+        hold at least WAIT_MIN_TOKENS: waiting costs a step, not worth it for a shared chat-template
+        head on a cold cache."""
+        if not self.computing:
+            return None
+        k, limit, chain = len(self._lookup(seq)), (len(seq) - 1) // self.block_size, self.chain(seq)
+        owner = self.computing.get(chain[k]) if k < limit else None
+        if owner is None or owner is seq:
+            return None
+        run = 1
+        while k + run < limit and run * self.block_size < WAIT_MIN_TOKENS and self.computing.get(chain[k + run]) is owner:
+            run += 1
+        return owner if run * self.block_size >= WAIT_MIN_TOKENS else None
+
     def register_computed(self, seq: Sequence) -> None:
         """Register the full prompt blocks of `seq` whose KV is now in the cache."""
         if not self.prefix_caching:
             return
         done = min(seq.num_computed // self.block_size, len(seq.block_keys))
-        hashes = seq.block_hashes
+        hashes, chain = seq.block_hashes, self.chain(seq)
         while len(hashes) < done:
             i = len(hashes)
             parent = hashes[-1] if hashes else 0
-            keys = seq.block_keys[i]
-            h = hash((parent, keys))
+            h = chain[i]
             hashes.append(h)
+            if self.computing.get(h) is seq:
+                del self.computing[h]
             b = seq.block_table[i]
             if h not in self.cached and b not in self.meta:
                 self.cached[h] = b
-                self.meta[b] = (parent, keys, h)
+                self.meta[b] = (parent, seq.block_keys[i], h)
+
+    def _forget_computing(self, seq: Sequence) -> None:
+        """`seq` will not compute its noted blocks after all (freed: finished, cancelled, preempted)."""
+        if self.computing:
+            for h in self.chain(seq)[len(seq.block_hashes):]:
+                if self.computing.get(h) is seq:
+                    del self.computing[h]
 
     def _take(self, b: int) -> None:
         """Remove a block from the free list; if it is reused for other content, forget its prefix."""
@@ -107,6 +154,9 @@ class BlockManager:
         seq.block_table = hits + [self._fresh() for _ in range(need)]
         seq.block_hashes = [self.meta[b][2] for b in hits]
         seq.num_cached = seq.num_computed = len(hits) * self.block_size
+        if self.prefix_caching:
+            for h in self.chain(seq)[len(hits):]:
+                self.computing.setdefault(h, seq)
         self.queried_tokens += len(seq)
         self.hit_tokens += seq.num_cached
         return True
@@ -119,6 +169,7 @@ class BlockManager:
     def free_seq(self, seq: Sequence) -> None:
         """Return the sequence's blocks; the tail goes first into the free list, so it is reused
         before the (more shareable) head."""
+        self._forget_computing(seq)
         for b in reversed(seq.block_table):
             self.ref[b] -= 1
             if self.ref[b] == 0:

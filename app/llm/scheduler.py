@@ -5,9 +5,10 @@ Each step has a budget of `max_num_batched_tokens` tokens, filled in this order:
    when it crosses a block boundary;
 2. running requests still prefilling, one chunk each (what is left of the prompt, or what fits);
 3. waiting requests, first come first served, while the budget, `max_num_seqs` and free KV blocks
-   last. A request's blocks, past a cached prefix, are taken when it is admitted. The other choices
-   of a request with `n` > 1 wait (and the queue behind them) until its first choice's prompt is in
-   the cache, so they take its blocks instead of computing the prompt again.
+   last. A request's blocks, past a cached prefix, are taken when it is admitted. A request whose
+   prompt continues with blocks that an admitted one is about to compute (another choice of the same
+   request, the same prompt sent twice) is passed over until they are in the cache, and then takes
+   them instead of computing them again; the requests behind it go ahead.
 
 So a long prompt is prefilled in chunks over several steps while everyone else keeps decoding. When
 a decode needs a block and none is free, the most recently admitted request is preempted: its blocks
@@ -90,18 +91,17 @@ class Scheduler:
                 plan.add(seq, n)
                 budget -= n
         # 3. new requests
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        waiting, i = self.waiting, 0
+        while i < len(waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = waiting[i]
             if seq.token_ids[-1] < 0:  # preempted with a token still on the device: admitted once it is read
                 break
-            lead = seq.lead
-            if lead is not None:  # another choice of a request whose first choice is ahead of it
-                if blocks.prefix_caching and lead.status is running and lead.num_computed < lead.prompt_len:
-                    break  # admitted once that one's prompt is in the cache, to take its blocks
-                seq.lead = None
+            if blocks.computed_by(seq) is not None:  # its prefix is being computed: it takes it next step
+                i += 1
+                continue
             if not blocks.allocate(seq):
                 break
-            self.waiting.popleft()
+            del waiting[i]
             seq.status = running
             if seq.scheduled_time is None:
                 seq.scheduled_time = time.perf_counter()

@@ -90,11 +90,10 @@ class Sequence:
                     [torch.cat([v.deepstack[j] for v in req.vision]) for j in range(len(req.vision[0].deepstack))]
                 ), dtype, device)
         self.block_keys = _block_keys(self.token_ids, self.is_vision, req.vision, block_size)
+        self.prompt_hashes: list[int] | None = None  # the block keys' chained hashes (BlockManager.chain)
         # counter-based sampling noise: the same seed gives the same tokens, batched or alone
         self.seed = _seed(req.params.seed)
         self._init_engine_state()
-        # another choice of the same request whose prompt this one waits for, to share its KV (`fork`)
-        self.lead: Sequence | None = None
 
     def _init_engine_state(self) -> None:
         """What the engine changes as the request runs (a `fork` starts it afresh)."""
@@ -115,10 +114,10 @@ class Sequence:
 
     def fork(self, seed: int | None) -> Sequence:
         """Another choice of this request (OpenAI's `n`), made before either is submitted. It shares the
-        prompt's positions, embeddings and block keys, which nothing changes, draws with `seed` (None:
-        a random one), and waits to be admitted until this sequence's prompt is in the KV cache: the
-        scheduler then gives it those blocks from the prefix cache, so n choices compute their prompt
-        (and encode nothing) once. With prefix caching off it is not held, and computes the prompt
+        prompt's positions, embeddings and block keys, which nothing changes, and draws with `seed`
+        (None: a random one). Queued behind this sequence, it waits to be admitted until this one's
+        prompt blocks are in the KV cache, and takes them from there (block_manager.py): n choices
+        compute their prompt (and encode nothing) once. With prefix caching off it computes the prompt
         again. Sharing the block keys matters: items without a content key get a random one, so
         separately built sequences of one request would never share."""
         twin = copy.copy(self)
@@ -126,7 +125,6 @@ class Sequence:
         twin.token_ids = self.token_ids[:self.prompt_len]
         twin.seed = _seed(seed)
         twin._init_engine_state()
-        twin.lead = self
         return twin
 
     # ------------------------------------------------------------------ views
