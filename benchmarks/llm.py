@@ -15,8 +15,8 @@ Measures (the LLM-engine issue's targets):
 - with --logprobs-cost (only this phase): 64 streams decoding with and without log-probabilities
   (top 5), alternating: what asking for them costs in tok/s and host time per step;
 - with --rollouts N (only this phase): N samples of one 1000-token prompt (reinforcement-learning
-  rollouts) as one request with `n=N` against N requests of that prompt sent together, alternating:
-  wall time, first and last choice's TTFT, and the prompt tokens each way computed.
+  rollouts) as one request with `n=N` against N requests of that prompt, sent one after another and
+  all at once, alternating: wall time, first and last choice's TTFT, and the prompt tokens computed.
 
     python benchmarks/llm.py --out $OUT/llm.json
 """
@@ -66,26 +66,41 @@ class Reader:
     def submit(self, req: GenerationRequest, on_seq=None) -> dict:
         """-> a record: 'seq' (once submitted; a request's last choice), 'tokens' read so far, 'end' and
         'done' when it ends. `on_seq` sees each of the request's sequences."""
-        rec: dict = {"tokens": 0, "seq": None, "done": threading.Event(), "submitted": threading.Event()}
+        return self.submit_together([req], on_seq)[0]
 
-        def seen(seq):
-            rec["seq"] = seq
-            if on_seq is not None:
-                on_seq(seq)
-            rec["submitted"].set()
+    def submit_together(self, reqs: list[GenerationRequest], on_seq=None) -> list[dict]:
+        """`submit` for several requests that reach the engine's queue in one go: the loop holds the
+        engine's lock (re-entrant: the submissions run on the loop too) until every one is queued, so
+        the engine thread takes them into one step."""
+        recs = []
 
-        async def consume():
-            try:
-                async for chunk in self.streams.generate(req, on_submit=seen):
-                    rec["tokens"] += len(chunk.token_ids)
-            except Exception:  # cancelled by the phase that started it
-                pass
-            rec["end"] = time.perf_counter()
-            rec["done"].set()
+        def consume(req, rec):
+            def seen(seq):
+                rec["seq"] = seq
+                if on_seq is not None:
+                    on_seq(seq)
+                rec["submitted"].set()
 
-        asyncio.run_coroutine_threadsafe(consume(), self.loop)
-        rec["submitted"].wait(60)
-        return rec
+            async def run():
+                try:
+                    async for chunk in self.streams.generate(req, on_submit=seen):
+                        rec["tokens"] += len(chunk.token_ids)
+                except Exception:  # cancelled by the phase that started it
+                    pass
+                rec["end"] = time.perf_counter()
+                rec["done"].set()
+            return run()
+
+        async def start():
+            with self.streams.engine._cv:
+                tasks = [asyncio.ensure_future(consume(req, rec)) for req, rec in zip(reqs, recs)]
+                while not all(r["submitted"].is_set() or t.done() for r, t in zip(recs, tasks)):
+                    await asyncio.sleep(0)
+
+        for _ in reqs:
+            recs.append({"tokens": 0, "seq": None, "done": threading.Event(), "submitted": threading.Event()})
+        asyncio.run_coroutine_threadsafe(start(), self.loop).result(60)
+        return recs
 
 
 def finish(reader: Reader, req: GenerationRequest) -> dict:
@@ -110,16 +125,20 @@ def run_streams(engine: Engine, reader: Reader, n: int, prompt: int, new: int, v
 
 def rollouts(engine: Engine, reader: Reader, n: int, prompt: int, new: int, vocab: int, rounds: int = 3) -> dict:
     """n samples (temperature 1) of one prompt: one request with `n` (the prompt computed once, its
-    forks take its KV blocks from the prefix cache) against n one-choice requests of the same prompt
-    submitted together (each may compute it: they arrive before any of them has it cached). A new
-    prompt each round, so no round hits the previous one's blocks."""
-    def one(ids: list[int], choices: int, copies: int) -> dict:
+    forks take its KV blocks from the prefix cache) against n one-choice requests of the same prompt,
+    submitted one after another (each once the engine has queued the one before) and all at once (they
+    arrive in one step: the later ones wait for the first one's prompt blocks). A new prompt for each,
+    so none hits another's blocks."""
+    def one(ids: list[int], choices: int, copies: int, together: bool = False) -> dict:
         seqs: list = []
         params = SamplingParams(max_tokens=new, temperature=1.0, seed=7, ignore_eos=True, n=choices)
         hits = engine.blocks.hit_tokens
         t0 = time.perf_counter()
-        recs = [reader.submit(GenerationRequest(ids, [0] * len(ids), [], params), on_seq=seqs.append)
-                for _ in range(copies)]
+        reqs = [GenerationRequest(ids, [0] * len(ids), [], params) for _ in range(copies)]
+        if together:
+            recs = reader.submit_together(reqs, on_seq=seqs.append)
+        else:
+            recs = [reader.submit(r, on_seq=seqs.append) for r in reqs]
         for r in recs:
             r["done"].wait(600)
         wall = max(r["end"] for r in recs) - t0
@@ -129,10 +148,12 @@ def rollouts(engine: Engine, reader: Reader, n: int, prompt: int, new: int, voca
                 "prompt_tokens_computed": prompt_tokens, "tokens": sum(r["tokens"] for r in recs)}
 
     out: dict = {"n": n, "prompt": prompt, "new": new, "rounds": []}
+    sides = ("one_request_n", "n_requests", "n_requests_at_once")
     for _ in range(rounds):
-        ids_a, ids_b = (RNG.integers(0, min(vocab, 150000), prompt).tolist() for _ in range(2))
-        out["rounds"].append({"one_request_n": one(ids_a, n, 1), "n_requests": one(ids_b, 1, n)})
-    for side in ("one_request_n", "n_requests"):
+        ids = [RNG.integers(0, min(vocab, 150000), prompt).tolist() for _ in sides]
+        out["rounds"].append({"one_request_n": one(ids[0], n, 1), "n_requests": one(ids[1], 1, n),
+                              "n_requests_at_once": one(ids[2], 1, n, together=True)})
+    for side in sides:
         out[side] = {k: float(np.median([r[side][k] for r in out["rounds"]]))
                      for k in out["rounds"][0][side]}
     return out
