@@ -244,8 +244,8 @@ def test_vision_with_another_number_of_deepstack_layers_is_refused_at_submit(wor
 class _Prompt:
     """What the block manager reads of a sequence: its tokens' block keys and its engine state."""
 
-    def __init__(self, tokens: list[int], bs: int):
-        self.token_ids = tokens
+    def __init__(self, tokens: list[int], bs: int, output: int = 0):
+        self.token_ids = tokens + list(range(5000, 5000 + output))  # a preempted one's output too
         self.block_keys = [tuple(tokens[i:i + bs]) for i in range(0, len(tokens) // bs * bs, bs)]
         self.prompt_hashes = None
         self.block_table, self.block_hashes, self.num_computed, self.num_cached = [], [], 0, 0
@@ -274,3 +274,7 @@ def test_a_prompt_waits_for_shared_blocks_being_computed_only_when_they_are_wort
     assert bm.allocate(c) and c.num_cached == 80 and c.block_table[:20] == a.block_table[:20]
     bm.free_seq(c)
     assert bm.computing == {}  # c's own noted blocks are forgotten with it
+    # A preempted sequence (its prompt, A's, all cached; 30 output tokens past it) waits for nothing,
+    # while another prompt notes blocks as being computed
+    e, f = _Prompt(list(base), bs, output=30), _Prompt(list(range(4000, 4100)), bs)
+    assert bm.allocate(f) and bm.computing and bm.computed_by(e) is None

@@ -92,7 +92,8 @@ class BlockManager:
         head on a cold cache."""
         if not self.computing:
             return None
-        k, limit, chain = len(self._lookup(seq)), (len(seq) - 1) // self.block_size, self.chain(seq)
+        chain = self.chain(seq)  # the prompt's blocks only: a preempted sequence also holds output tokens
+        k, limit = len(self._lookup(seq)), min((len(seq) - 1) // self.block_size, len(chain))
         owner = self.computing.get(chain[k]) if k < limit else None
         if owner is None or owner is seq:
             return None
