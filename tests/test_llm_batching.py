@@ -212,6 +212,21 @@ def test_a_request_waiting_for_a_shared_prefix_lets_the_queue_behind_it_go(world
     eng.shutdown()
 
 
+def test_shared_prompts_waiting_and_preempted_in_a_small_pool_lose_no_token(world, tiny_checkpoint):
+    """Four prompts, each sent twice and queued together, in a pool of 40 blocks of 4 tokens: twins
+    wait for each other's blocks, decodes preempt later arrivals (whose prompts come back from the
+    cache while other prompts are being computed), and every answer still equals generate."""
+    eng = Engine(str(tiny_checkpoint), num_kv_blocks=41, block_size=4, max_num_batched_tokens=64)
+    reqs = [make_request(world, kinds, data_seed=90 + i, words=16, max_tokens=24)
+            for i, kinds in enumerate(KINDS[:4]) for _ in range(2)]
+    with eng._cv:
+        seqs = [eng.submit(r[0]) for r in reqs]
+    outs = [collect(s) for s in seqs]
+    assert eng.scheduler.preemptions > 0 and eng.blocks.hit_tokens > 0
+    assert_equal_generate(world, reqs, outs, eng.eos_ids)
+    assert eng.blocks.computing == {} and eng.blocks.num_free == eng.blocks.usable_blocks
+
+
 def test_a_cancelled_request_no_longer_holds_back_one_waiting_for_its_prefix(world, tiny_checkpoint):
     """The scheduler driven by hand (engine thread stopped): B waits while A is about to compute their
     shared prompt; A is cancelled before its step, and B is admitted and computes the prompt itself."""
