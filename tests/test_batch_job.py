@@ -36,11 +36,12 @@ def user(content, **kw) -> dict:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0, **kw}
 
 
-# The body that is also sent to the HTTP server (with log-probabilities and two seeded choices: batch
-# rows carry them too).
+# The body that is also sent to the HTTP server (with log-probabilities, two seeded choices and a JSON
+# schema: batch rows carry them too).
 PROBE = user([{"type": "image_url", "image_url": {"url": data_url(png_bytes(72, 104, seed=42), "image/png")}},
-              {"type": "text", "text": "Describe the picture."}], max_tokens=6, logprobs=True, top_logprobs=2,
-             n=2, temperature=1.0, seed=9)
+              {"type": "text", "text": "Is there a cat?"}], max_tokens=8, logprobs=True, top_logprobs=2,
+             n=2, temperature=1.0, seed=9,
+             response_format={"type": "json_schema", "json_schema": {"name": "yn", "schema": {"enum": ["yes", "no"]}}})
 
 
 def dataset(tmp: Path) -> tuple[Path, Path, set[str]]:
@@ -196,6 +197,8 @@ def test_batch_answer_equals_the_http_servers(cluster, full_run):
     # here, alone there)
     lp_ours, lp_want = ([c.pop("logprobs")["content"] for c in r["choices"]] for r in (ours, want))
     assert ours["choices"] == want["choices"] and len(ours["choices"]) == 2
+    assert all(json.loads(c["message"]["content"]) in ("yes", "no") and c["finish_reason"] == "stop"
+               for c in ours["choices"])
     assert sum(map(len, lp_ours)) == sum(map(len, lp_want)) == ours["usage"]["completion_tokens"]
 
     def close(a: dict, b: dict) -> bool:

@@ -193,6 +193,35 @@ def test_n_choices_through_the_official_client(server):
     assert e.value.body["param"] == "n"
 
 
+def test_structured_output_through_the_official_client(server):
+    """`response_format` with a JSON schema over HTTP: each of two sampled choices about an image is
+    JSON for the schema, answered and streamed alike, finishing with "stop"; a bad schema is a 400."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", max_retries=0, timeout=120)
+    schema = {"type": "object", "additionalProperties": False, "required": ["animal", "count"],
+              "properties": {"animal": {"enum": ["cat", "dog"]}, "count": {"type": "integer", "minimum": 1, "maximum": 5}}}
+    kw = {"model": "tiny", "max_tokens": 40, "temperature": 1.0, "seed": 5, "n": 2,
+          "response_format": {"type": "json_schema", "json_schema": {"name": "pets", "schema": schema}},
+          "messages": [{"role": "user", "content": [
+              {"type": "image_url", "image_url": {"url": data_url(png_bytes(56, 72, 8), "image/png")}},
+              {"type": "text", "text": "Which animal, how many?"}]}]}
+    full = client.chat.completions.create(**kw)
+    for c in full.choices:
+        obj = json.loads(c.message.content)
+        assert c.finish_reason == "stop" and set(obj) == {"animal", "count"}
+        assert obj["animal"] in ("cat", "dog") and type(obj["count"]) is int and 1 <= obj["count"] <= 5
+    texts = ["", ""]
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in full.choices]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**(kw | {"response_format": {"type": "json_schema",
+                                                                    "json_schema": {"schema": {"type": "nope"}}}}))
+    assert e.value.body["param"] == "response_format"
+
+
 def test_the_routers_own_port_serves_the_same_api_without_the_proxy(server):
     """router_http_port (app/api/shared_port.py): the same FastAPI app served by the Router process itself.
     Same answers as through Ray Serve's proxy, streamed and not, and the same OpenAI error shape."""

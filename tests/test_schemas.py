@@ -111,8 +111,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ({"functions": [TOOL["function"]]}, "functions"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {}}}}, "response_format"),
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),

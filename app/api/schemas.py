@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..errors import ClientError
+from ..llm.grammar import grammar_for
 from ..llm.sampling import MAX_CHOICES, MAX_LOGPROBS, SamplingParams
 from ..media.ref import MediaRef
 from .prompt import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
@@ -77,11 +78,11 @@ def _unsupported(param: str, what: str) -> ClientError:
 
 
 def _refuse_what_would_be_ignored(body: dict) -> None:
-    """OpenAI parameters that ask for a behaviour this server does not have (tool calls, a JSON
-    format, token biases, audio) are a 400 naming them, never silently dropped: an answer that ignored
+    """OpenAI parameters that ask for a behaviour this server does not have (tool calls, token
+    biases, audio) are a 400 naming them, never silently dropped: an answer that ignored
     them would look like the model's own failure. Parameters that only label or route a request
     (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`) and their off values
-    (`tool_choice: "none"`, `response_format: {"type": "text"}`, `modalities: ["text"]`, empty
+    (`tool_choice: "none"`, `modalities: ["text"]`, empty
     lists and maps) are accepted."""
     for key in ("tools", "functions"):
         if body.get(key) and body.get("tool_choice", body.get("function_call")) != "none":
@@ -89,9 +90,6 @@ def _refuse_what_would_be_ignored(body: dict) -> None:
     choice = body.get("tool_choice", body.get("function_call"))
     if choice not in (None, "none", "auto"):  # a forced call ("required", a named function)
         raise _unsupported("tool_choice" if "tool_choice" in body else "function_call", "no tool calls are parsed")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise _unsupported("response_format", "no constrained (JSON) decoding; only {\"type\": \"text\"}")
     if body.get("logit_bias"):
         raise _unsupported("logit_bias", "no per-token biases")
     modalities = body.get("modalities")
@@ -170,6 +168,7 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
     if params.top_p == 0:
         raise ClientError("'top_p' must be greater than 0", param="top_p")
     params.logprobs = _logprobs(body)
+    params.grammar = grammar_for(body.get("response_format"))  # structured output (app/llm/grammar.py)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ClientError("'stream' must be a boolean", param="stream")

@@ -39,6 +39,7 @@ import torch
 from ..config import LLMConfig
 from ..errors import ClientError
 from .block_manager import BlockManager
+from .grammar import Grammars
 from .model import TextModel, TextSpec, load_text_model
 from .model_runner import LaunchedStep, ModelRunner
 from .mrope import Rope
@@ -114,6 +115,7 @@ class Engine:
                                   num_kv_blocks=cfg.num_kv_blocks,
                                   gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=cfg.cuda_graphs,
                                   step_graphs=cfg.step_graphs)
+        self.grammars = self.runner.grammars = Grammars(tokenizer, self.spec.vocab)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, self.max_num_seqs, cfg.max_num_batched_tokens)
         self.emit: Callable[[list[tuple[Sequence, TokenDelta]]], None] = self._emit_each
@@ -178,6 +180,10 @@ class Engine:
                          block_size=self.blocks.block_size, device=self.device, dtype=self.dtype)
         seed = req.params.seed
         seqs = [first] + [first.fork(None if seed is None else seed + i) for i in range(1, n)]
+        if req.params.grammar is not None:
+            first.matcher = self.grammars.matcher(req.params.grammar)
+            for seq in seqs[1:]:
+                seq.matcher = first.matcher.deep_copy()
         for seq, sink in zip(seqs, sinks):
             if sink is None:
                 reader = ThreadReader(OutputStream(self.tokenizer, req.params, length, _rows(req)), seq.cancel)
@@ -189,6 +195,8 @@ class Engine:
             now = time.perf_counter()
             for seq in seqs:
                 seq.queued_time = now
+            if first.matcher is not None:
+                self.grammars.live += n
             self._inbox.extend(seqs)
             self._cv.notify()
         return seqs
@@ -293,6 +301,9 @@ class Engine:
 
     def _step(self) -> None:
         t0 = time.perf_counter()
+        if self.grammars.live and self._inflight is not None:  # a grammar's mask needs the previous token
+            self._complete(self._inflight)
+            self._inflight = None
         self._drop_cancelled()
         plan = self.scheduler.schedule()
         for seq in self.scheduler.preempted:
@@ -366,8 +377,17 @@ class Engine:
                 delta = TokenDelta([], "stop")
             else:
                 seq.token_ids[i] = tok
-                delta = TokenDelta([tok], "length" if i + 1 - seq.prompt_len >= seq.max_new else None,
-                                   logprobs=None if lp is None else [lp])
+                reason = "length" if i + 1 - seq.prompt_len >= seq.max_new else None
+                if seq.matcher is not None:
+                    try:
+                        if self.grammars.accept(seq.matcher, tok):
+                            reason = "stop"  # the response format is complete
+                    except RuntimeError as e:  # this request fails alone
+                        log.exception("structured output of request %s", seq.id)
+                        outputs.append((seq, TokenDelta([], error=e)))
+                        self._finish(seq)
+                        continue
+                delta = TokenDelta([tok], reason, logprobs=None if lp is None else [lp])
             outputs.append((seq, delta))
             if delta.finish_reason:
                 self._finish(seq)
@@ -393,6 +413,10 @@ class Engine:
             self.emit([(s, TokenDelta([], "cancelled")) for s in gone])
 
     def _finish(self, seq: Sequence) -> None:
+        if seq.matcher is not None:
+            seq.matcher = None
+            with self._cv:
+                self.grammars.live -= 1
         self.scheduler.remove(seq)
         self.runner.release_row(seq)
         seq.release_vision()

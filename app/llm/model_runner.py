@@ -215,6 +215,7 @@ class ModelRunner:
         self.vision_deepstack = (torch.empty(s.deepstack_layers, max_num_batched_tokens, s.hidden, dtype=self.dtype,
                                              device=self.device) if s.deepstack_layers else None)
         self.sampler = Sampler(s.vocab, max_num_seqs, self.device)
+        self.grammars = None  # the engine's grammar.Grammars: masks for rows with a response format
         self.decode_block_q = block_q_for(s.heads // s.kv_heads, DECODE_BLOCK_M)
         self.prefill_block_q = block_q_for(s.heads // s.kv_heads, PREFILL_BLOCK_M)
         self.tokens_host = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
@@ -356,7 +357,10 @@ class ModelRunner:
         else:
             rows = [s for s, sampled in zip(plan.seqs, plan.sample) if sampled]
             logits, sampling, graph = self._mixed(plan, rows, feed, keep)
-        tokens = self.sampler(logits, sampling) if rows else None
+        drawn_from = logits
+        if rows and self.grammars is not None and self.grammars.live:  # structured output's masks
+            drawn_from = self.grammars.masked(logits, [s.matcher for s in rows])
+        tokens = self.sampler(drawn_from, sampling) if rows else None
         out = done = logprobs = None
         if tokens is not None:
             self.sampler.count(tokens, sampling)

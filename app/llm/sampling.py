@@ -26,3 +26,6 @@ class SamplingParams:
     # choices generated from the one prompt (OpenAI's `n`): choice i draws with `seed + i` when a seed
     # is given, so choice 0 is what the same request with n = 1 gives; the prompt is computed once
     n: int = 1
+    # structured output: an llguidance grammar (app/llm/grammar.py, from OpenAI's `response_format`);
+    # None = free text
+    grammar: str | None = None

@@ -110,6 +110,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self._cancel = threading.Event()
         self.sink = None  # where the engine puts this request's token deltas
+        self.matcher = None  # the response format's grammar state (grammar.py), set at submit
         self.reader = None  # set when the engine turns them into text chunks itself (`next_chunk`)
 
     def fork(self, seed: int | None) -> Sequence:

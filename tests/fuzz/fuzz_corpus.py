@@ -98,7 +98,9 @@ WRONG = {
     # asks for what the server does not do: refused (unsupported_parameter), never silently dropped
     "tools": [[{"type": "function", "function": {"name": "f"}}], "x", 1, {"a": 1}],
     "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}, 1, "x"],
-    "response_format": [{"type": "json_object"}, "json", 1, [1]],
+    "response_format": [{"type": "xml"}, {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}},
+                        {"type": "json_schema", "json_schema": []}, {"type": "json_schema", "json_schema": {"schema": 1}},
+                        "json", 1, [1], {}],
     "logit_bias": [{"1": 5}, "x", [1], True],
     "messages": [{}, "hi", 1, None, True, [], [1], ["hi"], [None], [{}], [[]]],
 }

@@ -1,0 +1,121 @@
+"""Structured output: OpenAI's `response_format` (`json_object`, `json_schema`) as a token mask.
+
+The grammar engine is llguidance (one small wheel, no dependencies): a JSON schema becomes a grammar,
+and a matcher per sequence says, at each step, which tokens may come next.
+
+- The API layer turns `response_format` into a grammar string (`grammar_for`), checked there, so a
+  bad schema is a 400 before anything runs. It travels in `SamplingParams.grammar`.
+- The engine gives each constrained sequence a matcher at submit (`Grammars.matcher`; the choices of
+  one request start from copies of one). The sampler reads a copy of the step's logits in which the
+  rows of constrained sequences are masked (`Grammars.masked`): disallowed tokens' logits are -inf, so
+  every sampler setting (greedy, temperature, top-k/p, seeds) draws from the allowed ones.
+  Log-probabilities come from the raw logits, the model's own distribution, as without a format. Each
+  sampled token is then fed to its matcher (`Grammars.accept`); when the grammar is complete, the
+  sequence stops ("stop").
+- A mask needs the sequence's previous token on the host, so while constrained sequences run the
+  engine does not overlap steps (engine.py).
+
+JSON is generated compact (no whitespace between tokens): with flexible whitespace a weak or unlucky
+model can spend its whole budget on spaces. A schema's own `x-guidance` options override this.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from ..errors import ClientError
+
+_COMPACT = {"whitespace_flexible": False}
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError as e:  # a dependency (pyproject.toml); an install without it still serves free text
+        raise ClientError("'response_format' needs the llguidance package, which this server lacks",
+                          param="response_format", code="unsupported_parameter") from e
+    return llguidance
+
+
+def grammar_for(response_format) -> str | None:
+    """The grammar for an OpenAI `response_format` (None: free text), or a 400 naming the field."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+        raise _bad("'response_format' must be an object with a 'type'")
+    kind = response_format["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = {"type": "object"}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise _bad("'response_format.json_schema' must be an object whose 'schema' is a JSON schema object")
+        schema = spec.get("schema", {})  # OpenAI: no schema means any JSON value
+    else:
+        raise _bad(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', not {kind!r}")
+    lg = _llguidance()
+    try:
+        grammar = lg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_COMPACT)
+    except (ValueError, TypeError) as e:
+        raise _bad(f"invalid JSON schema: {e}") from e
+    error = lg.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise _bad(f"invalid JSON schema: {error}")
+    return grammar
+
+
+def _bad(message: str) -> ClientError:
+    return ClientError(message, param="response_format", code="invalid_response_format")
+
+
+class Grammars:
+    """The engine's side: matchers for its tokenizer, and the masks of a step's constrained rows."""
+
+    def __init__(self, tokenizer, vocab: int):
+        self.hf_tokenizer, self.vocab = tokenizer, vocab
+        self.live = 0  # the engine's sequences with a matcher (while any, steps do not overlap)
+        self._tokenizer = None  # llguidance's view of the vocabulary, built at the first grammar (~ms to 1 s)
+
+    def matcher(self, grammar: str):
+        """A fresh matcher for `grammar`; a 400 if it does not compile against this vocabulary."""
+        lg = _llguidance()
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab)
+        m = lg.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if m.is_error():
+            raise _bad(f"the response format cannot be generated: {m.get_error()}")
+        return m
+
+    def masked(self, logits: torch.Tensor, matchers: list) -> torch.Tensor:
+        """The logits to sample from: a copy whose rows with a matcher keep only the tokens it allows
+        (the others -inf), or `logits` itself when no row has one. The raw logits stay as they were:
+        log-probabilities are the model's own, as for every other sampling setting."""
+        idx = [i for i, m in enumerate(matchers) if m is not None]
+        if not idx:
+            return logits
+        import llguidance.torch as lt
+
+        words = (self.vocab + 31) // 32
+        bits = torch.empty((len(idx), words), dtype=torch.int32)
+        for row, i in enumerate(idx):
+            lt.fill_next_token_bitmask(matchers[i], bits, row)
+        bits = bits.to(logits.device, non_blocking=True)
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).reshape(len(idx), words * 32)[:, :logits.shape[1]]
+        rows = torch.tensor(idx, device=logits.device)
+        out = logits.clone()
+        out[rows] = logits[rows].masked_fill(allowed == 0, float("-inf"))
+        return out
+
+    @staticmethod
+    def accept(matcher, token: int) -> bool:
+        """Feed a sampled token to its matcher; True when the grammar is complete (the sequence stops)."""
+        if not matcher.consume_token(token):
+            raise RuntimeError(f"structured output: token {token} was not allowed: {matcher.get_error()}")
+        return matcher.is_stopped()
