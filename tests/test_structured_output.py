@@ -191,3 +191,23 @@ def test_a_token_its_grammar_refuses_fails_that_request_alone(world, tiny_checkp
     monkeypatch.setattr(Grammars, "masked", real)
     assert eng.grammars.live == 0
     eng.shutdown()
+
+
+def test_a_grammar_is_compiled_once_and_each_sequence_gets_its_own_matcher(world):
+    """One schema sent with every request (a batch job's rows) is compiled once; each sequence copies
+    the start state, so one sequence's tokens never move another's matcher. The cache keeps the most
+    recently used grammars only."""
+    from app.llm.grammar import Grammars
+
+    g = Grammars(world["tok"], world["engine"].spec.vocab)
+    g.CACHED = 2
+    grammar = grammar_for(FORMAT)
+    assert g.compile(grammar) is g.compile(grammar)
+    a, b = g.matcher(grammar), g.matcher(grammar)
+    brace = world["tok"].convert_tokens_to_ids("{")
+    assert a.consume_token(brace) and not a.is_stopped()
+    assert b.consume_token(brace) and g.matcher(grammar).consume_token(brace)  # b and the template unmoved by a
+    others = [grammar_for({"type": "json_schema", "json_schema": {"schema": {"enum": [str(i)]}}}) for i in range(2)]
+    for o in others:
+        g.compile(o)
+    assert list(g._compiled) == others

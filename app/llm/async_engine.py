@@ -76,6 +76,8 @@ class AsyncEngine:
         that went away) cancels the request; the engine frees its blocks at its next step.
         `on_submit` sees each of the engine's sequences."""
         self.loop = asyncio.get_running_loop()
+        if req.params.grammar is not None:  # compiled off the loop (up to ~1 s the first time); then cached
+            await asyncio.to_thread(self.engine.grammars.compile, req.params.grammar)
         n, event = req.params.n, asyncio.Event()
         streams = [self.engine.output_stream(req) for _ in range(n)]
         pending = [_Pending(event) for _ in range(n)]

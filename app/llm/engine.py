@@ -181,9 +181,8 @@ class Engine:
         seed = req.params.seed
         seqs = [first] + [first.fork(None if seed is None else seed + i) for i in range(1, n)]
         if req.params.grammar is not None:
-            first.matcher = self.grammars.matcher(req.params.grammar)
-            for seq in seqs[1:]:
-                seq.matcher = first.matcher.deep_copy()
+            for seq in seqs:
+                seq.matcher = self.grammars.matcher(req.params.grammar)
         for seq, sink in zip(seqs, sinks):
             if sink is None:
                 reader = ThreadReader(OutputStream(self.tokenizer, req.params, length, _rows(req)), seq.cancel)

@@ -22,6 +22,8 @@ model can spend its whole budget on spaces. A schema's own `x-guidance` options 
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 
 import torch
 
@@ -73,24 +75,47 @@ def _bad(message: str) -> ClientError:
 
 
 class Grammars:
-    """The engine's side: matchers for its tokenizer, and the masks of a step's constrained rows."""
+    """The engine's side: matchers for its tokenizer, and the masks of a step's constrained rows.
+
+    Compiled grammars are kept (the most recently used CACHED), each as a matcher in its start state
+    that new sequences copy: a batch job or a client sending one schema with every request compiles it
+    once. `compile` may run on any thread (the LLM replica runs it off its event loop)."""
+
+    CACHED = 64
 
     def __init__(self, tokenizer, vocab: int):
         self.hf_tokenizer, self.vocab = tokenizer, vocab
         self.live = 0  # the engine's sequences with a matcher (while any, steps do not overlap)
         self._tokenizer = None  # llguidance's view of the vocabulary, built at the first grammar (~ms to 1 s)
+        self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()
 
-    def matcher(self, grammar: str):
-        """A fresh matcher for `grammar`; a 400 if it does not compile against this vocabulary."""
-        lg = _llguidance()
-        if self._tokenizer is None:
-            import llguidance.hf
+    def compile(self, grammar: str):
+        """The start-state matcher of `grammar` (compiled once); a 400 if this vocabulary cannot
+        generate it."""
+        with self._lock:
+            m = self._compiled.get(grammar)
+            if m is not None:
+                self._compiled.move_to_end(grammar)
+                return m
+            if self._tokenizer is None:
+                _llguidance()
+                import llguidance.hf
 
-            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab)
-        m = lg.LLMatcher(self._tokenizer, grammar, log_level=0)
+                self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab)
+            tokenizer = self._tokenizer
+        m = _llguidance().LLMatcher(tokenizer, grammar, log_level=0)  # drops the GIL while it compiles
         if m.is_error():
             raise _bad(f"the response format cannot be generated: {m.get_error()}")
+        with self._lock:
+            self._compiled[grammar] = m
+            while len(self._compiled) > self.CACHED:
+                self._compiled.popitem(last=False)
         return m
+
+    def matcher(self, grammar: str):
+        """A matcher of its own for a new sequence, in `grammar`'s start state."""
+        return self.compile(grammar).deep_copy()
 
     def masked(self, logits: torch.Tensor, matchers: list) -> torch.Tensor:
         """The logits to sample from: a copy whose rows with a matcher keep only the tokens it allows
