@@ -124,12 +124,10 @@ class Grammars:
         idx = [i for i, m in enumerate(matchers) if m is not None]
         if not idx:
             return logits
-        import llguidance.torch as lt
-
         words = (self.vocab + 31) // 32
         bits = torch.empty((len(idx), words), dtype=torch.int32)
-        for row, i in enumerate(idx):
-            lt.fill_next_token_bitmask(matchers[i], bits, row)
+        for row, i in enumerate(idx):  # the matcher writes its allowed-token bits into the row
+            matchers[i].unsafe_compute_mask_ptr(bits[row].data_ptr(), 4 * words)
         bits = bits.to(logits.device, non_blocking=True)
         shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
         allowed = ((bits.unsqueeze(-1) >> shifts) & 1).reshape(len(idx), words * 32)[:, :logits.shape[1]]
