@@ -16,7 +16,9 @@ Measures (the LLM-engine issue's targets):
   (top 5), alternating: what asking for them costs in tok/s and host time per step;
 - with --rollouts N (only this phase): N samples of one 1000-token prompt (reinforcement-learning
   rollouts) as one request with `n=N` against N requests of that prompt, sent one after another and
-  all at once, alternating: wall time, first and last choice's TTFT, and the prompt tokens computed.
+  all at once, alternating: wall time, first and last choice's TTFT, and the prompt tokens computed;
+- with --structured-cost (only this phase): 64 streams with and without a JSON schema (`response_format`),
+  alternating: what a format costs in tok/s and host time per decode step.
 
     python benchmarks/llm.py --out $OUT/llm.json
 """
@@ -278,6 +280,34 @@ def logprobs_cost(engine: Engine, reader: Reader, streams: int, vocab: int, roun
     return out
 
 
+def structured_cost(engine: Engine, reader: Reader, streams: int, vocab: int, rounds: int = 3) -> dict:
+    """`streams` streams of 256 tokens, free text and with a JSON schema (a string of at least 4,000
+    characters, so no answer completes early), alternating: aggregate tok/s, and host and wall ms
+    per decode step at that batch (medians). What a format costs: the masks built on the host each
+    step, and steps that no longer overlap."""
+    from app.llm.grammar import grammar_for
+
+    grammar = grammar_for({"type": "json_schema", "json_schema": {"name": "long", "schema": {
+        "type": "object", "properties": {"text": {"type": "string", "minLength": 4000}}, "required": ["text"]}}})
+    out: dict = {"off": [], "schema": []}
+    for _ in range(rounds):
+        for name, g in (("off", None), ("schema", grammar)):
+            engine.step_log.clear()
+            t0 = time.perf_counter()
+            reqs = [request(64, 256, vocab) for _ in range(streams)]
+            for r in reqs:
+                r.params.grammar = g
+            recs = reader.submit_together(reqs)
+            for r in recs:
+                r["done"].wait(600)
+            wall = max(r["end"] for r in recs) - t0
+            rows = [r for r in engine.step_log if r[0] == streams and r[1] == streams]  # decode steps of all
+            out[name].append({"aggregate_tok_s": round(sum(r["tokens"] for r in recs) / wall, 1), "steps": len(rows),
+                              "host_ms_median": round(1e3 * float(np.median([r[3] for r in rows])), 3),
+                              "step_ms_median": round(1e3 * float(np.median([r[4] for r in rows])), 3)})
+    return out
+
+
 def transformers_rates(model, prompt: int, new: int, ttft_prompt: int, vocab: int) -> dict:
     def gen(tokens, n):
         ids = torch.tensor([RNG.integers(0, min(vocab, 150000), tokens).tolist()], device="cuda")
@@ -396,6 +426,7 @@ def main() -> None:
                    help="llm.overlap_steps: launch step N+1 before reading step N's tokens")
     p.add_argument("--logprobs-cost", action="store_true", help="run only the log-probabilities phase")
     p.add_argument("--rollouts", type=int, default=0, help="run only the rollouts phase, with n = this")
+    p.add_argument("--structured-cost", action="store_true", help="run only the structured-output phase")
     p.add_argument("--out", default="benchmarks/llm_results.json")
     a = p.parse_args()
     cfg = AutoConfig.for_model(**load_preset(a.preset))
@@ -431,6 +462,8 @@ def main() -> None:
         phases = [("logprobs_cost", lambda: logprobs_cost(engine, reader, a.streams, vocab))]
     if a.rollouts:
         phases = [("rollouts", lambda: rollouts(engine, reader, a.rollouts, a.ttft_prompt, a.new, vocab))]
+    if a.structured_cost:
+        phases = [("structured_cost", lambda: structured_cost(engine, reader, a.streams, vocab))]
     if a.profile:
         phases += [("prefill_attention_ab", lambda: prefill_attention_ab(engine)),
                    ("profile_b1", lambda: profile_decode(engine, reader, 1, vocab)),
@@ -440,7 +473,7 @@ def main() -> None:
         print(name, json.dumps(res[name])[:400], flush=True)
         out.write_text(json.dumps(res, indent=1))
     engine.shutdown()
-    if a.logprobs_cost or a.rollouts:
+    if a.logprobs_cost or a.rollouts or a.structured_cost:
         return
     if not a.skip_transformers:
         res["transformers"] = transformers_rates(model, a.prompt, 64, a.ttft_prompt, vocab)

@@ -22,6 +22,7 @@ model can spend its whole budget on spaces. A schema's own `x-guidance` options 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 
@@ -89,6 +90,7 @@ class Grammars:
         self._tokenizer = None  # llguidance's view of the vocabulary, built at the first grammar (~ms to 1 s)
         self._compiled: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()
+        self._executor = None  # llguidance's thread pool for the masks of several rows
 
     def compile(self, grammar: str):
         """The start-state matcher of `grammar` (compiled once); a 400 if this vocabulary cannot
@@ -126,8 +128,13 @@ class Grammars:
             return logits
         words = (self.vocab + 31) // 32
         bits = torch.empty((len(idx), words), dtype=torch.int32)
-        for row, i in enumerate(idx):  # the matcher writes its allowed-token bits into the row
-            matchers[i].unsafe_compute_mask_ptr(bits[row].data_ptr(), 4 * words)
+        if len(idx) == 1:  # the matcher writes its allowed-token bits into the row
+            matchers[idx[0]].unsafe_compute_mask_ptr(bits.data_ptr(), 4 * words)
+        else:  # several rows: on llguidance's threads, without the GIL
+            if self._executor is None:
+                self._executor = _llguidance().LLExecutor(min(8, os.cpu_count() or 1))
+            self._executor.unsafe_compute_mask_ptr([(matchers[i], row) for row, i in enumerate(idx)],
+                                                   bits.data_ptr(), 4 * words, len(idx))
         bits = bits.to(logits.device, non_blocking=True)
         shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
         allowed = ((bits.unsqueeze(-1) >> shifts) & 1).reshape(len(idx), words * 32)[:, :logits.shape[1]]
