@@ -36,6 +36,12 @@ def test_the_api_turns_response_format_into_a_grammar_or_none():
     assert parse({"response_format": FORMAT}).params.grammar == grammar_for(FORMAT)
     assert parse({"response_format": {"type": "json_object"}}).params.grammar
     assert parse({"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}}).params.grammar
+    from app.llm.grammar import _schema_grammar
+
+    hits = _schema_grammar.cache_info().hits
+    reordered = {"type": "json_schema", "json_schema": {"schema": dict(reversed(SCHEMA.items())), "name": "b"}}
+    assert parse({"response_format": reordered}).params.grammar == grammar_for(FORMAT)
+    assert _schema_grammar.cache_info().hits == hits + 2  # the same schema (keys in any order) compiled once
 
 
 @pytest.mark.parametrize("fmt,says", [

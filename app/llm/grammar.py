@@ -21,6 +21,7 @@ model can spend its whole budget on spaces. A schema's own `x-guidance` options 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -60,9 +61,20 @@ def grammar_for(response_format) -> str | None:
         schema = spec.get("schema", {})  # OpenAI: no schema means any JSON value
     else:
         raise _bad(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', not {kind!r}")
+    try:
+        text = json.dumps(schema, sort_keys=True)
+    except (ValueError, TypeError) as e:
+        raise _bad(f"invalid JSON schema: {e}") from e
+    return _schema_grammar(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_grammar(schema: str) -> str:
+    """A schema's grammar, checked; kept, since clients and batch jobs send one schema many times and
+    the Router's process is a busy one."""
     lg = _llguidance()
     try:
-        grammar = lg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_COMPACT)
+        grammar = lg.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
     except (ValueError, TypeError) as e:
         raise _bad(f"invalid JSON schema: {e}") from e
     error = lg.LLMatcher.validate_grammar(grammar)
