@@ -22,6 +22,16 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n
 FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
 
 
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+NESTED = _nested(450)  # 900 levels: a JSON body parses, Python's encoder and llguidance's parser refuse it
+
+
 def valid(obj) -> bool:
     return (set(obj) == {"ok", "n", "color"} and isinstance(obj["ok"], bool) and type(obj["n"]) is int
             and 0 <= obj["n"] <= 9 and obj["color"] in ("red", "green", "blue"))
@@ -50,6 +60,7 @@ def test_the_api_turns_response_format_into_a_grammar_or_none():
     ({"type": "json_schema", "json_schema": []}, "json_schema' must be an object"),
     ({"type": "json_schema", "json_schema": {"schema": 1}}, "json_schema' must be an object"),
     ({"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}, "invalid JSON schema"),
+    ({"type": "json_schema", "json_schema": {"schema": NESTED}}, "invalid JSON schema"),
 ])
 def test_a_bad_response_format_is_a_400_naming_it(fmt, says):
     with pytest.raises(ClientError, match=says) as e:

@@ -63,6 +63,8 @@ def grammar_for(response_format) -> str | None:
         raise _bad(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', not {kind!r}")
     try:
         text = json.dumps(schema, sort_keys=True)
+    except RecursionError as e:  # nested deeper than Python's stack: a 400, not the Router's 500
+        raise _bad("invalid JSON schema: nested too deeply") from e
     except (ValueError, TypeError) as e:
         raise _bad(f"invalid JSON schema: {e}") from e
     return _schema_grammar(text)

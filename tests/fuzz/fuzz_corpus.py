@@ -80,6 +80,15 @@ def json_syntax(rng: random.Random) -> list[Case]:
     return cases
 
 
+def _nested_schema(depth: int) -> dict:
+    """A JSON schema nested `depth` objects deep (2 JSON levels each): a body that parses, a schema
+    too deep to compile."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
 WRONG = {
     "model": [1, [], {}, True, 1.5],
     "max_tokens": ["8", 1.5, -1, 0, True, [], {}, 10**7, 2**64],
@@ -100,6 +109,7 @@ WRONG = {
     "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}, 1, "x"],
     "response_format": [{"type": "xml"}, {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}},
                         {"type": "json_schema", "json_schema": []}, {"type": "json_schema", "json_schema": {"schema": 1}},
+                        {"type": "json_schema", "json_schema": {"schema": _nested_schema(450)}},
                         "json", 1, [1], {}],
     "logit_bias": [{"1": 5}, "x", [1], True],
     "messages": [{}, "hi", 1, None, True, [], [1], ["hi"], [None], [{}], [[]]],
