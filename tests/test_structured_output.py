@@ -5,6 +5,7 @@ The reference is transformers' greedy `generate` on the same tiny model, constra
 llguidance matcher through a logits processor: the engine's constrained tokens must equal it."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -250,3 +251,33 @@ def test_constrained_answers_survive_preemption(world, tiny_checkpoint):
     alone = ["".join(c.text for c in world["engine"].generate(r)) for r in reqs]
     assert got == alone and all(valid(json.loads(t)) for t in got)
     eng.shutdown()
+
+
+@pytest.mark.parametrize("spec,check", [
+    ({"choice": ["cat", "dog", "bird"]}, lambda t: t in ("cat", "dog", "bird")),
+    ({"choice": ["a-b #c & ~d (e) [f]*"]}, lambda t: t == "a-b #c & ~d (e) [f]*"),  # verbatim, not a pattern
+    ({"regex": "[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t) is not None),
+    ({"grammar": 'start: "yes" | "no" | "maybe " NUM\nNUM: /[0-9]/'},
+     lambda t: t in ("yes", "no") or re.fullmatch("maybe [0-9]", t) is not None),
+    ({"json": SCHEMA}, lambda t: valid(json.loads(t))),
+])
+def test_vllms_structured_outputs_extension(world, spec, check):
+    """vLLM's `structured_outputs` (choice, regex, grammar, json) through the API's parser and the
+    engine: four sampled choices each match, and stop when complete."""
+    params = parse({"structured_outputs": spec}).params
+    req = make_request(world, ["image"], data_seed=12, temperature=1.0, seed=4, n=4, max_tokens=40,
+                       grammar=params.grammar)[0]
+    chunks = list(world["engine"].generate(req))
+    texts = ["".join(c.text for c in chunks if c.index == i) for i in range(4)]
+    assert all(check(t) for t in texts), texts
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["stop"] * 4
+
+
+@pytest.mark.parametrize("spec", [{"choice": []}, {"choice": ["a", 1]}, {"regex": "(("}, {"grammar": "start: ???"},
+                                  {"choice": ["a"], "regex": "b"}, {"foo": 1}, "x", {"json": 1}, {"json": NESTED}])
+def test_a_bad_structured_outputs_is_a_400_naming_it(spec):
+    with pytest.raises(ClientError) as e:
+        parse({"structured_outputs": spec})
+    assert (e.value.status, e.value.param, e.value.code) == (400, "structured_outputs", "invalid_structured_outputs")
+    with pytest.raises(ClientError, match="not both"):
+        parse({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}})

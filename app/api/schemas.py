@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..errors import ClientError
-from ..llm.grammar import grammar_for
+from ..llm.grammar import grammar_for, grammar_for_structured
 from ..llm.sampling import MAX_CHOICES, MAX_LOGPROBS, SamplingParams
 from ..media.ref import MediaRef
 from .prompt import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
@@ -168,7 +168,14 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
     if params.top_p == 0:
         raise ClientError("'top_p' must be greater than 0", param="top_p")
     params.logprobs = _logprobs(body)
-    params.grammar = grammar_for(body.get("response_format"))  # structured output (app/llm/grammar.py)
+    # structured output (app/llm/grammar.py): OpenAI's response_format, or vLLM's structured_outputs
+    params.grammar = grammar_for(body.get("response_format"))
+    structured = grammar_for_structured(body.get("structured_outputs"))
+    if structured is not None:
+        if params.grammar is not None:
+            raise ClientError("give 'response_format' or 'structured_outputs', not both", param="structured_outputs",
+                              code="invalid_structured_outputs")
+        params.grammar = structured
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ClientError("'stream' must be a boolean", param="stream")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import threading
 from collections import OrderedDict
 
@@ -32,6 +33,7 @@ import torch
 from ..errors import ClientError
 
 _COMPACT = {"whitespace_flexible": False}
+MAX_CHOICE_STRINGS = 1024  # `structured_outputs.choice`
 
 
 def _llguidance():
@@ -43,8 +45,8 @@ def _llguidance():
     return llguidance
 
 
-def grammar_for(response_format) -> str | None:
-    """The grammar for an OpenAI `response_format` (None: free text), or a 400 naming the field."""
+def grammar_for(response_format, param: str = "response_format") -> str | None:
+    """The grammar for an OpenAI `response_format` (None: free text), or a 400 naming `param`."""
     if response_format is None:
         return None
     if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
@@ -64,10 +66,13 @@ def grammar_for(response_format) -> str | None:
     try:
         text = json.dumps(schema, sort_keys=True)
     except RecursionError as e:  # nested deeper than Python's stack: a 400, not the Router's 500
-        raise _bad("invalid JSON schema: nested too deeply") from e
+        raise _bad("invalid JSON schema: nested too deeply", param) from e
     except (ValueError, TypeError) as e:
-        raise _bad(f"invalid JSON schema: {e}") from e
-    return _schema_grammar(text)
+        raise _bad(f"invalid JSON schema: {e}", param) from e
+    try:
+        return _schema_grammar(text)
+    except ClientError as e:
+        raise _bad(e.message, param) from None
 
 
 @functools.lru_cache(maxsize=256)
@@ -85,8 +90,41 @@ def _schema_grammar(schema: str) -> str:
     return grammar
 
 
-def _bad(message: str) -> ClientError:
-    return ClientError(message, param="response_format", code="invalid_response_format")
+def grammar_for_structured(spec) -> str | None:
+    """The grammar for vLLM's `structured_outputs` extension (None: absent): exactly one of `choice`
+    (one of these strings, verbatim: a label without JSON quotes), `regex`, `json` (a schema) or
+    `grammar` (Lark, llguidance's dialect). A 400 naming `structured_outputs` otherwise."""
+    if spec is None:
+        return None
+    kinds = ("choice", "regex", "json", "grammar")
+    given = [k for k in kinds if isinstance(spec, dict) and spec.get(k) is not None]
+    if not isinstance(spec, dict) or len(given) != 1 or set(spec) - set(kinds):
+        raise _bad("'structured_outputs' must be an object with exactly one of 'choice', 'regex', 'json', "
+                   "'grammar'", "structured_outputs")
+    kind, value = given[0], spec[given[0]]
+    if kind == "json":
+        if not isinstance(value, dict):
+            raise _bad("'structured_outputs.json' must be a JSON schema object", "structured_outputs")
+        return grammar_for({"type": "json_schema", "json_schema": {"schema": value}}, "structured_outputs")
+    if kind == "choice":
+        if (not isinstance(value, list) or not value or len(value) > MAX_CHOICE_STRINGS
+                or not all(isinstance(c, str) and c for c in value)):
+            raise _bad(f"'structured_outputs.choice' must be a list of 1 to {MAX_CHOICE_STRINGS} non-empty strings",
+                       "structured_outputs")
+        value = "|".join(re.escape(c) for c in value)
+        kind = "regex"
+    if not isinstance(value, str) or not value:
+        raise _bad(f"'structured_outputs.{kind}' must be a non-empty string", "structured_outputs")
+    lg = _llguidance()
+    grammar = lg.LLMatcher.grammar_from_regex(value) if kind == "regex" else lg.LLMatcher.grammar_from_lark(value)
+    error = lg.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise _bad(f"invalid {kind}: {error}", "structured_outputs")
+    return grammar
+
+
+def _bad(message: str, param: str = "response_format") -> ClientError:
+    return ClientError(message, param=param, code=f"invalid_{param}")
 
 
 class Grammars:

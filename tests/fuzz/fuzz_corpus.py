@@ -112,6 +112,8 @@ WRONG = {
                         {"type": "json_schema", "json_schema": {"schema": _nested_schema(450)}},
                         "json", 1, [1], {}],
     "logit_bias": [{"1": 5}, "x", [1], True],
+    "structured_outputs": [{"choice": []}, {"regex": "(("}, {"grammar": "start: ???"}, {"json": 1}, "x", 1,
+                           {"choice": ["a"], "regex": "b"}],
     "messages": [{}, "hi", 1, None, True, [], [1], ["hi"], [None], [{}], [[]]],
 }
 BAD_MESSAGES = [
