@@ -341,6 +341,18 @@ def test_sampler_follows_openai_semantics():
     assert set(s(many, _batch(rows, all_greedy=False, any_top_p=True)).tolist()) == {3}
 
 
+def test_sampling_noise_is_strictly_inside_zero_one_so_removed_tokens_stay_removed():
+    """The extreme bit patterns give noise strictly inside (0, 1) and a finite Gumbel, so a token at
+    -inf (cut by top-k, top-p or a structured-output mask) stays at -inf. With the top 24 bits as
+    before, all ones gave exactly 1.0: +inf Gumbel, NaN with -inf, and argmax picked the removed token."""
+    from app.llm.sampler import unit_interval
+
+    u = unit_interval(torch.tensor([-1, 0, 1 << 62, -(1 << 63)], dtype=torch.int64))
+    assert bool(((u > 0) & (u < 1)).all()) and bool(torch.isfinite(-torch.log(-torch.log(u))).all())
+    old = (((torch.tensor([-1]) >> 40) & ((1 << 24) - 1)).float() + 0.5) * (1.0 / (1 << 24))
+    assert old.item() == 1.0 and torch.isnan(torch.tensor(float("-inf")) - torch.log(-torch.log(old))).item()
+
+
 def test_sampled_frequencies_follow_the_softmax():
     """4000 seeded draws from softmax([0, 1, 2, 3] / 0.7): counter-based noise, so the counts are fixed
     by the seeds; each frequency is within 2.5 points of its probability."""

@@ -45,8 +45,15 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """[S, vocab] float32 in (0, 1), a pure function of (seed, step, token id)."""
     key = _mix(_mix(seeds) ^ steps)[:, None]
-    bits = _mix(key ^ torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :] * _MIX2)
-    return (_shr(bits, 40).float() + 0.5) * (1.0 / (1 << 24))
+    return unit_interval(_mix(key ^ torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :] * _MIX2))
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """Random int64 bits -> float32 strictly inside (0, 1), from the top 23 bits: (k + 0.5) / 2^23 is exact
+    in float32. With 24 bits, (2^24 - 1 + 0.5) rounds to 2^24: a noise of exactly 1.0 made its Gumbel
+    +inf, so once per 2^24 tokens (about 1% of rows over a 152k vocabulary) a token that top-k, top-p
+    or a structured-output mask had set to -inf came back as NaN, and argmax took it."""
+    return (_shr(bits, 41).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass
