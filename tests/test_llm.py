@@ -247,7 +247,7 @@ class _Prompt:
     def __init__(self, tokens: list[int], bs: int, output: int = 0):
         self.token_ids = tokens + list(range(5000, 5000 + output))  # a preempted one's output too
         self.block_keys = [tuple(tokens[i:i + bs]) for i in range(0, len(tokens) // bs * bs, bs)]
-        self.prompt_hashes = None
+        self.prompt_hashes, self.waits_on = None, None
         self.block_table, self.block_hashes, self.num_computed, self.num_cached = [], [], 0, 0
 
     def __len__(self):
@@ -268,6 +268,15 @@ def test_a_prompt_waits_for_shared_blocks_being_computed_only_when_they_are_wort
     c = _Prompt(base[:80] + list(range(3000, 3020)), bs)
     assert bm.allocate(a) and len(bm.computing) == 25
     assert bm.computed_by(d) is a and bm.computed_by(c) is a and bm.computed_by(b) is None
+    # while A is being computed, asking again costs no prefix lookup (the schedule asks every step)
+    lookups = []
+    real_lookup = bm._lookup
+    bm._lookup = lambda s: lookups.append(s) or real_lookup(s)
+    assert bm.computed_by(c) is a and bm.computed_by(d) is a and lookups == []
+    # A's first 60 tokens computed (a chunk): C still waits for the rest of what they share (80 tokens)
+    a.num_computed = 60
+    bm.register_computed(a)
+    assert bm.computed_by(c) is a and lookups == []
     a.num_computed = 100
     bm.register_computed(a)
     assert bm.computing == {} and bm.computed_by(c) is None

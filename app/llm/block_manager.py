@@ -91,16 +91,25 @@ class BlockManager:
         hold at least WAIT_MIN_TOKENS: waiting costs a step, not worth it for a shared chat-template
         head on a cold cache."""
         if not self.computing:
+            seq.waits_on = None
             return None
+        if seq.waits_on is not None:  # the last shared block is still the owner's to compute: O(1) per step
+            last, owner = seq.waits_on
+            if self.computing.get(last) is owner:
+                return owner
+            seq.waits_on = None
         chain = self.chain(seq)  # the prompt's blocks only: a preempted sequence also holds output tokens
         k, limit = len(self._lookup(seq)), min((len(seq) - 1) // self.block_size, len(chain))
         owner = self.computing.get(chain[k]) if k < limit else None
         if owner is None or owner is seq:
             return None
         run = 1
-        while k + run < limit and run * self.block_size < WAIT_MIN_TOKENS and self.computing.get(chain[k + run]) is owner:
+        while k + run < limit and self.computing.get(chain[k + run]) is owner:
             run += 1
-        return owner if run * self.block_size >= WAIT_MIN_TOKENS else None
+        if run * self.block_size < WAIT_MIN_TOKENS:
+            return None
+        seq.waits_on = (chain[k + run - 1], owner)
+        return owner
 
     def register_computed(self, seq: Sequence) -> None:
         """Register the full prompt blocks of `seq` whose KV is now in the cache."""

@@ -102,6 +102,8 @@ class Sequence:
         self.block_hashes: list[int] = []  # prefix-cache hashes of the computed full prompt blocks
         self.num_computed = 0  # tokens whose KV is in the cache
         self.num_cached = 0  # of those, taken from the prefix cache at admission
+        # waiting for another's computation of shared prompt blocks: (the last one's hash, that sequence)
+        self.waits_on: tuple[int, Sequence] | None = None
         self.slot = -1  # row in the model runner's block-table tensor while running
         self.finish_reason: str | None = None
         # perf_counter times: built (arrival_time), queued for the engine, first scheduled, first token
