@@ -281,3 +281,28 @@ def test_a_bad_structured_outputs_is_a_400_naming_it(spec):
     assert (e.value.status, e.value.param, e.value.code) == (400, "structured_outputs", "invalid_structured_outputs")
     with pytest.raises(ClientError, match="not both"):
         parse({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}})
+
+
+def test_an_end_of_sequence_before_the_answer_is_complete_is_an_error_not_a_stop(world, tiny_checkpoint, monkeypatch):
+    """A matcher in an error state (past llguidance's limits, say) allows only the end of sequence; the
+    answer must then fail, not end with "stop" looking complete. Forced here: the mask allows only EOS."""
+    from app.llm.grammar import Grammars
+
+    eng = Engine(str(tiny_checkpoint))
+    eos = world["tok"].eos_token_id
+
+    def only_eos(self, logits, matchers):
+        out = logits.clone()
+        for i, m in enumerate(matchers):
+            if m is not None:
+                out[i] = float("-inf")
+                out[i, eos] = 0.0
+        return out
+
+    monkeypatch.setattr(Grammars, "masked", only_eos)
+    seq = eng.submit(make_request(world, [], data_seed=8, max_tokens=30, grammar=grammar_for(FORMAT))[0])
+    with pytest.raises(RuntimeError, match="not complete"):
+        while not seq.next_chunk(timeout=60).finish_reason:
+            pass
+    assert eng.grammars.live == 0
+    eng.shutdown()

@@ -300,7 +300,8 @@ class Engine:
 
     def _step(self) -> None:
         t0 = time.perf_counter()
-        if self.grammars.live and self._inflight is not None:  # a grammar's mask needs the previous token
+        if self.grammars.live and self._inflight is not None and any(
+                s.matcher is not None for s in self.scheduler.running):  # a mask needs the previous token
             self._complete(self._inflight)
             self._inflight = None
         self._drop_cancelled()
@@ -374,6 +375,8 @@ class Engine:
             if tok in eos and not seq.params.ignore_eos:
                 del seq.token_ids[i:]  # and the placeholder of a step queued after this one
                 delta = TokenDelta([], "stop")
+                if seq.matcher is not None and not seq.matcher.is_accepting():  # only an incomplete answer
+                    delta = TokenDelta([], error=self.grammars.refusal(seq.matcher, tok))
             else:
                 seq.token_ids[i] = tok
                 reason = "length" if i + 1 - seq.prompt_len >= seq.max_new else None
@@ -388,7 +391,7 @@ class Engine:
                         continue
                 delta = TokenDelta([tok], reason, logprobs=None if lp is None else [lp])
             outputs.append((seq, delta))
-            if delta.finish_reason:
+            if delta.finish_reason or delta.error is not None:
                 self._finish(seq)
         self.emit(outputs)
         now = time.perf_counter()

@@ -178,8 +178,10 @@ class Grammars:
         idx = [i for i, m in enumerate(matchers) if m is not None]
         if not idx:
             return logits
-        words = (self.vocab + 31) // 32
-        bits = torch.empty((len(idx), words), dtype=torch.int32)
+        words, pinned = (self.vocab + 31) // 32, logits.device.type == "cuda"
+        # pinned (PyTorch's caching host allocator keeps each buffer until its copy is done): a copy from
+        # pageable memory would wait for the step's queued forward before the sampler could be queued
+        bits = torch.empty((len(idx), words), dtype=torch.int32, pin_memory=pinned)
         if len(idx) == 1:  # the matcher writes its allowed-token bits into the row
             matchers[idx[0]].unsafe_compute_mask_ptr(bits.data_ptr(), 4 * words)
         else:  # several rows: on llguidance's threads, without the GIL
@@ -190,7 +192,7 @@ class Grammars:
         bits = bits.to(logits.device, non_blocking=True)
         shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
         allowed = ((bits.unsqueeze(-1) >> shifts) & 1).reshape(len(idx), words * 32)[:, :logits.shape[1]]
-        rows = torch.tensor(idx, device=logits.device)
+        rows = torch.tensor(idx, pin_memory=pinned).to(logits.device, non_blocking=True)
         out = logits.clone()
         out[rows] = logits[rows].masked_fill(allowed == 0, float("-inf"))
         return out
@@ -199,5 +201,13 @@ class Grammars:
     def accept(matcher, token: int) -> bool:
         """Feed a sampled token to its matcher; True when the grammar is complete (the sequence stops)."""
         if not matcher.consume_token(token):
-            raise RuntimeError(f"structured output: token {token} was not allowed: {matcher.get_error()}")
+            raise Grammars.refusal(matcher, token)
         return matcher.is_stopped()
+
+    @staticmethod
+    def refusal(matcher, token: int) -> RuntimeError:
+        """The error of a sequence whose token its grammar does not allow, e.g. an end of sequence before
+        the answer is complete (a matcher in an error state, such as past llguidance's resource limits,
+        allows only that): an error, never an answer cut short that looks complete."""
+        why = matcher.get_error() if matcher.is_error() else "the answer is not complete"
+        return RuntimeError(f"structured output: token {token} was not allowed: {why}")
