@@ -139,6 +139,45 @@ def test_smart_resize_bounds():
         smart_resize(1, 500, 32, 1024, 1 << 20)
 
 
+def test_smart_resize_equals_transformers_including_sides_below_half_a_factor():
+    """Our resize grid equals transformers' smart_resize over thin and ordinary sizes, with Qwen3-VL's
+    bounds (factor 32) and Qwen2.5-VL's (factor 28, min 3136). Sides of at most factor / 2 used to be
+    lifted to a factor before the bounds, skipping the upscale: 15 x 3000 came out (32, 2720 + ...)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as reference
+
+    rng = np.random.default_rng(3)
+    sizes = [(15, 3000), (16, 2705), (10, 817), (14, 14), (1, 150), (3, 500), (400, 7), (448, 448), (1080, 1920)]
+    sizes += [(int(h), int(w)) for h, w in rng.integers(1, 4000, (400, 2)) if max(h, w) / min(h, w) <= 200]
+    for factor, lo, hi in ((32, 1024, 1 << 20), (28, 3136, 12845056), (32, 65536, 16777216)):
+        for h, w in sizes:
+            assert smart_resize(h, w, factor, lo, hi) == reference(h, w, factor, lo, hi), (h, w, factor)
+
+
+def test_transparent_pixels_are_laid_over_white_as_transformers_does():
+    """RGBA, LA and palette images with a transparent colour: the decoded RGB equals transformers'
+    convert_to_rgb (transparency over white). Black text on transparent pixels stays readable."""
+    from PIL import Image
+    from transformers.image_transforms import convert_to_rgb
+
+    rgba = np.zeros((16, 24, 4), np.uint8)
+    rgba[4:8, 4:20] = (0, 0, 0, 255)  # black text, the rest transparent black
+    rgba[10:12, :, :] = (200, 30, 30, 128)  # a half-transparent red stripe
+    images = [Image.fromarray(rgba, "RGBA"), Image.fromarray(rgba, "RGBA").convert("LA")]
+    rgb = np.zeros((16, 24, 3), np.uint8)
+    rgb[:] = (0, 255, 0)  # a green background, its palette entry marked transparent
+    rgb[4:8, 4:20] = 0
+    pal = Image.fromarray(rgb, "RGB").convert("P")
+    pal.info["transparency"] = pal.getpixel((0, 0))
+    images.append(pal)
+    for img in images:
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        got = decode_image(buf.getvalue(), param="p", max_pixels=BIG)
+        want = convert_to_rgb(Image.open(io.BytesIO(buf.getvalue())), return_numpy=True)
+        assert np.array_equal(got, want), img.mode
+        assert got[0, 0].tolist() == [255, 255, 255] and got[5, 10].tolist() == [0, 0, 0]
+
+
 def test_patchify_layout_matches_a_conv3d_view():
     """Row r of pixel_values is exactly the (C, T, P, P) block the Conv3d patch embed reads."""
     rng = np.random.default_rng(0)

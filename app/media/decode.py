@@ -117,9 +117,23 @@ def open_rgb_image(data: bytes, *, param: str, max_pixels: int):
     img = _open_image(data, param, max_pixels)
     try:
         ImageOps.exif_transpose(img, in_place=True)
-        return img if img.mode == "RGB" else img.convert("RGB")
+        return _rgb(img)
     except Exception as e:  # a corrupt EXIF block or palette
         raise _decode_failure("image", e, param) from None
+
+
+def _rgb(img):
+    """RGB as transformers' processors make it: transparency (an alpha band, or a palette's or greyscale
+    image's transparent colour) laid over white. A plain convert would keep the hidden colour of
+    transparent pixels, often black: black text on a transparent logo became a black square."""
+    from PIL import Image
+
+    if img.mode == "RGB":
+        return img
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        rgba = img.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return img.convert("RGB")
 
 
 def decode_image(data: bytes, *, param: str, max_pixels: int) -> np.ndarray:
