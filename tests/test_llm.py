@@ -287,3 +287,20 @@ def test_a_prompt_waits_for_shared_blocks_being_computed_only_when_they_are_wort
     # while another prompt notes blocks as being computed
     e, f = _Prompt(list(base), bs, output=30), _Prompt(list(range(4000, 4100)), bs)
     assert bm.allocate(f) and bm.computing and bm.computed_by(e) is None
+
+
+@pytest.mark.parametrize("parts", [["look <|image", "_pad|> here"], ["<|vision_", "start|> x"], ["a <|video", "_pad|>"]])
+def test_text_parts_that_join_into_a_vision_marker_are_a_400(world, parts):
+    """Each part passes the parser's check alone, but the chat template joins a message's text parts as
+    they are: the prompt builder refuses the marker they make (a ValueError, so a 500, before), with
+    and without a real image beside them."""
+    from app.api.prompt import MediaSlot, PromptBuilder
+    from app.api.schemas import parse_chat_request
+    from app.errors import ClientError
+
+    content = [{"type": "text", "text": t} for t in parts]
+    parse_chat_request({"messages": [{"role": "user", "content": content}]}, 16, 4)
+    for extra, slots in (([], []), ([{"type": "image"}], [MediaSlot("image", (1, 4, 4))])):
+        with pytest.raises(ClientError) as e:
+            PromptBuilder(world["tok"]).build([{"role": "user", "content": extra + content}], slots)
+        assert (e.value.status, e.value.code, e.value.param) == (400, "reserved_token", "messages")

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import ClientError
+
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 _PLACEHOLDER = re.compile(
@@ -68,6 +70,23 @@ def video_timestamps_for(checkpoint: str | Path | None) -> bool:
     return _VIDEO_TIMESTAMPS.get(model_type, True)
 
 
+_MARKERS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+
+
+def _forged() -> ClientError:
+    return ClientError("message text forms a reserved vision marker (text parts are joined as they are); send "
+                       "media as image_url or video_url parts", param="messages", code="reserved_token")
+
+
+def _plain(text: str) -> str:
+    """Rendered text between media placeholders, which must hold no vision marker. Each text part was
+    checked on its own (schemas.py), but the template joins adjacent parts: "<|image" + "_pad|>" would
+    be a placeholder no media item backs (a 500 before), "<|vision_" + "start|>" a stray marker."""
+    if "<|" in text and any(marker in text for marker in _MARKERS):
+        raise _forged()
+    return text
+
+
 class PromptBuilder:
     def __init__(self, tokenizer, video_timestamps: bool | None = None):
         """`video_timestamps` None: from the family of the checkpoint the tokenizer was loaded from."""
@@ -96,10 +115,10 @@ class PromptBuilder:
 
         pos, queue = 0, list(slots)
         for m in _PLACEHOLDER.finditer(text):
-            add(self._text(text[pos:m.start()]))
+            add(self._text(_plain(text[pos:m.start()])))
             pos = m.end()
-            if not queue:
-                raise ValueError("the chat template produced more media placeholders than there are media items")
+            if not queue:  # the template joins a message's text parts as they are: two made a marker
+                raise _forged()
             slot = queue.pop(0)
             want = IMAGE_PAD if slot.kind == "image" else VIDEO_PAD
             if m.group(1) != want:
@@ -112,7 +131,7 @@ class PromptBuilder:
                 for ts in slot.timestamps:
                     add(self._text(f"<{ts:.1f} seconds>"))
                     add([self.vs]); add([self.video_id] * slot.tokens_per_group, VIDEO_TYPE); add([self.ve])  # noqa: E702
-        add(self._text(text[pos:]))
+        add(self._text(_plain(text[pos:])))
         if queue:
             raise ValueError("the chat template dropped media placeholders; it must render image and video parts")
         return Prompt(ids, types)
