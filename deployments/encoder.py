@@ -33,7 +33,7 @@ def pin_to_gpu_by_rank() -> None:
     log.info("encoder replica of node rank %d pinned to GPU %s", ctx.rank.local_rank, device)
 
 
-@serve.deployment(name="VisionEncoder", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=2)
+@serve.deployment(name="VisionEncoder", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=10)
 class VisionEncoder:
     def __init__(self, config: dict, pin_gpu_by_rank: bool = False):
         route_app_logs()

@@ -23,7 +23,8 @@ from .metrics import EncoderMetrics, LLMMetrics
 from .payload import resolve_payload
 
 
-@serve.deployment(name="LLM", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=2)
+# answers in flight finish when the replica is stopped (deployments/router.py, ANSWER_GRACE_S)
+@serve.deployment(name="LLM", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=60)
 class LLM:
     def __init__(self, config: dict, fused: bool = False):
         route_app_logs()

@@ -23,7 +23,7 @@ from app.model_builder import resolve_model
 from .logs import route_app_logs
 
 
-@serve.deployment(name="MediaPreprocessor", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=2)
+@serve.deployment(name="MediaPreprocessor", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=10)
 class MediaPreprocessor:
     def __init__(self, config: dict):
         route_app_logs()

@@ -73,10 +73,14 @@ def error_response(e: ClientError) -> JSONResponse:
     return FastJSONResponse(e.to_json(), status_code=e.status, headers=e.headers)
 
 
-SHARED_PORT_DRAIN_S = 1.5  # within the Router's graceful_shutdown_timeout_s
+# A Router that is stopped (scaled down, redeployed) lets the answers in flight finish: Ray Serve kills the
+# replica after graceful_shutdown_timeout_s whatever is still open, so it covers a long answer (256 tokens
+# at 5 tokens/s). An idle replica stops at once either way. The shared port's drain fits inside it.
+ANSWER_GRACE_S = 60
+SHARED_PORT_DRAIN_S = ANSWER_GRACE_S - 5
 
 
-@serve.deployment(name="Router", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=2)
+@serve.deployment(name="Router", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=ANSWER_GRACE_S)
 @serve.ingress(api)
 class Router:
     async def __init__(self, config: dict, media: DeploymentHandle, encoder: DeploymentHandle, llm: DeploymentHandle,
