@@ -98,6 +98,59 @@ def test_qwen25_greedy_equals_transformers_generate(qwen25, kinds, seconds):
     assert got == [t for t in want if t not in eos] and len(got) > 0
 
 
+def test_qwen25_video_prompt_end_alone_takes_its_own_position(qwen25):
+    """A Qwen2.5-VL video's time axis runs past its tokens, so the text after it does not sit at
+    index + rope_delta. When a prompt's last token runs alone (the rest from the prefix cache here),
+    it must take its own position: the first token's log-probability equals the cold run's (1e-5) and
+    transformers' logits. It used to take index + delta (58 against 32 here)."""
+    import dataclasses
+
+
+    req, items, secs, prompt = _qwen25_request(qwen25, ["video"], [10.0])
+    req.params = dataclasses.replace(req.params, logprobs=0, max_tokens=2)
+    for v in req.vision:
+        v.key = "video-1"
+    length = len(prompt.input_ids)
+    eng = Engine(str(qwen25["path"]), block_size=length - 1)
+    firsts = []
+    for _ in range(2):
+        seq = eng.submit(req)
+        lps = []
+        while True:
+            c = seq.next_chunk(timeout=120)
+            lps += [float(e[0]) for e in c.logprobs or []]
+            if c.finish_reason:
+                break
+        firsts.append(lps[0])
+    assert seq.num_cached == length - 1 and eng.step_log[-2][:2] == (1, 1)  # the last token ran alone
+    assert seq.prompt_positions[0, -1] != length - 1 + seq.rope_delta  # the case this is about
+    assert abs(firsts[0] - firsts[1]) <= 1e-5, firsts
+    eng.shutdown()
+
+
+def test_qwen25_positions_past_the_rotary_tables_are_refused_or_cut(qwen25):
+    """Positions past the rotary tables were an IndexError in the step (a device-side assert, which ends
+    the replica, on a GPU). A prompt whose video positions do not fit is a 400; one that fits has its
+    output cut where its positions would leave the table ("length")."""
+    from app.errors import ClientError
+
+    eng = Engine(str(qwen25["path"]), max_model_len=256)
+    rows = eng.model.cos_table.shape[0]
+    with pytest.raises(ClientError) as e:
+        eng.submit(_qwen25_request(qwen25, ["video"], [300.0])[0])
+    assert (e.value.status, e.value.code) == (400, "context_length_exceeded")
+    req = _qwen25_request(qwen25, ["video"], [240.0])[0]
+    req.params.max_tokens, req.params.ignore_eos = 200, True
+    seq = eng.submit(req)
+    assert int(seq.prompt_positions.max()) < rows < len(req.input_ids) + 200 + seq.rope_delta
+    chunks = []
+    while not chunks or not chunks[-1].finish_reason:
+        chunks.append(seq.next_chunk(timeout=120))
+    assert chunks[-1].finish_reason == "length"
+    assert sum(len(c.token_ids) for c in chunks) == rows - len(req.input_ids) - seq.rope_delta
+    eng.shutdown()
+
+
 def test_qwen25_positions_equal_get_rope_index(qwen25):
     _, items, secs, prompt = _qwen25_request(qwen25, ["video", "image", "video"], [0.75, 1.5])
     imgs = [p.grid for p, s in zip(items, secs) if s is None]

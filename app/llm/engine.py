@@ -97,11 +97,12 @@ class Engine:
 
             config_json = json.loads((Path(path) / "config.json").read_text())
             tokenizer = AutoTokenizer.from_pretrained(path)
-            self.model = load_text_model(path, self.dtype, self.device, self.max_model_len + 16)
+            self.model = load_text_model(path, self.dtype, self.device, _rope_rows(config_json, self.max_model_len))
             generation = _generation_eos(path)
         else:  # a transformers model in memory: our modules take its tensors by name
             config_json = model.config.to_dict()
-            self.model = TextModel(TextSpec.from_config(config_json), self.dtype, self.device, self.max_model_len + 16)
+            self.model = TextModel(TextSpec.from_config(config_json), self.dtype, self.device,
+                                   _rope_rows(config_json, self.max_model_len))
             self.model.load_weights(model.state_dict().items())
             eos = model.generation_config.eos_token_id
             generation = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -178,6 +179,7 @@ class Engine:
         capacity = self.check_admission(length, n)
         first = Sequence(req, rope=self.rope, vision_ids=self.vision_ids, max_model_len=min(self.max_model_len, capacity),
                          block_size=self.blocks.block_size, device=self.device, dtype=self.dtype)
+        self._fit_rope(first)
         seed = req.params.seed
         seqs = [first] + [first.fork(None if seed is None else seed + i) for i in range(1, n)]
         if req.params.grammar is not None:
@@ -199,6 +201,19 @@ class Engine:
             self._inbox.extend(seqs)
             self._cv.notify()
         return seqs
+
+    def _fit_rope(self, seq: Sequence) -> None:
+        """Positions must stay inside the rotary tables (an index past them is a device-side assert on a
+        GPU, which ends every request of the replica). They run ahead of the token count where a video's
+        time axis counts seconds (Qwen2.5-VL): a prompt whose positions do not fit is a 400, and the
+        output is cut ("length") where its positions would leave the table."""
+        rows = self.model.cos_table.shape[0]
+        top = int(seq.prompt_positions.max()) if seq.prompt_len else 0
+        if top >= rows:
+            raise ClientError(f"the prompt's rotary positions reach {top}, beyond the {rows} this server holds "
+                              "(a long video: fewer frames or a lower fps fit)", param="messages",
+                              code="context_length_exceeded")
+        seq.max_new = max(0, min(seq.max_new, rows - seq.prompt_len - seq.rope_delta))
 
     def check_admission(self, length: int, choices: int = 1) -> int:
         """Raise the ClientError `submit` would raise for a prompt of `length` tokens now (too long:
@@ -427,6 +442,14 @@ class Engine:
     def _emit_each(outputs: list[tuple[Sequence, TokenDelta]]) -> None:
         for seq, delta in outputs:
             seq.sink(delta)
+
+
+def _rope_rows(config: dict, max_model_len: int) -> int:
+    """Rows of the rotary tables. Positions can run ahead of token counts (Qwen2.5-VL's video time axis
+    counts seconds), so the tables go up to the model's own max_position_embeddings, at most four times
+    max_model_len (submit keeps every request inside them)."""
+    text = config.get("text_config") or config
+    return max(max_model_len + 16, min(int(text.get("max_position_embeddings") or 0), 4 * max_model_len))
 
 
 def _rows(req: GenerationRequest) -> int:

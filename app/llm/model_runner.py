@@ -436,7 +436,10 @@ class ModelRunner:
         bs = self.block_size
         idx = [s.num_computed for s in seqs]
         ids = [s.token_ids[i] for s, i in zip(seqs, idx)]
-        pos = [i + s.rope_delta for s, i in zip(seqs, idx)]
+        # a prompt's last token (alone after a prefix hit or a chunk) has its own position: `i + delta`
+        # holds for generated tokens, and for a prompt's end only where no video's time axis runs past
+        # its text (Qwen2.5-VL: a video's seconds outrun its tokens)
+        pos = [int(s.prompt_positions[0, i]) if i < s.prompt_len else i + s.rope_delta for s, i in zip(seqs, idx)]
         slots = [s.block_table[i // bs] * bs + i % bs for s, i in zip(seqs, idx)]
         lens = [i + 1 for i in idx]
         rows = [s.slot for s in seqs]
