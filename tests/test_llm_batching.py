@@ -353,6 +353,21 @@ def test_sampling_noise_is_strictly_inside_zero_one_so_removed_tokens_stay_remov
     assert old.item() == 1.0 and torch.isnan(torch.tensor(float("-inf")) - torch.log(-torch.log(old))).item()
 
 
+def test_top_p_of_one_keeps_every_token_beside_a_row_that_uses_top_p():
+    """In a step where another row uses top_p, a row with top_p 1 keeps all 151,936 tokens (the float32
+    cumsum ends above 1, which removed thousands of tail tokens), and a row with top_p 0.5 keeps the
+    nucleus it should: the fewest most likely tokens whose probability reaches 0.5."""
+    from app.llm.sampler import top_p_filter
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 151936).expand(2, 151936) * 3
+    out = top_p_filter(x, torch.tensor([1.0, 0.5]))
+    assert bool(torch.isfinite(out[0]).all())
+    p = torch.softmax(x[1].double(), -1).sort(descending=True).values
+    need = int((p.cumsum(0) < 0.5).sum()) + 1
+    assert int(torch.isfinite(out[1]).sum()) == need
+
+
 def test_sampled_frequencies_follow_the_softmax():
     """4000 seeded draws from softmax([0, 1, 2, 3] / 0.7): counter-based noise, so the counts are fixed
     by the seeds; each frequency is within 2.5 points of its probability."""

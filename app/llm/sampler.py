@@ -56,6 +56,18 @@ def unit_interval(bits: torch.Tensor) -> torch.Tensor:
     return (_shr(bits, 41).float() + 0.5) * (1.0 / (1 << 23))
 
 
+def top_p_filter(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """x [S, vocab] with each row's tokens outside its nucleus (the smallest set whose probability
+    reaches top_p) at -inf. The most likely token always stays; top_p 1 keeps every token (a float32
+    cumsum over 152k tokens ends above 1, which cut a top_p=1 row's tail when another row of the step
+    used top_p)."""
+    ordered = x.sort(dim=-1, descending=True).values
+    probs = ordered.softmax(-1)
+    keep = (probs.cumsum(-1) - probs < top_p[:, None]) | (top_p[:, None] >= 1)
+    floor = ordered.masked_fill(~keep, float("inf")).min(-1, keepdim=True).values
+    return x.masked_fill(x < floor, float("-inf"))
+
+
 @dataclass
 class SamplingBatch:
     """Per-row parameters of the rows that sample this step (device tensors), and what the host
@@ -126,11 +138,7 @@ class Sampler:
             kth = torch.where(b.top_k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
             x = x.masked_fill(x < kth, float("-inf"))
         if b.any_top_p:
-            ordered = x.sort(dim=-1, descending=True).values
-            probs = ordered.softmax(-1)
-            keep = probs.cumsum(-1) - probs < b.top_p[:, None]  # the most likely token always stays
-            floor = ordered.masked_fill(~keep, float("inf")).min(-1, keepdim=True).values
-            x = x.masked_fill(x < floor, float("-inf"))
+            x = top_p_filter(x, b.top_p)
         noise = uniform_noise(b.seeds, b.steps, x.shape[-1])
         sampled = (x - torch.log(-torch.log(noise))).argmax(-1)
         return torch.where(b.temperature > 0, sampled, greedy)
