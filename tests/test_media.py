@@ -131,6 +131,30 @@ def test_image_preprocessing_equals_transformers(hw):
     assert np.abs(ours.pixel_values - ref["pixel_values"]).max() < 1e-5
 
 
+def test_a_video_whose_resolution_changes_part_way_is_decoded_at_its_first_size():
+    """Two MPEG-TS pieces, 320x240 then 160x120, one after the other (a spliced or adaptive stream):
+    the sampled frames come at the first size, from both pieces (a ValueError, so a 500, before)."""
+    import av
+
+    def piece(w, h, shade):
+        buf = io.BytesIO()
+        with av.open(buf, "w", format="mpegts") as c:
+            s = c.add_stream("mpeg2video", rate=10)
+            s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+            for _ in range(20):
+                for pkt in s.encode(av.VideoFrame.from_ndarray(np.full((h, w, 3), shade, np.uint8), format="rgb24")):
+                    c.mux(pkt)
+            for pkt in s.encode():
+                c.mux(pkt)
+        return buf.getvalue()
+
+    v = decode_video(piece(320, 240, 40) + piece(160, 120, 200), param="v", fps=2, min_frames=4, max_frames=64,
+                     max_duration_s=600, max_pixels=10**8)
+    assert v.frames.shape[1:] == (240, 320, 3) and len(v.frames) >= 4
+    shades = v.frames.reshape(len(v.frames), -1).mean(1)
+    assert shades.min() < 80 and shades.max() > 160  # frames from both pieces
+
+
 def test_smart_resize_bounds():
     for h, w in [(10, 10), (4000, 3000), (500, 20)]:
         hh, ww = smart_resize(h, w, 32, 1024, 1 << 20)

@@ -252,4 +252,14 @@ def decode_video(data: bytes, *, param: str, fps: float, min_frames: int, max_fr
     if not decoded:
         raise ClientError("video has no decodable frames", param=param, code="invalid_video")
     frames = [wanted[i] if len(wanted[i]) else decoded[-1] for i in idx]  # a short count repeats the last frame
-    return VideoFrames(np.stack(frames), fps=src_fps, total_frames=total, indices=idx)
+    return VideoFrames(np.stack(_one_size(frames)), fps=src_fps, total_frames=total, indices=idx)
+
+
+def _one_size(frames: list[np.ndarray]) -> list[np.ndarray]:
+    """Frames at the first one's size. A stream may change resolution part-way (spliced or adaptive
+    streams); stacking them raised a ValueError outside the decode guard, a 500."""
+    from PIL import Image
+
+    h, w = frames[0].shape[:2]
+    return [f if f.shape[:2] == (h, w) else np.asarray(Image.fromarray(f).resize((w, h), Image.Resampling.BICUBIC))
+            for f in frames]
