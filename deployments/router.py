@@ -69,6 +69,10 @@ class RayBackend:
         return self.llm.options(stream=True).generate.remote(gen, encoded)
 
 
+# a proxy in front (nginx) must pass each event on as it comes, not buffer the stream
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
 def error_response(e: ClientError) -> JSONResponse:
     return FastJSONResponse(e.to_json(), status_code=e.status, headers=e.headers)
 
@@ -158,7 +162,7 @@ class Router:
             req, gen, payload = await self.chat.prepare(body)
             if req.stream:
                 return StreamingResponse(await self.chat.open_stream(req, gen, payload, t0),
-                                         media_type="text/event-stream")
+                                         media_type="text/event-stream", headers=SSE_HEADERS)
             return FastJSONResponse(await self.chat.complete(req, gen, payload, t0))
         except Exception as e:
             err = unwrap_client_error(e)

@@ -124,10 +124,12 @@ def test_streaming(server):
                 stream=True, stream_options={"include_usage": True})
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("text/event-stream")
+    assert resp.headers["cache-control"] == "no-cache" and resp.headers["x-accel-buffering"] == "no"
     events = [line[len("data: "):] for line in resp.text.split("\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])  # OpenAI: null until the usage chunk
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] in ("stop", "length") and all(f is None for f in finishes[:-1])
     usage = chunks[-1]["usage"]

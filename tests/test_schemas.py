@@ -129,3 +129,17 @@ def test_parameters_that_would_be_silently_ignored_are_a_400(extra, param):
 ])
 def test_their_off_values_and_labels_are_accepted(extra):
     assert parse(X | extra).messages == [{"role": "user", "content": "x"}]
+
+
+def test_openai_client_details_found_in_review():
+    """An unset max_completion_tokens sent as null falls back to max_tokens (it took the server's
+    default); stop strings are at most 1,024 characters (each is matched at every chunk: one of 200k
+    held an LLM replica's event loop for seconds); stream_options without stream is a 400, as OpenAI's."""
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_chat_request(base | {"max_tokens": 100, "max_completion_tokens": None}, 16, 4).params.max_tokens == 100
+    assert parse_chat_request(base | {"stop": "x" * 1024}, 16, 4).params.stop == ["x" * 1024]
+    for body, param in ((base | {"stop": ["ok", "x" * 1025]}, "stop"),
+                        (base | {"stream_options": {"include_usage": True}}, "stream_options")):
+        with pytest.raises(ClientError) as e:
+            parse_chat_request(body, 16, 4)
+        assert (e.value.status, e.value.param) == (400, param)

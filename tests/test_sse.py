@@ -252,6 +252,21 @@ def test_a_replica_lost_after_text_went_out_ends_the_stream_with_an_error(tiny_c
     assert records[0]["status"] == 503
 
 
+def test_a_replica_lost_after_logprobs_without_text_went_out_ends_the_stream_with_an_error(tiny_checkpoint):
+    """A first token that is part of a character sends no text but does send its log-probability; the
+    replica then dies. A retry would send the new attempt's log-probabilities after the old one's (bytes
+    of two different characters), so the stream ends with an error, as after text (found in review)."""
+    pytest.importorskip("ray")
+    first = chunk("") | {"token_ids": [160], "logprobs": [(-0.5, [], [])]}
+    backend = FailingThenFine([first])
+    out, records = writes(tiny_checkpoint, backend, BODY | {"logprobs": True})
+    got = [e for w in out for e in events(w)]
+    assert backend.calls == 1
+    sent = [x for e in got[:-1] if "choices" in e and e["choices"] and e["choices"][0]["logprobs"]
+            for x in e["choices"][0]["logprobs"]["content"]]
+    assert len(sent) == 1 and got[-2]["error"]["code"] == "replica_failed" and got[-1] == "[DONE]"
+
+
 class NeverShowsText(FailingThenFine):
     """The first stream yields a first token with no text, then its replica dies; every later one dies
     before its first chunk."""

@@ -182,7 +182,9 @@ class ChatService:
                             retries = getattr(given_up, "retries", retries)
                             raise
                         continue
-                shown = shown or bool(c["text"]) or bool(c["finish_reason"])
+                # anything sent counts: a chunk of logprobs without text yet (part of a character) goes out too,
+                # and a retry after it would send the new attempt's logprobs beside the old ones
+                shown = shown or bool(c["text"]) or bool(c["finish_reason"]) or bool(c.get("logprobs"))
                 yield c
                 c = None
 

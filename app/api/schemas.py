@@ -17,6 +17,7 @@ from ..media.ref import MediaRef
 from .prompt import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 
 VISION_MARKERS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+MAX_STOP_CHARS = 1024  # per stop string: the check at each chunk costs up to its length (stream.StopChecker)
 
 ROLES = ("system", "user", "assistant", "developer")
 
@@ -140,13 +141,17 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
     if len(media) > max_items:
         raise ClientError(f"{len(media)} media items exceed the limit of {max_items} per request", param="messages",
                           code="too_many_media_items")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = body.get("max_completion_tokens")  # clients may send the unset one as null
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
     max_tokens = _num({"max_tokens": max_tokens}, "max_tokens", 1, 1 << 20, default_max_tokens, integer=True)
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
     if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop)):
         raise ClientError("'stop' must be a string or a list of at most 4 strings", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop or []):  # each is matched against the text at every chunk
+        raise ClientError(f"each 'stop' string must be at most {MAX_STOP_CHARS} characters", param="stop")
     for s in stop or []:
         _unicode(s, "stop")
     params = SamplingParams(
@@ -183,6 +188,8 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
     opts = {} if opts is None else opts
     if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
         raise ClientError("'stream_options' must be an object with a boolean 'include_usage'", param="stream_options")
+    if opts and not stream:  # as OpenAI answers
+        raise ClientError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ClientError("'model' must be a string", param="model")
@@ -236,6 +243,6 @@ def stream_chunk(req: ChatRequest, model: str, delta: dict, finish: str | None =
     lp = None if logprobs is None else {"content": logprobs}
     out = {"id": req.id, "object": "chat.completion.chunk", "created": req.created, "model": model,
            "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}] if choices else []}
-    if usage_ is not None:
+    if usage_ is not None or req.include_usage:  # OpenAI: null on every chunk but the usage one
         out["usage"] = usage_
     return out
