@@ -12,7 +12,7 @@ import logging
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -22,7 +22,8 @@ from app.api.auth import ApiKeyMiddleware, resolve_api_key
 from app.api.body import parse_json, read_body
 from app.api.chat import ChatService, unwrap_client_error
 from app.api.retry import RetryPolicy
-from app.api.shared_port import SharedPortServer
+from app.api.shared_port import SCOPE_KEY as SHARED_PORT_SCOPE
+from app.api.shared_port import SharedPortServer, unless_client_leaves
 from app.config import AppConfig
 from app.errors import ClientError
 from app.media.adaptive import AdaptiveMedia, CountingPool
@@ -163,7 +164,11 @@ class Router:
             if req.stream:
                 return StreamingResponse(await self.chat.open_stream(req, gen, payload, t0),
                                          media_type="text/event-stream", headers=SSE_HEADERS)
-            return FastJSONResponse(await self.chat.complete(req, gen, payload, t0))
+            work = self.chat.complete(req, gen, payload, t0)
+            if not request.scope.get(SHARED_PORT_SCOPE):
+                return FastJSONResponse(await work)
+            answer = await unless_client_leaves(work, request.receive)  # uvicorn would not cancel it
+            return FastJSONResponse(answer) if answer is not None else Response(status_code=499)
         except Exception as e:
             err = unwrap_client_error(e)
             if err is None:

@@ -200,3 +200,32 @@ def test_shared_slots_hold_all_but_one_worker_per_request_and_are_dropped_after(
         assert asyncio.run(main()) == 0
     finally:
         pool.shutdown()
+
+
+def test_a_cancelled_collect_cancels_its_stream_on_the_replica():
+    """A non-streamed answer whose client left (the handler cancelled) stops its generation: the Ray
+    Serve stream is cancelled, as first_chunk already did before the first chunk."""
+    class Stream:
+        def __init__(self):
+            self.cancelled = False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await asyncio.sleep(0.01)
+            return {"finish_reason": None, "text": "x"}
+
+        def cancel(self):
+            self.cancelled = True
+
+    async def main():
+        stream = Stream()
+        task = asyncio.ensure_future(collect(lambda: stream, FAST))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return stream.cancelled
+
+    assert asyncio.run(main())

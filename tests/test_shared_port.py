@@ -102,3 +102,52 @@ def test_a_drain_gives_up_after_its_timeout():
         await server.task
 
     asyncio.run(main())
+
+
+def test_a_client_that_leaves_a_non_streamed_answer_cancels_it_and_one_that_stays_gets_it():
+    """uvicorn does not cancel a handler whose client went away: a non-streamed answer on this port runs
+    under unless_client_leaves (as the Router's), which cancels its work when the client disconnects,
+    and returns the result to a client that waits. The scope is marked as the shared port's."""
+    from starlette.responses import JSONResponse, Response
+
+    from app.api.shared_port import SCOPE_KEY, unless_client_leaves
+
+    steps, marked = [], []
+
+    async def answer(request):
+        marked.append(request.scope.get(SCOPE_KEY))
+        await request.body()
+
+        async def work():
+            try:
+                for i in range(20):
+                    await asyncio.sleep(0.05)
+                    steps.append(i)
+                return {"ok": True}
+            except asyncio.CancelledError:
+                steps.append("cancelled")
+                raise
+
+        out = await unless_client_leaves(work(), request.receive)
+        return JSONResponse(out) if out is not None else Response(status_code=499)
+
+    async def main():
+        port = free_port()
+        server = SharedPortServer(Starlette(routes=[Route("/a", answer, methods=["POST"])]), "127.0.0.1", port)
+        await server.started()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.close()  # the client gives up
+        await wait_until(lambda: "cancelled" in steps)
+        left = len(steps)
+        await asyncio.sleep(0.3)
+        assert len(steps) == left and steps[-1] == "cancelled"  # nothing ran after it left
+        steps.clear()
+        async with httpx.AsyncClient() as client:  # one that waits gets its answer
+            r = await client.post(f"http://127.0.0.1:{port}/a", content=b"{}")
+        assert r.json() == {"ok": True} and steps == list(range(20)) and marked == [True, True]
+        await server.drain(2)
+
+    asyncio.run(main())

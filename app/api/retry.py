@@ -147,6 +147,9 @@ async def collect(start: Callable[[], AsyncIterator[dict]], policy: RetryPolicy,
         except Exception as e:
             await _close(stream)
             await policy._wait_or_give_up(e, attempt, t0)
+        except BaseException:  # cancelled (the client left): stop the generation
+            cancel_stream(stream)
+            raise
 
 
 _draining: set[asyncio.Task] = set()  # strong references: a pending task may otherwise be collected

@@ -42,9 +42,38 @@ def listen_shared(host: str, port: int, backlog: int = 2048) -> socket.socket:
     return sock
 
 
+SCOPE_KEY = "vlm.shared_port"  # in the ASGI scope of requests that came in on the shared port
+
+
+async def unless_client_leaves(work, receive):
+    """`work`'s result, or None (the work cancelled) if the client disconnects first. For answers that
+    are not streamed, on this port: uvicorn does not cancel a handler whose client went away, so a client
+    that timed out would leave its generation running to max_tokens (and a retrying one would multiply
+    it). Ray Serve's proxy cancels its handlers itself. Call it once the request's body has been read:
+    the next message is then the disconnect."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    return None
+
+
 class CountInFlight:
     """ASGI middleware: how many HTTP requests are inside `app` now (from the call until it returns,
-    which for a streamed answer is after its last chunk)."""
+    which for a streamed answer is after its last chunk). It marks their scope (SCOPE_KEY)."""
 
     def __init__(self, app):
         self.app = app
@@ -53,6 +82,7 @@ class CountInFlight:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope[SCOPE_KEY] = True
         self.ongoing += 1
         try:
             await self.app(scope, receive, send)
