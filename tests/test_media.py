@@ -155,6 +155,32 @@ def test_a_video_whose_resolution_changes_part_way_is_decoded_at_its_first_size(
     assert shades.min() < 80 and shades.max() > 160  # frames from both pieces
 
 
+@pytest.mark.parametrize("rotation", [90, -90, 180])
+def test_a_video_with_a_display_rotation_is_decoded_upright(rotation):
+    """A phone's portrait video: landscape frames plus a display rotation. The decoded frames are turned
+    as PyAV defines frame.rotation (counterclockwise degrees), so a marked corner lands where a player
+    shows it; they were given to the model sideways."""
+    import av
+
+    coded = np.zeros((240, 320, 3), np.uint8)
+    coded[:60, :80] = 255  # the top-left corner as coded
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as c:
+        s = c.add_stream("mpeg4", rate=10)
+        s.width, s.height, s.pix_fmt = 320, 240, "yuv420p"
+        s.set_display_rotation(rotation)
+        for _ in range(20):
+            for pkt in s.encode(av.VideoFrame.from_ndarray(coded, format="rgb24")):
+                c.mux(pkt)
+        for pkt in s.encode():
+            c.mux(pkt)
+    v = decode_video(buf.getvalue(), param="v", fps=2, min_frames=4, max_frames=64, max_duration_s=600,
+                     max_pixels=10**8)
+    want = np.rot90(coded, rotation // 90)
+    assert v.frames.shape[1:] == want.shape
+    assert np.abs(v.frames[0].astype(int) - want).mean() < 8  # up to the codec's loss
+
+
 def test_smart_resize_bounds():
     for h, w in [(10, 10), (4000, 3000), (500, 20)]:
         hh, ww = smart_resize(h, w, 32, 1024, 1 << 20)

@@ -241,7 +241,7 @@ def decode_video(data: bytes, *, param: str, fps: float, min_frames: int, max_fr
                         raise ClientError(f"{len(idx)} sampled frames of {frame.width}x{frame.height} exceed the "
                                           f"decoded-video limit of {max_decoded_bytes} bytes", param=param,
                                           code="video_too_large")
-                    wanted[n] = frame.to_ndarray(format="rgb24")
+                    wanted[n] = _upright(frame.to_ndarray(format="rgb24"), frame.rotation)
                 if n >= idx[-1]:
                     break
     except ClientError:
@@ -253,6 +253,14 @@ def decode_video(data: bytes, *, param: str, fps: float, min_frames: int, max_fr
         raise ClientError("video has no decodable frames", param=param, code="invalid_video")
     frames = [wanted[i] if len(wanted[i]) else decoded[-1] for i in idx]  # a short count repeats the last frame
     return VideoFrames(np.stack(_one_size(frames)), fps=src_fps, total_frames=total, indices=idx)
+
+
+def _upright(rgb: np.ndarray, rotation: float) -> np.ndarray:
+    """The frame as it is meant to be shown: phones store portrait video as landscape frames plus a
+    display rotation (PyAV's `frame.rotation`: degrees the display turns the frame counterclockwise).
+    Images get their EXIF orientation; videos were shown to the model sideways."""
+    turns = round((rotation or 0) / 90) % 4
+    return np.ascontiguousarray(np.rot90(rgb, turns)) if turns else rgb
 
 
 def _one_size(frames: list[np.ndarray]) -> list[np.ndarray]:
