@@ -83,6 +83,27 @@ def test_file_media_are_read_only_under_the_root(tmp_path):
         assert e.value.status == 400 and e.value.code == "invalid_media_url"
     with pytest.raises(ClientError):
         resolve_file("sub/a.png", None, "p")
+    os.symlink(root / "loop", root / "loop")  # a symlink loop: resolve() raises RuntimeError (a 500 before)
+    with pytest.raises(ClientError) as e:
+        resolve_file("loop/x.png", r, "p")
+    assert e.value.status == 400 and e.value.code == "invalid_media_url"
+
+
+def test_reserved_ids_and_online_stream_options_found_in_review(tmp_path):
+    """An id of the form line-<n> is refused, so a bad line's fallback id never equals a real row's (two
+    records with one id; on resume a row could be skipped as done); an online body's stream_options is
+    dropped with its stream (a 400 before: stream_options without stream)."""
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    p = write_lines(tmp_path / "in.jsonl", [
+        json.dumps({"id": "line-3", **body}), json.dumps({"id": "line-x", **body}), "{oops",
+        json.dumps({"id": "s", **body, "stream": True, "stream_options": {"include_usage": True}})])
+    rows = list(read_rows(p))
+    assert [(r.id, r.error and r.error.code) for r in rows] == [
+        ("line-1", "invalid_id"), ("line-x", None), ("line-3", "invalid_json"), ("s", None)]
+    assert len({r.id for r in rows}) == 4
+    from app.api.schemas import parse_chat_request
+
+    assert "stream_options" not in rows[3].body and not parse_chat_request(rows[3].body, 16, 4).stream
 
 
 def test_a_file_image_prepares_like_the_same_bytes_as_a_data_url(tmp_path, tiny_checkpoint):
@@ -139,3 +160,59 @@ def test_config_file_and_overrides(tmp_path):
         BatchConfig(llm_pool={"min_size": 3, "max_size": 2})
     with pytest.raises(ValueError):
         BatchConfig(shards=3)
+
+
+def test_a_pool_whose_replacement_actors_fail_to_start_retries_then_fails_its_callers(monkeypatch):
+    """The only actor dies and its replacements fail in their constructors: callers waited for ever (the
+    job hung). Now each failure wakes them, a new start follows after a pause, a start that succeeds
+    serves them, and after START_ATTEMPTS failures in a row with no actor left they get PoolFailed."""
+    import ray
+
+    from app.batch import pool as pool_module
+    from app.batch.config import PoolConfig
+    from app.batch.pool import ActorPool, PoolFailed
+
+    monkeypatch.setattr(pool_module, "START_BACKOFF_S", 0.001)
+    monkeypatch.setattr(ray, "kill", lambda handle: None)
+
+    class Call:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def remote(self, *args):
+            async def run():
+                return self.fn()
+            return run()
+
+    def fleet(fails: set[int]):
+        starts = []
+
+        class Handle:
+            def __init__(self):
+                starts.append(len(starts) + 1)
+                n = starts[-1]
+
+                def ready():
+                    if n in fails:
+                        raise RuntimeError(f"start {n}: CUDA out of memory")
+                    return True
+                self.ready = Call(ready)
+
+        class Remote:
+            def remote(self, *args):
+                return Handle()
+        return Remote(), starts
+
+    async def scenario(fails: set[int]):
+        p = ActorPool("llm", object, lambda i: (), PoolConfig(min_size=1, max_size=1), 0)
+        p.remote_cls, starts = fleet(fails)
+        await p.start()
+        await p.release(await p.acquire(), dead=True)  # the only actor died
+        try:
+            await asyncio.wait_for(p.acquire(), 10)
+            return "served", len(starts)
+        except PoolFailed:
+            return "failed", len(starts)
+
+    assert asyncio.run(scenario({2, 3})) == ("served", 4)  # two failed starts, the third replacement serves
+    assert asyncio.run(scenario(set(range(2, 100)))) == ("failed", 1 + pool_module.START_ATTEMPTS)

@@ -33,6 +33,9 @@ class Row:
     error: ClientError | None = None
 
 
+FALLBACK_ID = re.compile(r"^line-\d+$")  # the ids of lines without a usable one: reserved
+
+
 def _row(line: int, body, seen: set[str]) -> Row:
     fallback = f"line-{line}"
     if not isinstance(body, dict):
@@ -42,11 +45,14 @@ def _row(line: int, body, seen: set[str]) -> Row:
         return Row(line, fallback, None, ClientError("each request needs an 'id' (a string or an integer)",
                                                      param="id", code="invalid_id"))
     rid = str(rid)
+    if FALLBACK_ID.match(rid):  # it could be a bad line's record: two lines would share an id
+        return Row(line, fallback, None, ClientError(f"ids of the form 'line-<n>' are reserved for lines without "
+                                                     f"a usable id; got {rid!r}", param="id", code="invalid_id"))
     if rid in seen:
         return Row(line, fallback, None, ClientError(f"id {rid!r} appears on an earlier line", param="id",
                                                      code="duplicate_id"))
     seen.add(rid)
-    body = {k: v for k, v in body.items() if k != "id"}
+    body = {k: v for k, v in body.items() if k not in ("id", "stream_options")}  # an online body may carry them
     body["stream"] = False  # a batch answer is one object
     return Row(line, rid, body)
 

@@ -101,9 +101,14 @@ class Stages:
                 refs = call.options(num_returns=num_returns).remote(*args)
                 return [await refs[0], *refs[1:]]
             return await call.remote(*args)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-            dead = isinstance(e, ray.exceptions.RayActorError)
+        except ray.exceptions.ActorUnavailableError as e:  # a subclass of RayActorError: unreachable for now
+            await asyncio.sleep(RETRY_DELAY_S)  # not dead: it keeps its place (and its GPU) in the pool
+            raise _Retry(f"{pool.name} actor unavailable: {e}") from e
+        except ray.exceptions.RayActorError as e:
+            dead = True
             raise _Retry(f"{pool.name} actor lost: {e}") from e
+        except ray.exceptions.ObjectLostError as e:  # media or embeddings stored on a node that died
+            raise _Retry(f"{pool.name} input lost: {e}") from e
         except ray.exceptions.RayTaskError as e:
             cause = e.as_instanceof_cause()
             if isinstance(cause, ClientError) and cause.status >= 500:

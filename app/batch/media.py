@@ -35,7 +35,11 @@ def resolve_file(url: str, root: str | None, param: str) -> Path:
     else:
         raw = url
     base = Path(root).resolve()
-    path = (base / raw).resolve()  # an absolute `raw` replaces base; then it must still be inside it
+    try:
+        path = (base / raw).resolve()  # an absolute `raw` replaces base; then it must still be inside it
+    except (RuntimeError, OSError, ValueError) as e:  # a symlink loop (RuntimeError on 3.11), a NUL byte, ...
+        raise ClientError(f"{url} cannot be resolved: {type(e).__name__}", param=param,
+                          code="invalid_media_url") from None
     if not path.is_relative_to(base):
         raise ClientError(f"{url} is outside the job's file root", param=param, code="invalid_media_url")
     return path

@@ -5,7 +5,9 @@ free slot waits. While callers wait and the pool is below `max_size`, one more a
 at a time: it joins when its `ready()` returns, and until the cluster has room for it, it stays
 pending, which is what makes a Ray autoscaler add a node). An actor idle for `idle_s` is removed
 while the pool is above `min_size`. A dead actor (node lost, preempted) leaves the pool; the caller
-retries on another (job.py) and the pool refills to `min_size`.
+retries on another (job.py) and the pool refills to `min_size`. An actor that fails to start is tried
+again after a growing pause; after START_ATTEMPTS failures in a row with no actor left, callers get
+PoolFailed instead of waiting for ever.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ import ray
 from .config import PoolConfig
 
 log = logging.getLogger(__name__)
+
+START_ATTEMPTS = 5  # failed starts in a row, with no actor left, before the pool gives up
+START_BACKOFF_S = 2.0  # the pause before a start after a failed one, doubling, at most 30 s
+
+
+class PoolFailed(RuntimeError):
+    """No actor of the stage is left and new ones keep failing to start."""
 
 
 @dataclass(eq=False)
@@ -45,12 +54,17 @@ class ActorPool:
         self.peak = 0
         self.cond = asyncio.Condition()
         self._closed = False
+        self.start_failures = 0  # failed starts in a row
+        self.failed: BaseException | None = None  # set when the pool gives up (PoolFailed)
+        self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         """`min_size` actors, all ready."""
         await asyncio.gather(*(self._add() for _ in range(self.cfg.min_size)))
 
     async def _add(self) -> None:
+        if self.start_failures:  # the last start failed: give the cause (GPU memory, a file) time to pass
+            await asyncio.sleep(min(30.0, START_BACKOFF_S * 2 ** (self.start_failures - 1)))
         handle = self.remote_cls.remote(*self.args(self.started))
         self.started += 1
         try:
@@ -68,6 +82,7 @@ class ActorPool:
                 return
             self.members.append(Member(handle, capacity))
             self.peak = max(self.peak, len(self.members))
+            self.start_failures = 0
             self.cond.notify_all()
         log.info("%s pool: %d actor(s)", self.name, len(self.members))
 
@@ -78,12 +93,28 @@ class ActorPool:
 
     def _started(self, task: asyncio.Task) -> None:
         self.starting = None
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("%s pool: an actor failed to start: %s", self.name, task.exception())
+        if task.cancelled() or task.exception() is None:
+            return
+        self.start_failures += 1
+        log.warning("%s pool: an actor failed to start (%d in a row): %s", self.name, self.start_failures,
+                    task.exception())
+        if self.start_failures >= START_ATTEMPTS and not self.members:
+            self.failed = task.exception()
+        # the callers waiting for a slot try again (a new start) or, if the pool gave up, fail
+        wake = asyncio.get_running_loop().create_task(self._wake())
+        self._tasks.add(wake)
+        wake.add_done_callback(self._tasks.discard)
+
+    async def _wake(self) -> None:
+        async with self.cond:
+            self.cond.notify_all()
 
     async def acquire(self) -> Member:
         async with self.cond:
             while True:
+                if self.failed is not None and not self.members:
+                    raise PoolFailed(f"{self.name}: no actor left and {self.start_failures} starts in a row "
+                                     f"failed; the last: {self.failed}")
                 free = [m for m in self.members if m.in_flight < m.capacity]
                 if free:
                     m = min(free, key=lambda m: m.in_flight)
