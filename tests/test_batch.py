@@ -216,3 +216,21 @@ def test_a_pool_whose_replacement_actors_fail_to_start_retries_then_fails_its_ca
 
     assert asyncio.run(scenario({2, 3})) == ("served", 4)  # two failed starts, the third replacement serves
     assert asyncio.run(scenario(set(range(2, 100)))) == ("failed", 1 + pool_module.START_ATTEMPTS)
+
+
+def test_an_output_folder_is_one_jobs_and_one_drivers_at_a_time(tmp_path):
+    """A second driver on the folder is refused while the first holds it (both would number shards from
+    the same index and one rename would replace the other's rows); another input's job is refused (its
+    ids, 0, 1, 2..., would be skipped as answered); the same input resumes."""
+    a, b = write_lines(tmp_path / "a.jsonl", ["{}"]), write_lines(tmp_path / "b.jsonl", ["{}"])
+    out = tmp_path / "out"
+    first = ShardWriter(out, 10)
+    first.claim(a)
+    with pytest.raises(RuntimeError, match="another batch job is writing"):
+        ShardWriter(out, 10).claim(a)
+    first.release()  # the first driver ended
+    with pytest.raises(RuntimeError, match="holds the output of a job over"):
+        ShardWriter(out, 10).claim(b)
+    again = ShardWriter(out, 10)
+    again.claim(a)  # the same job, resumed
+    again.release()

@@ -132,6 +132,36 @@ class ShardWriter:
         self.buffer: list[bytes] = []
         self.shards_written = 0
 
+    def claim(self, input_path: str | os.PathLike) -> None:
+        """Make the folder this job's, or refuse: another driver writing to it now (a lock held while
+        this process lives: two writers would both number their shards from the same index, and one
+        rename would replace the other's rows), or an earlier job's output for another input (whose ids,
+        often 0, 1, 2..., would be skipped as answered)."""
+        import fcntl
+
+        self._lock = open(self.folder / ".lock", "a")  # noqa: SIM115 - held until the process ends
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise RuntimeError(f"another batch job is writing to {self.folder}") from None
+        source = str(Path(input_path).resolve())
+        manifest = self.folder / "manifest.json"
+        if manifest.is_file():
+            other = json.loads(manifest.read_text()).get("input")
+            if other != source:
+                self.release()
+                raise RuntimeError(f"{self.folder} holds the output of a job over {other}; this job reads {source}: "
+                                   "use another output folder (or remove manifest.json to resume there anyway)")
+        else:
+            write_json_atomic(manifest, {"input": source})
+
+    def release(self) -> None:
+        """Let another driver have the folder (this job ended)."""
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.close()
+            self._lock = None
+
     def add(self, record: dict) -> None:
         self.buffer.append(json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
         if len(self.buffer) >= self.shard_rows:

@@ -168,6 +168,14 @@ async def run_job(cfg: BatchConfig, input_path: str, output_dir: str, progress_s
     """Runs the job on the Ray cluster this process is connected to; returns the report (also written
     to `<output>/report.json`)."""
     writer = ShardWriter(output_dir, cfg.shard_rows)
+    writer.claim(input_path)
+    try:
+        return await _run(cfg, input_path, output_dir, writer, progress_stream)
+    finally:
+        writer.release()
+
+
+async def _run(cfg: BatchConfig, input_path: str, output_dir: str, writer: ShardWriter, progress_stream) -> dict:
     progress = Progress(total=count_rows(input_path))
     if progress_stream is not None:
         progress.stream = progress_stream
