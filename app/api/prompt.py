@@ -70,7 +70,12 @@ def video_timestamps_for(checkpoint: str | Path | None) -> bool:
     return _VIDEO_TIMESTAMPS.get(model_type, True)
 
 
-_MARKERS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+VISION_MARKERS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+
+
+def has_vision_marker(text: str) -> bool:
+    """Whether `text` holds a token the tokenizer would read as a vision marker."""
+    return "<|" in text and any(marker in text for marker in VISION_MARKERS)
 
 
 def _forged() -> ClientError:
@@ -82,7 +87,7 @@ def _plain(text: str) -> str:
     """Rendered text between media placeholders, which must hold no vision marker. Each text part was
     checked on its own (schemas.py), but the template joins adjacent parts: "<|image" + "_pad|>" would
     be a placeholder no media item backs (a 500 before), "<|vision_" + "start|>" a stray marker."""
-    if "<|" in text and any(marker in text for marker in _MARKERS):
+    if has_vision_marker(text):
         raise _forged()
     return text
 

@@ -14,9 +14,8 @@ from ..errors import ClientError
 from ..llm.grammar import grammar_for, grammar_for_structured
 from ..llm.sampling import MAX_CHOICES, MAX_LOGPROBS, SamplingParams
 from ..media.ref import MediaRef
-from .prompt import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
+from .prompt import VISION_MARKERS, has_vision_marker
 
-VISION_MARKERS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 MAX_STOP_CHARS = 1024  # per stop string: the check at each chunk costs up to its length (stream.StopChecker)
 
 ROLES = ("system", "user", "assistant", "developer")
@@ -60,7 +59,7 @@ def _message_text(v: str, param: str) -> str:
     special tokens, so a client could forge media placeholders that no media item backs (the prompt
     builder then failed with a 500) or vision markers that derail M-RoPE positions."""
     _unicode(v, param)
-    if "<|" in v and any(marker in v for marker in VISION_MARKERS):
+    if has_vision_marker(v):
         raise ClientError(f"{param} contains a reserved vision marker ({', '.join(VISION_MARKERS)}); send media as "
                           "image_url or video_url parts", param=param, code="reserved_token")
     return v
