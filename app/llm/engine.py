@@ -395,16 +395,16 @@ class Engine:
             else:
                 seq.token_ids[i] = tok
                 reason = "length" if i + 1 - seq.prompt_len >= seq.max_new else None
+                delta = None
                 if seq.matcher is not None:
                     try:
                         if self.grammars.accept(seq.matcher, tok):
                             reason = "stop"  # the response format is complete
                     except RuntimeError as e:  # this request fails alone
                         log.exception("structured output of request %s", seq.id)
-                        outputs.append((seq, TokenDelta([], error=e)))
-                        self._finish(seq)
-                        continue
-                delta = TokenDelta([tok], reason, logprobs=None if lp is None else [lp])
+                        delta = TokenDelta([], error=e)
+                if delta is None:
+                    delta = TokenDelta([tok], reason, logprobs=None if lp is None else [lp])
             outputs.append((seq, delta))
             if delta.finish_reason or delta.error is not None:
                 self._finish(seq)

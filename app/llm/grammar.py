@@ -69,24 +69,25 @@ def grammar_for(response_format, param: str = "response_format") -> str | None:
         raise _bad("invalid JSON schema: nested too deeply", param) from e
     except (ValueError, TypeError) as e:
         raise _bad(f"invalid JSON schema: {e}", param) from e
-    try:
-        return _schema_grammar(text)
-    except ClientError as e:
-        raise _bad(e.message, param) from None
+    return _schema_grammar(text, param)
 
 
 @functools.lru_cache(maxsize=256)
-def _schema_grammar(schema: str) -> str:
+def _schema_grammar(schema: str, param: str) -> str:
     """A schema's grammar, checked; kept, since clients and batch jobs send one schema many times and
     the Router's process is a busy one."""
-    lg = _llguidance()
     try:
-        grammar = lg.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
+        grammar = _llguidance().LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
     except (ValueError, TypeError) as e:
-        raise _bad(f"invalid JSON schema: {e}") from e
-    error = lg.LLMatcher.validate_grammar(grammar)
+        raise _bad(f"invalid JSON schema: {e}", param) from e
+    return _checked(grammar, "JSON schema", param)
+
+
+def _checked(grammar: str, what: str, param: str) -> str:
+    """`grammar`, if llguidance accepts it; else a 400 naming `param`."""
+    error = _llguidance().LLMatcher.validate_grammar(grammar)
     if error:
-        raise _bad(f"invalid JSON schema: {error}")
+        raise _bad(f"invalid {what}: {error}", param)
     return grammar
 
 
@@ -117,10 +118,7 @@ def grammar_for_structured(spec) -> str | None:
         raise _bad(f"'structured_outputs.{kind}' must be a non-empty string", "structured_outputs")
     lg = _llguidance()
     grammar = lg.LLMatcher.grammar_from_regex(value) if kind == "regex" else lg.LLMatcher.grammar_from_lark(value)
-    error = lg.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise _bad(f"invalid {kind}: {error}", "structured_outputs")
-    return grammar
+    return _checked(grammar, kind, "structured_outputs")
 
 
 def _bad(message: str, param: str = "response_format") -> ClientError:
