@@ -274,10 +274,14 @@ def logprobs_cost(engine: Engine, reader: Reader, streams: int, vocab: int, roun
             engine.step_log.clear()
             res = run_streams(engine, reader, streams, 64, 256, vocab, logprobs=k)
             rows = [r for r in engine.step_log if r[0] == streams and r[2] == "decode"]
-            out[name].append({"aggregate_tok_s": round(res["aggregate_tok_s"], 1), "steps": len(rows),
-                              "host_ms_median": round(1e3 * float(np.median([r[3] for r in rows])), 3),
-                              "step_ms_median": round(1e3 * float(np.median([r[4] for r in rows])), 3)})
+            out[name].append({"aggregate_tok_s": round(res["aggregate_tok_s"], 1)} | _step_medians(rows))
     return out
+
+
+def _step_medians(rows: list) -> dict:
+    """Step-log rows -> their count and median host and wall ms per step."""
+    return {"steps": len(rows), "host_ms_median": round(1e3 * float(np.median([r[3] for r in rows])), 3),
+            "step_ms_median": round(1e3 * float(np.median([r[4] for r in rows])), 3)}
 
 
 def structured_cost(engine: Engine, reader: Reader, streams: int, vocab: int, rounds: int = 3) -> dict:
@@ -302,9 +306,7 @@ def structured_cost(engine: Engine, reader: Reader, streams: int, vocab: int, ro
                 r["done"].wait(600)
             wall = max(r["end"] for r in recs) - t0
             rows = [r for r in engine.step_log if r[0] == streams and r[1] == streams]  # decode steps of all
-            out[name].append({"aggregate_tok_s": round(sum(r["tokens"] for r in recs) / wall, 1), "steps": len(rows),
-                              "host_ms_median": round(1e3 * float(np.median([r[3] for r in rows])), 3),
-                              "step_ms_median": round(1e3 * float(np.median([r[4] for r in rows])), 3)})
+            out[name].append({"aggregate_tok_s": round(sum(r["tokens"] for r in recs) / wall, 1)} | _step_medians(rows))
     return out
 
 
