@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..capture import collection_paused
 from .attention import AttentionMetadata, block_q_for, decode_block_n, work_table
 from .model import TextModel, VisionBatch
 from .sampler import Sampler, SamplingBatch, host_sampling_arrays
@@ -607,7 +608,7 @@ class ModelRunner:
                 self._decode_forward(view, b, self.logits_out[:b])
             torch.cuda.current_stream(self.device).wait_stream(side)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with collection_paused(), torch.cuda.graph(g, pool=pool):
                 self._decode_forward(view, b, self.logits_out[:b])
             self.graphs[b] = g
         torch.cuda.synchronize(self.device)
@@ -636,7 +637,7 @@ class ModelRunner:
                 self.step_hidden[:b].copy_(self._step_forward(v, b, vision=True))
             torch.cuda.current_stream(self.device).wait_stream(side)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with collection_paused(), torch.cuda.graph(g, pool=pool):
                 self.step_hidden[:b].copy_(self._step_forward(v, b, vision=True))
             self.step_graphs[b] = g
         torch.cuda.synchronize(self.device)

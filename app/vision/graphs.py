@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..capture import collection_paused
 from .device_metadata import DeviceMetadataCache
 from .metadata import BatchLayout, Grid
 from .observed import EAGER, GRAPH, ObservedTimes
@@ -338,7 +339,7 @@ class GraphManager:
 
     def _capture_graph(self, inp: TowerBatch):
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+        with collection_paused(), torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
             out = self.tower(inp)
         return g, out
 

@@ -6,6 +6,8 @@ import statistics
 
 import torch
 
+from ..capture import collection_paused
+
 
 def cuda_times_ms(fn, runs: int, warmup: int = 3) -> list[float]:
     """Milliseconds of `fn()` per run, each bracketed by CUDA events, after `warmup` untimed runs. Waits
@@ -43,12 +45,13 @@ def graph_us(fn, inner: int = 1, runs: int = 30, warmup: int = 3) -> float:
         for _ in range(warmup):
             fn()
         side.synchronize()  # the warm-up has finished before capture begins (torch.cuda.graph syncs the device)
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            for _ in range(inner):
-                fn()
-        finally:
-            graph.capture_end()
+        with collection_paused():
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                for _ in range(inner):
+                    fn()
+            finally:
+                graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)
     times = cuda_times_ms(graph.replay, runs, warmup)
     return statistics.median(times) * 1000 / inner
