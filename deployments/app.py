@@ -63,9 +63,11 @@ def deployment_options(cfg: AppConfig, gpus: int, cpus: float) -> tuple[dict[str
     pl = plan(p, gpus)
     ongoing = p.max_ongoing_requests
     media_max = max(1, int(cpus // 2))  # half the cluster's cores at most, one replica each
+    routers = router_floor(p.router_replicas_per_gpu, gpus, cpus)
     opts = {
         "Router": {"max_ongoing_requests": ongoing, "ray_actor_options": {"num_cpus": p.router_num_cpus},
-                   "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 64,
+                   "autoscaling_config": {"min_replicas": routers, "max_replicas": max(4, 2 * routers),
+                                          "target_ongoing_requests": 64,
                                           "upscale_delay_s": 5, "downscale_delay_s": 60,
                                           "policy": {"policy_function": ROUTER_AUTOSCALING_POLICY}}},
         # 64, not fewer: a caller whose replicas are all at max_ongoing_requests retries with a backoff
@@ -86,6 +88,16 @@ def deployment_options(cfg: AppConfig, gpus: int, cpus: float) -> tuple[dict[str
     return opts, pl
 
 
+def router_floor(per_gpu: int, gpus: int, cpus: float) -> int:
+    """The Routers kept running: `per_gpu` for each GPU, at most a quarter of the cluster's cores, at
+    least one. Under load the Routers' Python threads, not the GPUs, capped two GPUs until there were
+    three per GPU; the autoscaler adds Routers only after seconds of load (and each takes seconds to
+    start), so a floor that follows the GPUs serves a burst at once."""
+    if gpus <= 0:
+        return 1
+    return max(1, min(per_gpu * gpus, int(cpus // 4) if cpus else per_gpu * gpus))
+
+
 def dormant_encoder(opts: dict) -> dict:
     """The `fused` placement's VisionEncoder options: no replica (see the module's docstring)."""
     opts = {k: v for k, v in opts.items() if k != "num_replicas"}
@@ -103,7 +115,7 @@ def build_app(args: dict):
     log.info("placement on %d GPUs: %s", gpus, pl.describe())
     config = cfg.model_dump()
     llm_config = cfg.model_copy(update={"llm": cfg.llm.model_copy(update={
-        "gpu_memory_utilization": llm_memory_share(cfg.llm.gpu_memory_utilization, pl)})}).model_dump()
+        "gpu_memory_utilization": llm_memory_share(cfg.llm.gpu_memory_utilization, pl.llm_num_gpus)})}).model_dump()
     media = MediaPreprocessor.options(**opts["MediaPreprocessor"]).bind(config)
     encoder = VisionEncoder.options(**opts["VisionEncoder"]).bind(config, pl.encoder_pins_gpu)
     llm = LLM.options(**opts["LLM"]).bind(llm_config, pl.fused)

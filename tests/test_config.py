@@ -50,6 +50,9 @@ def test_builder_options_follow_the_placement_policy():
     opts, pl = deployment_options(AppConfig(placement={"policy": "colocate"}), 4, 64)
     assert pl.policy == "colocate" and pl.encoder_pins_gpu
     assert opts["LLM"]["num_replicas"] == opts["VisionEncoder"]["num_replicas"] == 4
+    # the Routers follow the GPUs (3 per GPU by default), capped at a quarter of the cores
+    assert opts["Router"]["autoscaling_config"]["min_replicas"] == 12
+    assert opts["Router"]["autoscaling_config"]["max_replicas"] == 24
     assert opts["LLM"]["ray_actor_options"]["num_gpus"] == 1 and opts["VisionEncoder"]["ray_actor_options"]["num_gpus"] == 0
 
     # fused: the VisionEncoder stays in the application (config files name it) with no replica
@@ -58,6 +61,9 @@ def test_builder_options_follow_the_placement_policy():
     assert pl.fused and opts["LLM"]["num_replicas"] == 2 and opts["LLM"]["ray_actor_options"]["num_gpus"] == 1
     assert "num_replicas" not in opts["VisionEncoder"]
     assert opts["VisionEncoder"]["autoscaling_config"] == {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}
+    assert opts["Router"]["autoscaling_config"]["min_replicas"] == 6
+    opts, _ = deployment_options(AppConfig(placement={"router_replicas_per_gpu": 4}), 2, 16)
+    assert opts["Router"]["autoscaling_config"]["min_replicas"] == 4  # 16 cores: a quarter
 
 
 @pytest.mark.parametrize("placement,gpus,want", [
@@ -103,7 +109,7 @@ def test_llm_replicas_sharing_a_gpu_split_its_kv_budget():
     from app.placement import llm_memory_share, plan
 
     def share(placement, gpus):
-        return llm_memory_share(0.9, plan(AppConfig(placement=placement).placement, gpus))
+        return llm_memory_share(0.9, plan(AppConfig(placement=placement).placement, gpus).llm_num_gpus)
 
     assert share({}, 2) == 0.9  # one replica per GPU: the whole fraction
     assert share({"llm_replicas_per_gpu": 2}, 2) == pytest.approx(0.45)
@@ -145,5 +151,12 @@ def test_gpu_presets_validate(name):
     # clients come in on the Routers' own port, the proxy keeps another one, and the Routers autoscale on
     # the requests that come in there as well
     assert cfg.router_http_port == 8000 != conf["http_options"]["port"]
+    # the presets leave the Routers' autoscaling to the builder, whose floor follows the GPUs
     router = next(d for d in app["deployments"] if d["name"] == "Router")
-    assert router["autoscaling_config"]["policy"]["policy_function"] == "app.autoscaling:RouterAutoscalingPolicy"
+    assert "autoscaling_config" not in router
+    from deployments.app import deployment_options
+
+    opts, _ = deployment_options(cfg, 2, 32)
+    scaling = opts["Router"]["autoscaling_config"]
+    assert scaling["policy"]["policy_function"] == "app.autoscaling:RouterAutoscalingPolicy"
+    assert scaling["min_replicas"] == 6
