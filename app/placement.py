@@ -101,11 +101,11 @@ def plan(p: PlacementConfig, gpus: int) -> Plan:
     return Plan("colocate", enc, enc_share, llm, _pick(p.llm_num_gpus, _share(llm, gpus)), enc_share == 0)
 
 
-def llm_memory_share(gpu_memory_utilization: float, plan_: Plan) -> float:
-    """Each LLM replica's `llm.gpu_memory_utilization`: replicas that share a GPU split the KV budget
-    by their GPU share. Each sizes its cache from the memory free when it starts, and replicas of one
-    GPU may start at the same moment: with the whole fraction each, two of them would take it twice."""
-    share = plan_.llm_num_gpus
+def llm_memory_share(gpu_memory_utilization: float, share: float) -> float:
+    """Each LLM replica's `llm.gpu_memory_utilization`, for replicas of `share` of a GPU: replicas that
+    share a GPU split the KV budget by their GPU share. Each sizes its cache from the memory free when
+    it starts, and replicas of one GPU may start at the same moment: with the whole fraction each, two
+    of them would take it twice."""
     return gpu_memory_utilization * share if 0 < share < 1 else gpu_memory_utilization
 
 

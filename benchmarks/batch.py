@@ -59,14 +59,18 @@ def batch_config(a: argparse.Namespace, file_root: str) -> dict:
     app = deep_merge(app, {"model": a.model} if a.model else {})
     # A batch keeps the encoder's queue deep: wait a little longer for a batch to fill its budget.
     app = deep_merge(app, {"encoder": {"batch_wait_ms": a.encoder_wait_ms}})
-    app["placement"] = {"policy": a.placement}  # the batch job's stages follow it (fused: no encoder pool)
+    # the batch job's stages follow it (fused: no encoder pool; the preset's LLM actors per GPU)
+    app["placement"] = app.get("placement", {}) | {"policy": a.placement} | (
+        {"llm_replicas_per_gpu": a.llm_actors_per_gpu} if a.llm_actors_per_gpu else {})
     gpus = max(a.num_gpus, 1)
+    fused = a.num_gpus and a.placement in ("auto", "fused")
+    llm = gpus * (app["placement"].get("llm_replicas_per_gpu", 1) if fused else 1)
     cpus = 1 if a.num_gpus else 0.5  # the CPU run fits a 2-core machine
     return {"app": app, "file_root": file_root, "shard_rows": 1000, "progress_interval_s": 5,
             "media_pool": {"min_size": a.media_actors, "max_size": a.max_media_actors or a.media_actors,
                            "num_cpus": cpus, "max_in_flight": 8},
             "encoder_pool": {"min_size": gpus, "max_size": gpus, "num_cpus": cpus, "max_in_flight": 256},
-            "llm_pool": {"min_size": gpus, "max_size": gpus, "num_cpus": cpus}}
+            "llm_pool": {"min_size": llm, "max_size": llm, "num_cpus": cpus}}
 
 
 def main() -> None:
@@ -83,6 +87,8 @@ def main() -> None:
     p.add_argument("--encoder-wait-ms", type=float, default=20.0)
     p.add_argument("--placement", choices=["auto", "fused", "colocate"], default="auto",
                    help="app.placement.policy (auto: fused on GPUs)")
+    p.add_argument("--llm-actors-per-gpu", type=int, default=0,
+                   help="fused LLM actors sharing each GPU (default: the GPU preset's llm_replicas_per_gpu)")
     p.add_argument("--workdir", default="/tmp/vlm-batch-bench", help="requests, images and output")
     p.add_argument("--out", help="write the result JSON here")
     a = p.parse_args()

@@ -23,7 +23,7 @@ import time
 import ray
 
 from ..errors import ClientError
-from ..placement import resolve_policy
+from ..placement import llm_memory_share, resolve_policy
 from ..replica_stats import merge_encoder_stats
 from .config import BatchConfig
 from .io import Row, ShardWriter, count_rows, read_rows, write_json_atomic
@@ -55,13 +55,18 @@ class Stages:
         # pin the node's GPUs in turn. Fractional shares would not do: Ray gives them the fullest GPU
         # that fits, pairing encoders with encoders (app/placement.py). An explicit encoder num_gpus
         # is plain Ray accounting.
+        # Under `fused`, `placement.llm_replicas_per_gpu` LLM actors share each GPU, as serving's
+        # replicas do (two processes for the host work of one GPU), splitting the KV budget.
         self.fused = resolve_policy(cfg.app.placement, int(gpus)) == "fused"
         colocate = gpus > 0 and enc.num_gpus is None
         enc_gpus = 0.0 if colocate else (enc.num_gpus or 0.0)
+        llm_gpus = llm.num_gpus if llm.num_gpus is not None else (
+            0.0 if gpus <= 0 else 1.0 / cfg.app.placement.llm_replicas_per_gpu if self.fused else 1.0)
+        llm_app = cfg.app.model_copy(update={"llm": cfg.app.llm.model_copy(update={
+            "gpu_memory_utilization": llm_memory_share(cfg.app.llm.gpu_memory_utilization, llm_gpus)})}).model_dump()
         self.media = ActorPool("media", MediaWorker, lambda i: (app, cfg.file_root), cfg.media_pool,
                                cfg.media_pool.num_gpus or 0.0)
-        self.llm = ActorPool("llm", LLMWorker, lambda i: (app, self.fused), llm,
-                             (1.0 if gpus > 0 else 0.0) if llm.num_gpus is None else llm.num_gpus,
+        self.llm = ActorPool("llm", LLMWorker, lambda i: (llm_app, self.fused), llm, llm_gpus,
                              on_remove=self._keep_stats if self.fused else None)
         self.encoder = None if self.fused else ActorPool(
             "encoder", EncoderWorker, lambda i: (app, (i, node_gpus) if colocate else None), enc, enc_gpus,
