@@ -234,3 +234,28 @@ def test_an_output_folder_is_one_jobs_and_one_drivers_at_a_time(tmp_path):
     again = ShardWriter(out, 10)
     again.claim(a)  # the same job, resumed
     again.release()
+
+
+def test_fused_llm_actors_share_a_gpu_as_serving_replicas_do():
+    """Under `fused`, `llm_replicas_per_gpu` actors per GPU, each with its share of the KV budget; an
+    explicit pool share wins; without GPUs none. The 4-GPU example config runs two per GPU."""
+    from pathlib import Path
+
+    import yaml
+
+    from app.batch.job import llm_actor_share
+
+    cfg = BatchConfig(app={"placement": {"llm_replicas_per_gpu": 2}, "llm": {"gpu_memory_utilization": 0.9}})
+    share, app = llm_actor_share(cfg, 4, fused=True)
+    assert share == 0.5 and app["llm"]["gpu_memory_utilization"] == 0.45
+    assert app["placement"]["llm_replicas_per_gpu"] == 2 and app["model"] == cfg.app.model
+    share, app = llm_actor_share(cfg, 4, fused=False)  # colocate: a whole GPU each
+    assert share == 1.0 and app["llm"]["gpu_memory_utilization"] == 0.9
+    assert llm_actor_share(cfg, 0, fused=True)[0] == 0.0
+    explicit = cfg.model_copy(update={"llm_pool": cfg.llm_pool.model_copy(update={"num_gpus": 0.25})})
+    share, app = llm_actor_share(explicit, 4, fused=True)
+    assert share == 0.25 and app["llm"]["gpu_memory_utilization"] == 0.225
+    example = BatchConfig(**yaml.safe_load((Path(__file__).parent.parent / "configs" /
+                                            "batch-qwen3-vl-2b-gpu.yaml").read_text()))
+    share, _ = llm_actor_share(example, 4, fused=True)
+    assert example.llm_pool.min_size == example.llm_pool.max_size == 4 / share

@@ -39,6 +39,18 @@ class _Retry(Exception):
     pass
 
 
+def llm_actor_share(cfg: BatchConfig, gpus: float, fused: bool) -> tuple[float, dict]:
+    """(GPUs each LLM actor reserves, the app config it runs): `llm_pool.num_gpus` when given; else under
+    `fused` on GPUs `placement.llm_replicas_per_gpu` actors share a GPU, otherwise each takes a whole one
+    (none without GPUs). Actors sharing a GPU split `llm.gpu_memory_utilization` by their share."""
+    share = cfg.llm_pool.num_gpus
+    if share is None:
+        share = 0.0 if gpus <= 0 else 1.0 / cfg.app.placement.llm_replicas_per_gpu if fused else 1.0
+    llm = cfg.app.llm.model_copy(update={
+        "gpu_memory_utilization": llm_memory_share(cfg.app.llm.gpu_memory_utilization, share)})
+    return share, cfg.app.model_copy(update={"llm": llm}).model_dump()
+
+
 class Stages:
     """The three pools, and one row through them."""
 
@@ -60,10 +72,7 @@ class Stages:
         self.fused = resolve_policy(cfg.app.placement, int(gpus)) == "fused"
         colocate = gpus > 0 and enc.num_gpus is None
         enc_gpus = 0.0 if colocate else (enc.num_gpus or 0.0)
-        llm_gpus = llm.num_gpus if llm.num_gpus is not None else (
-            0.0 if gpus <= 0 else 1.0 / cfg.app.placement.llm_replicas_per_gpu if self.fused else 1.0)
-        llm_app = cfg.app.model_copy(update={"llm": cfg.app.llm.model_copy(update={
-            "gpu_memory_utilization": llm_memory_share(cfg.app.llm.gpu_memory_utilization, llm_gpus)})}).model_dump()
+        llm_gpus, llm_app = llm_actor_share(cfg, gpus, self.fused)
         self.media = ActorPool("media", MediaWorker, lambda i: (app, cfg.file_root), cfg.media_pool,
                                cfg.media_pool.num_gpus or 0.0)
         self.llm = ActorPool("llm", LLMWorker, lambda i: (llm_app, self.fused), llm, llm_gpus,
