@@ -19,21 +19,39 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .model_builder import _FIRST_IS_SYSTEM, _TOOLS_HEADER, _tool_turns
+
 # MiniCPM-V's placeholder and boundary tokens, after ChatML's.
 MINICPMV_TOKENS = ["<unk>", "<image>", "</image>", "<slice>", "</slice>", "<image_id>", "</image_id>",
                    "<think>", "</think>"]
 IMAGE_PLACEHOLDER = "(<image>./</image>)"
 
-MINICPMV_CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for part in message['content'] -%}"
+# A message's content: a string as it is, or its parts one per line, each image as the placeholder (a
+# video part renders nothing: MiniCPMVPromptBuilder sends videos as image parts).
+_CONTENT_MACRO = (
+    "{%- macro render_content(content) -%}"
+    "{%- if content is string -%}{{- content -}}"
+    "{%- else -%}{%- for part in content -%}"
     "{%- if not loop.first -%}{{- '\\n' -}}{%- endif -%}"
     "{%- if part['type'] in ('image', 'image_url') -%}{{- '(<image>./</image>)' -}}"
     "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+)
+
+# ChatML as MiniCPM-V 4.5 (a Qwen3 LLM) writes it, with Qwen's tool calling (model_builder's).
+MINICPMV_CHAT_TEMPLATE = (
+    _CONTENT_MACRO + _TOOLS_HEADER + _FIRST_IS_SYSTEM
+    + "{%- if tools -%}"
+    "{{- tools_header(render_content(messages[0]['content']) + '\\n\\n' if first_is_system else '') -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if tools and loop.first and first_is_system -%}"  # already in the tools header
+    + _tool_turns("\\n") + "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{{- render_content(message['content']) -}}"
     "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 DEFAULT_CACHE = Path(os.environ.get("VLM_SERVE_CACHE", Path.home() / ".cache" / "vlm-serve"))
-BUILDER_VERSION = 2  # bump when the built files change, so stale caches are rebuilt
+BUILDER_VERSION = 3  # bump when the built files change, so stale caches are rebuilt
 
 # Qwen's special tokens, in Qwen's order; they follow the byte-level vocabulary.
 SPECIAL_TOKENS = [
@@ -33,30 +33,100 @@ SPECIAL_TOKENS = [
     "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
 ]
 
-# One message in Qwen's format: images and videos become <|vision_start|><|image_pad|><|vision_end|>
-# (or <|video_pad|>), expanded later per item.
-_MESSAGE = (
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for part in message['content'] -%}"
+# A message's content in Qwen's format: a string as it is, or its parts in order, each image or video as
+# <|vision_start|><|image_pad|><|vision_end|> (or <|video_pad|>), expanded later per item, texts as they are.
+_CONTENT_MACRO = (
+    "{%- macro render_content(content) -%}"
+    "{%- if content is string -%}{{- content -}}"
+    "{%- else -%}{%- for part in content -%}"
     "{%- if part['type'] in ('image', 'image_url') -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
     "{%- elif part['type'] in ('video', 'video_url') -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
     "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+)
+# One plain message.
+_MESSAGE = (
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{{- render_content(message['content']) -}}"
     "{{- '<|im_end|>\\n' -}}"
 )
 _GENERATION_PROMPT = "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 
-# Qwen3-VL's prompt format.
-CHAT_TEMPLATE = "{%- for message in messages -%}" + _MESSAGE + "{%- endfor -%}" + _GENERATION_PROMPT
+# Tool calling in Hermes/Qwen style, shared by every family (MiniCPM-V 4.5's too). `tools_header(prefix)`:
+# the system message that lists the tools, after `prefix` (the conversation's system message or a
+# default, and a blank line). An assistant message with `tool_calls` (OpenAI's shape, or name and
+# arguments without "function") renders each as <tool_call> JSON, arguments as they are when a string;
+# a run of `tool` messages is one user turn of <tool_response> blocks (their text parts, joined with
+# `joiner`).
+_TOOLS_HEADER = (
+    "{%- macro tools_header(prefix) -%}"
+    "{{- '<|im_start|>system\\n' + prefix + '# Tools\\n\\nYou may call one or more functions to assist with the user "
+    "query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' -}}{{- tool | tojson -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- endmacro -%}"
+)
 
-# Qwen2.5-VL's: a default system message when the conversation has none, then the same messages (a
-# video is one <|vision_start|><|video_pad|><|vision_end|>, expanded without timestamps).
-QWEN25_CHAT_TEMPLATE = (
+
+def _tool_turns(joiner: str) -> str:
+    """`elif` branches of the message loop for assistant tool calls and tool responses."""
+    return (
+        "{%- elif message['role'] == 'assistant' and message['tool_calls'] -%}"
+        "{{- '<|im_start|>assistant' -}}"
+        "{%- if message['content'] -%}{{- '\\n' -}}{{- render_content(message['content']) -}}{%- endif -%}"
+        "{%- for call in message['tool_calls'] -%}"
+        "{%- set fn = call['function'] if call['function'] else call -%}"
+        "{%- set args = fn['arguments'] if fn['arguments'] else {} -%}"
+        "{{- '\\n<tool_call>\\n{\"name\": \"' -}}{{- fn['name'] -}}{{- '\", \"arguments\": ' -}}"
+        "{%- if args is string -%}{{- args -}}{%- else -%}{{- args | tojson -}}{%- endif -%}"
+        "{{- '}\\n</tool_call>' -}}"
+        "{%- endfor -%}"
+        "{{- '<|im_end|>\\n' -}}"
+        "{%- elif message['role'] == 'tool' -%}"
+        "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+        "{{- '\\n<tool_response>\\n' -}}"
+        "{%- if message['content'] is string -%}{{- message['content'] -}}"
+        "{%- else -%}{{- message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('"
+        + joiner + "') -}}{%- endif -%}"
+        "{{- '\\n</tool_response>' -}}"
+        "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    )
+
+
+# Whether the first message is a system one (then the tools header holds it).
+_FIRST_IS_SYSTEM = "{%- set first_is_system = messages and messages[0]['role'] == 'system' -%}"
+
+# Qwen3-VL's prompt format.
+CHAT_TEMPLATE = (
+    _CONTENT_MACRO + _TOOLS_HEADER + _FIRST_IS_SYSTEM
+    + "{%- if tools -%}"
+    "{{- tools_header(render_content(messages[0]['content']) + '\\n\\n' if first_is_system else '') -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
-    "{%- if loop.first and message['role'] != 'system' -%}"
+    "{%- if tools and loop.first and first_is_system -%}"  # already in the tools header
+    + _tool_turns("") + "{%- else -%}" + _MESSAGE + "{%- endif -%}"
+    "{%- endfor -%}" + _GENERATION_PROMPT
+)
+
+# Qwen2.5-VL's: a default system message when the conversation has none (with tools, the tools header
+# follows it), then the same messages (a video is one <|vision_start|><|video_pad|><|vision_end|>,
+# expanded without timestamps).
+QWEN25_CHAT_TEMPLATE = (
+    _CONTENT_MACRO + _TOOLS_HEADER + _FIRST_IS_SYSTEM
+    + "{%- if tools -%}"
+    "{{- tools_header((render_content(messages[0]['content']) if first_is_system else 'You are a helpful assistant.')"
+    " + '\\n\\n') -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if loop.first and not first_is_system and not tools -%}"
     "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}"
-    "{%- endif -%}" + _MESSAGE + "{%- endfor -%}" + _GENERATION_PROMPT
+    "{%- endif -%}"
+    "{%- if tools and loop.first and first_is_system -%}"
+    + _tool_turns("") + "{%- else -%}" + _MESSAGE + "{%- endif -%}"
+    "{%- endfor -%}" + _GENERATION_PROMPT
 )
 
 CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
