@@ -224,6 +224,46 @@ def test_structured_output_through_the_official_client(server):
     assert e.value.body["param"] == "response_format"
 
 
+def test_tool_calls_through_the_official_client(server):
+    """Tool calling over HTTP with the official client: a forced call comes back as the client's
+    `tool_calls` (arguments following the schema, finish "tool_calls"), the same streamed (the client's
+    stream accumulator rebuilds it); the call and its result sent back as history are answered; an
+    unknown named tool is a 400 naming tool_choice."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", max_retries=0, timeout=120)
+    tools = [{"type": "function", "function": {
+        "name": "count_animals", "description": "Count the animals in the picture",
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["animal", "count"],
+                       "properties": {"animal": {"enum": ["cat", "dog"]},
+                                      "count": {"type": "integer", "minimum": 1, "maximum": 5}}}}}]
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(png_bytes(56, 72, 8), "image/png")}},
+        {"type": "text", "text": "How many?"}]}]
+    kw = {"model": "tiny", "max_tokens": 300, "temperature": 0, "tools": tools, "messages": messages,
+          "tool_choice": {"type": "function", "function": {"name": "count_animals"}}}
+    full = client.chat.completions.create(**kw)
+    c = full.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    (call,) = c.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.type == "function" and call.function.name == "count_animals" and call.id.startswith("call_")
+    assert args["animal"] in ("cat", "dog") and type(args["count"]) is int and 1 <= args["count"] <= 5
+    with client.chat.completions.stream(**kw) as stream:
+        final = stream.get_final_completion()
+    (streamed,) = final.choices[0].message.tool_calls
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    assert final.choices[0].finish_reason == "tool_calls"
+    history = messages + [c.message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "3 cats"}]
+    answer = client.chat.completions.create(model="tiny", max_tokens=5, temperature=0, tools=tools, messages=history)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert answer.usage.prompt_tokens > full.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**(kw | {"tool_choice": {"type": "function", "function": {"name": "nope"}}}))
+    assert e.value.body["param"] == "tool_choice"
+
+
 def test_the_routers_own_port_serves_the_same_api_without_the_proxy(server):
     """router_http_port (app/api/shared_port.py): the same FastAPI app served by the Router process itself.
     Same answers as through Ray Serve's proxy, streamed and not, and the same OpenAI error shape."""

@@ -106,11 +106,8 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"tools": [TOOL]}, "tools"),
-    ({"tools": [TOOL], "tool_choice": "auto"}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"functions": [TOOL["function"]]}, "functions"),
+    ({"functions": [TOOL["function"]]}, "functions"),  # the legacy form of tools (tools: app/api/tools.py)
+    ({"function_call": "auto"}, "function_call"),
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .logprobs import TokenText
 from .schemas import ChatRequest, choice, completion_response, usage
+from .tools import split_tool_calls, tool_calls_finish
 
 
 class Answer:
@@ -48,6 +49,11 @@ class Answer:
 
     def response(self, req: ChatRequest, model: str, gen: dict) -> dict:
         lps = self.logprobs if self.token_text is not None else [None] * len(self.texts)
-        choices = [choice(i, "".join(text), last["finish_reason"], lp)
-                   for i, (text, last, lp) in enumerate(zip(self.texts, self.last, lps))]
+        choices = []
+        for i, (text, last, lp) in enumerate(zip(self.texts, self.last, lps)):
+            text, finish, calls = "".join(text), last["finish_reason"], None
+            if req.tools is not None:  # the answer's tool-call blocks become tool_calls (app/api/tools.py)
+                text, calls = split_tool_calls(text, req.tools.names)
+                finish = tool_calls_finish(finish, calls)
+            choices.append(choice(i, text, finish, lp, calls))
         return completion_response(req, model, choices, self.usage(gen))

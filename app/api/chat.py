@@ -34,6 +34,7 @@ from .retry import (
     replica_failed,
 )
 from .schemas import ChatRequest, parse_chat_request, stream_chunk
+from .tools import ToolCallStream, tool_calls_finish
 
 log = logging.getLogger(__name__)
 _DONE = "data: [DONE]\n\n"
@@ -92,7 +93,8 @@ class ChatService:
         if frames > self.cfg.media.max_frames_per_request:
             raise ClientError(f"{frames} sampled video frames exceed the limit of {self.cfg.media.max_frames_per_request} "
                               "per request", param="messages", code="too_many_frames")
-        prompt = self.prompts.build(req.messages, [it.slot(self.merge) for it in items])
+        prompt = self.prompts.build(req.messages, [it.slot(self.merge) for it in items],
+                                    req.tools.tools if req.tools else None)
         if len(prompt.input_ids) >= self.cfg.llm.max_model_len:
             raise ClientError(f"prompt of {len(prompt.input_ids)} tokens exceeds max_model_len "
                               f"{self.cfg.llm.max_model_len}", param="messages", code="context_length_exceeded")
@@ -189,6 +191,8 @@ class ChatService:
                 c = None
 
         answer = Answer(req.params.n)  # only each choice's last chunk: the finishes and the usage
+        # per choice, the text's tool-call blocks become tool_calls deltas (app/api/tools.py)
+        calls = None if req.tools is None else [ToolCallStream(req.tools.names) for _ in range(req.params.n)]
         status, done, ended = 200, False, False
         pending = "".join(event(stream_chunk(req, model, {"role": "assistant", "content": ""}, index=i))
                           for i in range(req.params.n))
@@ -197,11 +201,19 @@ class ChatService:
                 out, pending, i = pending, "", chunk.get("index", 0)
                 # a chunk whose tokens made no text yet (part of a character) still sends their logprobs
                 logprobs = self._logprobs(chunk) if req.params.logprobs is not None else None
-                if chunk["text"] or logprobs:
-                    out += event(stream_chunk(req, model, {"content": chunk["text"]}, logprobs=logprobs, index=i))
-                if chunk["finish_reason"]:
+                finish = chunk["finish_reason"]
+                if calls is None:
+                    deltas = [{"content": chunk["text"]}] if chunk["text"] else []
+                else:
+                    deltas = calls[i].feed(chunk["text"]) + (calls[i].finish() if finish else [])
+                    finish = finish and tool_calls_finish(finish, calls[i].calls)
+                if logprobs and not deltas:
+                    deltas = [{"content": ""}]
+                for k, delta in enumerate(deltas):  # the chunk's logprobs go with its first delta
+                    out += event(stream_chunk(req, model, delta, logprobs=None if k else logprobs, index=i))
+                if finish:
                     answer.finish(chunk)
-                    out += event(stream_chunk(req, model, {}, chunk["finish_reason"], index=i))
+                    out += event(stream_chunk(req, model, {}, finish, index=i))
                     if answer.done:
                         if req.include_usage:
                             out += event(stream_chunk(req, model, {}, usage_=answer.usage(gen), choices=False))

@@ -92,6 +92,17 @@ def _plain(text: str) -> str:
     return text
 
 
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
+    """The chat template's text for `messages`, with the generation prompt; `tools` listed, which a
+    template that does not mention tools would silently drop (a 400 instead)."""
+    if not tools:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if "tools" not in str(tokenizer.chat_template or ""):  # a str, or a dict of named templates
+        raise ClientError("this model's chat template does not render tools", param="tools",
+                          code="unsupported_parameter")
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+
+
 class PromptBuilder:
     def __init__(self, tokenizer, video_timestamps: bool | None = None):
         """`video_timestamps` None: from the family of the checkpoint the tokenizer was loaded from."""
@@ -102,15 +113,16 @@ class PromptBuilder:
         self.vs, self.ve = ids(VISION_START), ids(VISION_END)
         self.image_id, self.video_id = ids(IMAGE_PAD), ids(VIDEO_PAD)
 
-    def render(self, messages: list[dict]) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return render_chat(self.tok, messages, tools)
 
     def _text(self, s: str) -> list[int]:
         return self.tok.encode(s, add_special_tokens=False) if s else []
 
-    def build(self, messages: list[dict], slots: list[MediaSlot]) -> Prompt:
-        """`messages` content parts use types text/image/video; `slots` are in the same order."""
-        text = self.render(messages)
+    def build(self, messages: list[dict], slots: list[MediaSlot], tools: list[dict] | None = None) -> Prompt:
+        """`messages` content parts use types text/image/video; `slots` are in the same order; `tools`
+        (OpenAI's function tools) are listed by the chat template."""
+        text = self.render(messages, tools)
         ids: list[int] = []
         types: list[int] = []
 

@@ -15,10 +15,11 @@ from ..llm.grammar import grammar_for, grammar_for_structured
 from ..llm.sampling import MAX_CHOICES, MAX_LOGPROBS, SamplingParams
 from ..media.ref import MediaRef
 from .prompt import VISION_MARKERS, has_vision_marker
+from .tools import ToolSpec, parse_tools, tool_grammar
 
 MAX_STOP_CHARS = 1024  # per stop string: the check at each chunk costs up to its length (stream.StopChecker)
 
-ROLES = ("system", "user", "assistant", "developer")
+ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 @dataclass
@@ -29,6 +30,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
+    tools: ToolSpec | None = None  # tool calling (app/api/tools.py); None: no tools, or tool_choice "none"
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -78,18 +80,10 @@ def _unsupported(param: str, what: str) -> ClientError:
 
 
 def _refuse_what_would_be_ignored(body: dict) -> None:
-    """OpenAI parameters that ask for a behaviour this server does not have (tool calls, token
-    biases, audio) are a 400 naming them, never silently dropped: an answer that ignored
-    them would look like the model's own failure. Parameters that only label or route a request
-    (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`) and their off values
-    (`tool_choice: "none"`, `modalities: ["text"]`, empty
-    lists and maps) are accepted."""
-    for key in ("tools", "functions"):
-        if body.get(key) and body.get("tool_choice", body.get("function_call")) != "none":
-            raise _unsupported(key, "no tool calls are parsed (send tool_choice: \"none\" to ignore the tools)")
-    choice = body.get("tool_choice", body.get("function_call"))
-    if choice not in (None, "none", "auto"):  # a forced call ("required", a named function)
-        raise _unsupported("tool_choice" if "tool_choice" in body else "function_call", "no tool calls are parsed")
+    """OpenAI parameters that ask for a behaviour this server does not have (token biases, audio) are
+    a 400 naming them, never silently dropped: an answer that ignored them would look like the
+    model's own failure. Parameters that only label or route a request (`user`, `metadata`, `store`,
+    `service_tier`) and their off values (`modalities: ["text"]`, empty lists and maps) are accepted."""
     if body.get("logit_bias"):
         raise _unsupported("logit_bias", "no per-token biases")
     modalities = body.get("modalities")
@@ -99,6 +93,35 @@ def _refuse_what_would_be_ignored(body: dict) -> None:
         raise _unsupported("audio", "text output only")
     if body.get("prediction") is not None:
         raise _unsupported("prediction", "no predicted outputs")
+
+
+def _history_calls(m: dict, p: str, role: str) -> dict:
+    """An earlier assistant turn's `tool_calls` (OpenAI's shape, checked; the chat template renders
+    them), or a tool result's `tool_call_id`; {} for other messages."""
+    if role == "tool":
+        call_id = m.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise ClientError(f"{p}.tool_call_id must be a string", param=f"{p}.tool_call_id")
+        return {} if call_id is None else {"tool_call_id": call_id}
+    calls = m.get("tool_calls")
+    if calls is None or role != "assistant":
+        if calls is not None:
+            raise ClientError(f"{p}.tool_calls is only allowed in assistant messages", param=f"{p}.tool_calls")
+        return {}
+    if not isinstance(calls, list):
+        raise ClientError(f"{p}.tool_calls must be a list", param=f"{p}.tool_calls")
+    out = []
+    for k, c in enumerate(calls):
+        pc = f"{p}.tool_calls[{k}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("arguments", ""), str) or not isinstance(c.get("id", ""), str)):
+            raise ClientError(f"{pc} must be {{\"id\": ..., \"type\": \"function\", \"function\": {{\"name\": ..., "
+                              "\"arguments\": a JSON string}}}}", param=pc)
+        out.append({"id": c.get("id", ""), "type": "function",
+                    "function": {"name": _message_text(fn["name"], f"{pc}.function.name"),
+                                 "arguments": _message_text(fn.get("arguments", ""), f"{pc}.function.arguments")}})
+    return {"tool_calls": out} if out else {}
 
 
 def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatRequest:
@@ -115,8 +138,9 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
             raise ClientError(f"{p} must be an object with a role in {ROLES}", param=f"{p}.role")
         role = "system" if m["role"] == "developer" else m["role"]
         content = m.get("content")
+        calls = _history_calls(m, p, role)
         if content is None or isinstance(content, str):
-            messages.append({"role": role, "content": _message_text(content or "", f"{p}.content")})
+            messages.append({"role": role, "content": _message_text(content or "", f"{p}.content")} | calls)
             continue
         if not isinstance(content, list):
             raise ClientError(f"{p}.content must be a string or a list of parts", param=f"{p}.content")
@@ -136,7 +160,7 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
             else:
                 raise ClientError(f"unknown content part type {kind!r} at {pp}; expected text, image_url or video_url",
                                   param=f"{pp}.type", code="unsupported_content_type")
-        messages.append({"role": role, "content": parts})
+        messages.append({"role": role, "content": parts} | calls)
     if len(media) > max_items:
         raise ClientError(f"{len(media)} media items exceed the limit of {max_items} per request", param="messages",
                           code="too_many_media_items")
@@ -180,6 +204,12 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
             raise ClientError("give 'response_format' or 'structured_outputs', not both", param="structured_outputs",
                               code="invalid_structured_outputs")
         params.grammar = structured
+    tools = parse_tools(body)
+    if tools is not None and tools.forced:  # the calls are generated under a grammar
+        if params.grammar is not None:
+            raise ClientError("a forced 'tool_choice' cannot be combined with 'response_format' or "
+                              "'structured_outputs'", param="tool_choice", code="invalid_tool_choice")
+        params.grammar = tool_grammar(tools)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ClientError("'stream' must be a boolean", param="stream")
@@ -194,7 +224,7 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
         raise ClientError("'model' must be a string", param="model")
     if model is not None:
         _unicode(model, "model")
-    return ChatRequest(messages, media, params, stream, bool(opts.get("include_usage")), model)
+    return ChatRequest(messages, media, params, stream, bool(opts.get("include_usage")), model, tools)
 
 
 def _logprobs(body: dict) -> int | None:
@@ -223,10 +253,12 @@ def usage(prompt: int, completion: int, image_tokens: int, video_tokens: int, vi
     }
 
 
-def choice(index: int, text: str, finish: str, logprobs: list | None = None) -> dict:
+def choice(index: int, text: str | None, finish: str, logprobs: list | None = None,
+           tool_calls: list[dict] | None = None) -> dict:
     """One of a chat.completion's choices. `logprobs`: OpenAI's `logprobs.content` entries
-    (app/api/logprobs.py), for requests that asked."""
-    return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+    (app/api/logprobs.py), for requests that asked; `tool_calls`: the calls the answer made."""
+    message = {"role": "assistant", "content": text} | ({"tool_calls": tool_calls} if tool_calls else {})
+    return {"index": index, "message": message, "finish_reason": finish,
             "logprobs": None if logprobs is None else {"content": logprobs}}
 
 

@@ -121,6 +121,16 @@ def grammar_for_structured(spec) -> str | None:
     return _checked(grammar, kind, "structured_outputs")
 
 
+def lark_grammar(lark: str, param: str) -> str:
+    """A grammar from Lark text (llguidance's dialect) that the server writes, e.g. for forced tool
+    calls: a 400 naming `param` if llguidance refuses it (a tool's bad parameters schema)."""
+    try:
+        grammar = _llguidance().LLMatcher.grammar_from_lark(lark)
+    except (ValueError, TypeError) as e:
+        raise _bad(f"invalid grammar: {e}", param) from e
+    return _checked(grammar, "tool parameters", param)
+
+
 def _bad(message: str, param: str = "response_format") -> ClientError:
     return ClientError(message, param=param, code=f"invalid_{param}")
 

@@ -104,9 +104,15 @@ WRONG = {
     "stream_options": [[], "x", 1, {"include_usage": "yes"}],
     "n": [0, "1", 1.5, 65, True],
     "ignore_eos": ["x", 1, []],
+    # malformed tools, or a forced choice without them (a valid tool list is served: app/api/tools.py)
+    "tools": [[{"type": "function", "function": {"name": "bad name!"}}], [{"type": "function"}],
+              [{"type": "code_interpreter"}], [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+              [{"type": "function", "function": {"name": "f"}}] * 2, [{"type": "function", "function": {"name": "f"}}] * 129,
+              "x", 1, {"a": 1}],
+    "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}, 1, "x", {"type": "function"}],
+    "parallel_tool_calls": ["yes", 1, []],
     # asks for what the server does not do: refused (unsupported_parameter), never silently dropped
-    "tools": [[{"type": "function", "function": {"name": "f"}}], "x", 1, {"a": 1}],
-    "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}, 1, "x"],
+    "functions": [[{"name": "f"}]],
     "response_format": [{"type": "xml"}, {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}},
                         {"type": "json_schema", "json_schema": []}, {"type": "json_schema", "json_schema": {"schema": 1}},
                         {"type": "json_schema", "json_schema": {"schema": _nested_schema(450)}},
@@ -118,7 +124,11 @@ WRONG = {
 }
 BAD_MESSAGES = [
     {"role": 1, "content": "hi"}, {"role": "", "content": "hi"}, {"role": "USER", "content": "hi"},
-    {"role": "tool", "content": "hi"}, {"role": "root", "content": "hi"}, {"content": "hi"},
+    {"role": "tool", "content": "hi", "tool_call_id": 5}, {"role": "root", "content": "hi"}, {"content": "hi"},
+    {"role": "assistant", "content": None, "tool_calls": "x"}, {"role": "assistant", "tool_calls": [{"type": "function"}]},
+    {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
+    {"role": "user", "content": "hi", "tool_calls": []},
+    {"role": "tool", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
     {"role": "user", "content": 5}, {"role": "user", "content": {"a": 1}}, {"role": "user", "content": True},
     {"role": "user", "content": [1]}, {"role": "user", "content": ["text"]}, {"role": "user", "content": [None]},
     {"role": "user", "content": [{"type": "text", "text": 5}]}, {"role": "user", "content": [{"type": "text"}]},
