@@ -1,28 +1,47 @@
 """What every CUDA-graph capture in the project shares.
 
 Python's cyclic garbage collector runs whenever enough objects have been allocated, in whichever
-thread allocates them. During a capture that thread is the capturing one, and a collection there may
-free an object that owns a CUDA graph from earlier work (an engine or graph manager a test or a
+thread allocates them. During a capture that thread is often the capturing one, and a collection there
+may free an object that owns a CUDA graph from earlier work (an engine or graph manager a test or a
 reload left behind in a reference cycle). Destroying a graph is a call CUDA forbids while the thread
 captures: the capture is invalidated, and the next kernel launch inside it fails with "operation
 failed due to a previous error during capture" (seen in the GPU suite run as one process, where each
-failing test passed alone). `torch.cuda.graph` collects on entry, but objects can still become
-garbage, and a collection start, while the capture runs; so collection is paused for its length.
+failing test passed alone, after three "operation not permitted when stream is capturing (function
+reset)" warnings from CUDAGraph's destructor). PyTorch no longer collects on entering
+`torch.cuda.graph` unless `TORCH_CUDAGRAPH_GC` is set, so such garbage lives until a collection
+happens to start, possibly mid-capture. Collection is therefore paused for every capture's length;
+the garbage is collected after it, outside.
+
+An explicit `gc.collect()` from another thread (Ray runs one in its workers) is not stopped by this;
+captures that must tolerate other threads use CUDA's thread-local capture mode.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import threading
+
+_lock = threading.Lock()
+_depth = 0  # captures in progress, in any thread
+_was_enabled = False  # whether collection was on before the first of them
 
 
 @contextlib.contextmanager
 def collection_paused():
-    """Python's cyclic garbage collection off for the block (for the whole process: captures are short)."""
-    enabled = gc.isenabled()
-    gc.disable()
+    """Python's automatic garbage collection off for the block, for the whole process (captures are
+    short). Nested or concurrent blocks (captures in several threads) turn it back on when the last
+    one ends, and only if it was on before the first began."""
+    global _depth, _was_enabled
+    with _lock:
+        if _depth == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _depth += 1
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        with _lock:
+            _depth -= 1
+            if _depth == 0 and _was_enabled:
+                gc.enable()

@@ -608,7 +608,7 @@ class ModelRunner:
                 self._decode_forward(view, b, self.logits_out[:b])
             torch.cuda.current_stream(self.device).wait_stream(side)
             g = torch.cuda.CUDAGraph()
-            with collection_paused(), torch.cuda.graph(g, pool=pool):
+            with collection_paused(), torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
                 self._decode_forward(view, b, self.logits_out[:b])
             self.graphs[b] = g
         torch.cuda.synchronize(self.device)
@@ -637,7 +637,7 @@ class ModelRunner:
                 self.step_hidden[:b].copy_(self._step_forward(v, b, vision=True))
             torch.cuda.current_stream(self.device).wait_stream(side)
             g = torch.cuda.CUDAGraph()
-            with collection_paused(), torch.cuda.graph(g, pool=pool):
+            with collection_paused(), torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
                 self.step_hidden[:b].copy_(self._step_forward(v, b, vision=True))
             self.step_graphs[b] = g
         torch.cuda.synchronize(self.device)
