@@ -23,8 +23,10 @@ cfg = yaml.safe_load(open(sys.argv[1]))
 routers, media = int(sys.argv[3]), int(sys.argv[4])
 for d in cfg["applications"][0]["deployments"]:
     scaling = d.get("autoscaling_config", {})
-    if d["name"] == "Router" and routers:
-        scaling.update(min_replicas=routers, max_replicas=routers)
+    if d["name"] == "Router" and routers:  # the presets leave the Routers' autoscaling to the builder
+        d["autoscaling_config"] = {"target_ongoing_requests": 64, **scaling, "min_replicas": routers,
+                                   "max_replicas": routers,
+                                   "policy": {"policy_function": "app.autoscaling:RouterAutoscalingPolicy"}}
     if d["name"] == "MediaPreprocessor" and media:
         scaling.update(min_replicas=media, max_replicas=max(media, scaling.get("max_replicas", media)))
 yaml.safe_dump(cfg, open(sys.argv[2], "w"), sort_keys=False)
