@@ -237,8 +237,9 @@ def test_an_output_folder_is_one_jobs_and_one_drivers_at_a_time(tmp_path):
 
 
 def test_fused_llm_actors_share_a_gpu_as_serving_replicas_do():
-    """Under `fused`, `llm_replicas_per_gpu` actors per GPU, each with its share of the KV budget; an
-    explicit pool share wins; without GPUs none. The 4-GPU example config runs two per GPU."""
+    """Under `fused`, `llm_replicas_per_gpu` actors per GPU, each with its share of the KV budget, when the
+    pool can fill every GPU so; an explicit pool share wins; without GPUs none. The 4-GPU example config
+    runs two per GPU."""
     from pathlib import Path
 
     import yaml
@@ -246,8 +247,13 @@ def test_fused_llm_actors_share_a_gpu_as_serving_replicas_do():
     from app.batch.job import llm_actor_share
 
     cfg = BatchConfig(app={"placement": {"llm_replicas_per_gpu": 2}, "llm": {"gpu_memory_utilization": 0.9}})
+    share, app = llm_actor_share(cfg, 4, fused=True)  # a pool of 1: one whole GPU, not half of one
+    assert share == 1.0 and app["llm"]["gpu_memory_utilization"] == 0.9
+    cfg = cfg.model_copy(update={"llm_pool": cfg.llm_pool.model_copy(update={"min_size": 8, "max_size": 8})})
     share, app = llm_actor_share(cfg, 4, fused=True)
     assert share == 0.5 and app["llm"]["gpu_memory_utilization"] == 0.45
+    small = cfg.model_copy(update={"llm_pool": cfg.llm_pool.model_copy(update={"min_size": 4, "max_size": 4})})
+    assert llm_actor_share(small, 4, fused=True)[0] == 1.0  # 4 half-GPU actors would leave two GPUs idle
     assert app["placement"]["llm_replicas_per_gpu"] == 2 and app["model"] == cfg.app.model
     share, app = llm_actor_share(cfg, 4, fused=False)  # colocate: a whole GPU each
     assert share == 1.0 and app["llm"]["gpu_memory_utilization"] == 0.9

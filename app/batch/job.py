@@ -42,10 +42,21 @@ class _Retry(Exception):
 def llm_actor_share(cfg: BatchConfig, gpus: float, fused: bool) -> tuple[float, dict]:
     """(GPUs each LLM actor reserves, the app config it runs): `llm_pool.num_gpus` when given; else under
     `fused` on GPUs `placement.llm_replicas_per_gpu` actors share a GPU, otherwise each takes a whole one
-    (none without GPUs). Actors sharing a GPU split `llm.gpu_memory_utilization` by their share."""
+    (none without GPUs). Actors sharing a GPU split `llm.gpu_memory_utilization` by their share.
+
+    A pool too small for every GPU to hold that many (`llm_pool.max_size` below GPUs x per GPU) shares
+    them less: Ray places a fractional actor on the fullest GPU that fits, so four half-GPU actors on
+    four GPUs would fill two and leave two idle."""
     share = cfg.llm_pool.num_gpus
-    if share is None:
-        share = 0.0 if gpus <= 0 else 1.0 / cfg.app.placement.llm_replicas_per_gpu if fused else 1.0
+    if share is None and gpus > 0 and fused:
+        per = cfg.app.placement.llm_replicas_per_gpu
+        fits = max(1, cfg.llm_pool.max_size // int(gpus))
+        if fits < per:
+            log.warning("llm_pool.max_size %d is below %d GPUs x llm_replicas_per_gpu %d: %d LLM actor(s) per GPU",
+                        cfg.llm_pool.max_size, int(gpus), per, fits)
+        share = 1.0 / min(per, fits)
+    elif share is None:
+        share = 1.0 if gpus > 0 else 0.0
     llm = cfg.app.llm.model_copy(update={
         "gpu_memory_utilization": llm_memory_share(cfg.app.llm.gpu_memory_utilization, share)})
     return share, cfg.app.model_copy(update={"llm": llm}).model_dump()
