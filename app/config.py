@@ -208,7 +208,7 @@ class PlacementConfig(_Strict):
                                          "cluster (the ceiling is twice it; 1 to 4 without GPUs), unless a config "
                                          "file's deployments section gives the Router an autoscaling_config. Each "
                                          "Router is one Python process for HTTP, JSON and prompts: two GPUs served "
-                                         "1.31x one with two Routers, 1.73x with six (benchmarks/RESULTS.md)")
+                                         "1.31x one with two Routers, 1.73x with six pinned (benchmarks/RESULTS.md)")
     router_num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each Router replica")
     media_num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each MediaPreprocessor replica")
     max_ongoing_requests: int = Field(
