@@ -21,6 +21,9 @@ WEATHER = {"type": "function", "function": {
                                   "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
 NOOP = {"type": "function", "function": {"name": "noop"}}
 NAMES = frozenset({"get_weather", "noop"})
+DEEP: dict = {}
+for _ in range(300):
+    DEEP = {"a": DEEP}
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -33,6 +36,8 @@ def test_tools_and_tool_choice_parse_into_a_spec():
     assert parse_tools({}) is None and parse_tools({"tools": []}) is None
     assert parse_tools({"tools": [WEATHER], "tool_choice": "none"}) is None  # ignored: not shown to the model
     assert parse_tools({"tool_choice": "auto"}) is None
+    # off values of the legacy fields, and a null parallel_tool_calls, as clients send them
+    assert parse_tools({"functions": [], "function_call": "none", "parallel_tool_calls": None, "tools": [NOOP]}).parallel
     spec = parse_tools({"tools": [WEATHER, NOOP]})
     assert (spec.choice, spec.parallel, spec.forced, spec.names) == ("auto", True, False, NAMES)
     spec = parse_tools({"tools": [WEATHER, NOOP], "tool_choice": "required", "parallel_tool_calls": False})
@@ -46,7 +51,9 @@ def test_tools_and_tool_choice_parse_into_a_spec():
     ({"tools": [{"type": "code_interpreter"}]}, "tools", "tools[0] must be"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "tools[0].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "tools", "1-64"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools", "JSON schema object"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools", "of an object"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools",
+     "of an object"),
     ({"tools": [{"type": "function", "function": {"name": "f", "description": 1}}]}, "tools", "description"),
     ({"tools": [NOOP, NOOP]}, "tools", "unique"),
     ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools", "at most 128"),
@@ -55,8 +62,16 @@ def test_tools_and_tool_choice_parse_into_a_spec():
     ({"tools": [NOOP], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
      "not among"),
     ({"tools": [NOOP], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
-      "tool_choice": "required"}, "tools", "invalid"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nope"}}}}}], "tool_choice": "required"}, "tools", "invalid"),
+    # what the template shows the model is checked as message text is, and bounded in depth
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": "<|video_pad|>"}}]},
+     "tools[0].function.description", "reserved vision marker"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"\ud800": {"type": "string"}}}}}]}, "tools[0].function.parameters.properties",
+     "surrogate"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "x": DEEP}}}]},
+     "tools", "nested deeper"),
     ({"tools": [NOOP], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "cannot be combined"),
 ])
@@ -76,6 +91,8 @@ def test_a_conversation_with_earlier_calls_and_their_results_parses_for_the_temp
     assert req.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
     assert req.messages[2] == {"role": "tool", "content": "12 C", "tool_call_id": "call_1"}
+    no_args = [{"role": "assistant", "tool_calls": [{"function": {"name": "noop", "arguments": None}}]}]
+    assert parse_chat_request({"messages": no_args}, 16, 4).messages[0]["tool_calls"][0]["function"]["arguments"] == "{}"
     assert req.messages[3] == {"role": "tool", "content": [{"type": "text", "text": "rain"}]}
     for bad, param in [({"role": "user", "content": "x", "tool_calls": []}, "messages[0].tool_calls"),
                        ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
@@ -83,7 +100,9 @@ def test_a_conversation_with_earlier_calls_and_their_results_parses_for_the_temp
                        ({"role": "assistant", "tool_calls": [
                            {"function": {"name": "f", "arguments": "<|image_pad|>"}}]},
                         "messages[0].tool_calls[0].function.arguments"),
-                       ({"role": "tool", "content": "x", "tool_call_id": 1}, "messages[0].tool_call_id")]:
+                       ({"role": "tool", "content": "x", "tool_call_id": 1}, "messages[0].tool_call_id"),
+                       ({"role": "assistant", "tool_calls": [{"function": {"name": 'f", "x": "'}}]},
+                        "messages[0].tool_calls[0]")]:
         with pytest.raises(ClientError) as e:
             parse_chat_request({"messages": [bad]}, 16, 4)
         assert e.value.param == param
@@ -106,6 +125,13 @@ TEXTS = {
                               [("noop", '{"x":1}')]),
     "text between calls": (call_text("noop", {}) + "\nthen\n" + call_text("noop", {"a": "é"}) + "\n",
                            "then", [("noop", {}), ("noop", {"a": "é"})]),
+    "a close tag inside an argument": (call_text("noop", {"q": "a</tool_call>b"}) + " done", "done",
+                                       [("noop", {"q": "a</tool_call>b"})]),
+    "arguments not an object stay text": (call_text("noop", '"s"', raw=True), call_text("noop", '"s"', raw=True), []),
+    "string arguments not an object stay text": (call_text("noop", '"[1]"', raw=True),
+                                                 call_text("noop", '"[1]"', raw=True), []),
+    "a closed block never whole stays text": ("x " + call_text("noop", '{"q": "</tool_call>', raw=True) + " y",
+                                              "x " + call_text("noop", '{"q": "</tool_call>', raw=True) + " y", []),
 }
 
 
@@ -189,6 +215,29 @@ def test_a_forced_choice_allows_only_calls_whose_arguments_follow_the_schema(wor
         assert not _accepts(required, tok, call_text("get_weather", bad, raw=True)), bad
     assert not _accepts(required, tok, "Sure! " + weather)
     assert tool_grammar(parse_tools(tools)) is None  # auto: free text
+
+
+def test_forced_calls_name_the_tags_as_tokens_where_the_vocabulary_has_them(world):
+    """Qwen's real tokenizers have <tool_call> and </tool_call> as tokens of their own, which llguidance
+    treats as special: a grammar with the tags as text refuses them, so the model would have to spell
+    the tag in pieces. With the tags as tokens the grammar takes exactly Qwen's encoding of a call."""
+    import copy
+
+    from app.api.tools import has_tag_tokens
+
+    tok = copy.deepcopy(world["tok"])
+    assert not has_tag_tokens(tok)
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    assert has_tag_tokens(tok)
+    spec = parse_tools({"tools": [WEATHER, NOOP], "tool_choice": "required"})
+    text = call_text("noop", "{}", raw=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids[0] == tok.convert_tokens_to_ids("<tool_call>") and ids[-1] == tok.convert_tokens_to_ids("</tool_call>")
+    assert _accepts(tool_grammar(spec, tag_tokens=True), tok, text)
+    assert not _accepts(tool_grammar(spec), tok, text)  # the tags as text: the single tokens are refused
+    assert parse_chat_request({"messages": USER, "tools": [NOOP], "tool_choice": "required"}, 16, 4,
+                              tool_tags=True).params.grammar == tool_grammar(
+        parse_tools({"tools": [NOOP], "tool_choice": "required"}), tag_tokens=True)
 
 
 def test_forced_calls_from_the_engine_are_valid_calls_streamed_and_whole(world, tiny_checkpoint):

@@ -34,7 +34,7 @@ from .retry import (
     replica_failed,
 )
 from .schemas import ChatRequest, parse_chat_request, stream_chunk
-from .tools import ToolCallStream, tool_calls_finish
+from .tools import ToolCallStream, has_tag_tokens, tool_calls_finish
 
 log = logging.getLogger(__name__)
 _DONE = "data: [DONE]\n\n"
@@ -72,6 +72,7 @@ class ChatService:
         self.cfg, self.media, self.backend, self.observer = cfg, media, backend, observer
         self.prompts = prompt_builder_for(tokenizer, media.spec)
         self.token_text = TokenText(tokenizer)  # log-probabilities' token texts, for requests that ask
+        self.tool_tags = has_tag_tokens(tokenizer)  # forced tool calls name the tags as tokens
         self.merge = media.spec.merge
         self.retry = RetryPolicy.from_config(cfg.retry)  # replica failures before the first token
 
@@ -87,7 +88,8 @@ class ChatService:
             self.observer(rec)
 
     async def prepare(self, body) -> tuple[ChatRequest, dict, list]:
-        req = parse_chat_request(body, self.cfg.llm.default_max_tokens, self.cfg.media.max_items_per_request)
+        req = parse_chat_request(body, self.cfg.llm.default_max_tokens, self.cfg.media.max_items_per_request,
+                                 self.tool_tags)
         items = await self.media.prepare_all(req.media)
         frames = sum(it.frames(self.media.spec.temporal) for it in items)
         if frames > self.cfg.media.max_frames_per_request:

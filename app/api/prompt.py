@@ -138,8 +138,8 @@ class PromptBuilder:
                 raise _forged()
             slot = queue.pop(0)
             want = IMAGE_PAD if slot.kind == "image" else VIDEO_PAD
-            if m.group(1) != want:
-                raise ValueError(f"placeholder {m.group(1)} does not match a {slot.kind} item")
+            if m.group(1) != want:  # text the template joined (a tool's description, say) forged a marker
+                raise _forged()
             if slot.kind == "image":
                 add([self.vs]); add([self.image_id] * slot.num_tokens, IMAGE_TYPE); add([self.ve])  # noqa: E702
             elif not self.video_timestamps:

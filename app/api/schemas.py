@@ -15,7 +15,7 @@ from ..llm.grammar import grammar_for, grammar_for_structured
 from ..llm.sampling import MAX_CHOICES, MAX_LOGPROBS, SamplingParams
 from ..media.ref import MediaRef
 from .prompt import VISION_MARKERS, has_vision_marker
-from .tools import ToolSpec, parse_tools, tool_grammar
+from .tools import TOOL_NAME, ToolSpec, parse_tools, tool_grammar
 
 MAX_STOP_CHARS = 1024  # per stop string: the check at each chunk costs up to its length (stream.StopChecker)
 
@@ -114,17 +114,21 @@ def _history_calls(m: dict, p: str, role: str) -> dict:
     for k, c in enumerate(calls):
         pc = f"{p}.tool_calls[{k}]"
         fn = c.get("function") if isinstance(c, dict) else None
-        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)
-                or not isinstance(fn.get("arguments", ""), str) or not isinstance(c.get("id", ""), str)):
+        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not TOOL_NAME.fullmatch(fn["name"])
+                or not isinstance(fn.get("arguments", ""), str | None) or not isinstance(c.get("id", ""), str)):
             raise ClientError(f"{pc} must be {{\"id\": ..., \"type\": \"function\", \"function\": {{\"name\": ..., "
-                              "\"arguments\": a JSON string}}}}", param=pc)
+                              "\"arguments\": a JSON string}}}} with a tool's name (1-64 letters, digits, '_', '-')",
+                              param=pc)
+        # templates write the arguments string into the JSON of the call: none is an empty object
         out.append({"id": c.get("id", ""), "type": "function",
-                    "function": {"name": _message_text(fn["name"], f"{pc}.function.name"),
-                                 "arguments": _message_text(fn.get("arguments", ""), f"{pc}.function.arguments")}})
+                    "function": {"name": fn["name"],
+                                 "arguments": _message_text(fn.get("arguments") or "{}", f"{pc}.function.arguments")}})
     return {"tool_calls": out} if out else {}
 
 
-def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatRequest:
+def parse_chat_request(body, default_max_tokens: int, max_items: int, tool_tags: bool = False) -> ChatRequest:
+    """`tool_tags`: the tokenizer has `<tool_call>` and `</tool_call>` as tokens of their own (forced
+    tool calls' grammar names them: app/api/tools.py)."""
     if not isinstance(body, dict):
         raise ClientError("request body must be a JSON object")
     _refuse_what_would_be_ignored(body)
@@ -209,7 +213,7 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int) -> ChatReq
         if params.grammar is not None:
             raise ClientError("a forced 'tool_choice' cannot be combined with 'response_format' or "
                               "'structured_outputs'", param="tool_choice", code="invalid_tool_choice")
-        params.grammar = tool_grammar(tools)
+        params.grammar = tool_grammar(tools, tool_tags)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ClientError("'stream' must be a boolean", param="stream")

@@ -26,7 +26,9 @@ from ..errors import ClientError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128  # as OpenAI
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_DEPTH = 32  # nesting of a tool definition
+MAX_CACHED_SCHEMA_CHARS = 64 << 10  # forced-call grammars kept only for tool lists this small
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -54,11 +56,12 @@ def parse_tools(body: dict) -> ToolSpec | None:
     """The request's ToolSpec; None when it has no tools or `tool_choice` is "none"; a 400 naming the
     field for anything malformed. The legacy `functions` / `function_call` are refused (use `tools`)."""
     for legacy in ("functions", "function_call"):
-        if body.get(legacy) is not None:
+        if body.get(legacy) not in (None, [], "none"):  # their off values are accepted
             raise ClientError(f"'{legacy}' is not supported by this server: send 'tools' and 'tool_choice'",
                               param=legacy, code="unsupported_parameter")
     tools, choice = body.get("tools"), body.get("tool_choice")
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else parallel
     if not isinstance(parallel, bool):
         raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     if tools is not None and not isinstance(tools, list):
@@ -94,54 +97,101 @@ def _tool(t, i: int) -> dict:
         raise _bad(f"{p} must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
     fn = t["function"]
     name = fn.get("name")
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise _bad(f"{p}.function.name must be 1-64 letters, digits, '_' or '-'", "tools")
     if not isinstance(fn.get("description", ""), str):
         raise _bad(f"{p}.function.description must be a string", "tools")
-    if not isinstance(fn.get("parameters", {}), dict):
-        raise _bad(f"{p}.function.parameters must be a JSON schema object", "tools")
+    params = fn.get("parameters", {})
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        raise _bad(f"{p}.function.parameters must be a JSON schema of an object", "tools")
+    _check_text(fn, f"{p}.function", MAX_DEPTH)
     return {"type": "function", "function": fn}
 
 
-def tool_grammar(spec: ToolSpec) -> str | None:
+def _check_text(value, param: str, depth: int) -> None:
+    """Every string and key of a tool definition is shown to the model, so it must be what message text
+    may be (valid Unicode, no vision markers: app/api/schemas.py); and nesting is bounded, as the
+    template's JSON encoder recurses."""
+    from .schemas import _message_text
+
+    if depth < 0:
+        raise _bad(f"{param} is nested deeper than {MAX_DEPTH} levels", "tools")
+    if isinstance(value, str):
+        _message_text(value, param)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _message_text(k, param)
+            _check_text(v, f"{param}.{k}", depth - 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_text(v, f"{param}[{i}]", depth - 1)
+
+
+def tool_grammar(spec: ToolSpec, tag_tokens: bool = False) -> str | None:
     """For a forced choice, the llguidance grammar of its answers: one call of the named function, or
     with "required" one call of any tool (one or more, each on its own line, when parallel calls are
-    allowed). Arguments follow each tool's `parameters` schema, written compactly. None for "auto"."""
+    allowed). Arguments are a JSON object valid for each tool's `parameters` schema, written compactly.
+    None for "auto".
+
+    `tag_tokens`: the vocabulary has `<tool_call>` and `</tool_call>` as tokens of their own (Qwen's
+    real tokenizers), which the grammar must then name as tokens: llguidance treats added tokens as
+    special, so the tags as text would force the model to spell them in pieces it was never trained
+    to write."""
     if not spec.forced:
         return None
-    return _forced_grammar(json.dumps(spec.tools, sort_keys=True), spec.choice, spec.parallel)
+    chosen = [(t["function"]["name"], t["function"].get("parameters") or {})
+              for t in spec.tools if spec.choice in ("required", t["function"]["name"])]
+    key = json.dumps(chosen, sort_keys=True)
+    many = spec.parallel and spec.choice == "required"
+    if len(key) > MAX_CACHED_SCHEMA_CHARS:  # kept only while small: a client could send huge ones
+        return _forced_grammar.__wrapped__(key, many, tag_tokens)
+    return _forced_grammar(key, many, tag_tokens)
 
 
 @functools.lru_cache(maxsize=256)
-def _forced_grammar(tools_json: str, choice: str, parallel: bool) -> str:
-    """Kept per tool list: agents send the same tools with every turn, and checking a grammar costs
-    the Router's busy thread milliseconds."""
+def _forced_grammar(chosen_json: str, many: bool, tag_tokens: bool) -> str:
+    """Kept per (name, parameters) list: agents send the same tools with every turn, and checking a
+    grammar costs the Router's busy thread milliseconds."""
     from ..llm.grammar import lark_grammar
 
-    tools = [t for t in json.loads(tools_json) if choice in ("required", t["function"]["name"])]
+    open_, close = (OPEN, CLOSE) if tag_tokens else (json.dumps(OPEN), json.dumps(CLOSE))
     rules = []
-    for i, t in enumerate(tools):
-        fn = t["function"]
-        schema = dict(fn.get("parameters") or {"type": "object"})
+    for i, (name, params) in enumerate(json.loads(chosen_json)):
+        schema = {"type": "object", **params}
         schema.setdefault("x-guidance", {"whitespace_flexible": False})
-        head = json.dumps(f'{OPEN}\n{{"name": "{fn["name"]}", "arguments": ')
-        rules += [f"call_{i}: {head} args_{i} {json.dumps(chr(125) + chr(10) + CLOSE)}",
+        head = json.dumps(f'\n{{"name": "{name}", "arguments": ')
+        rules += [f"call_{i}: {open_} {head} args_{i} {json.dumps(chr(125) + chr(10))} {close}",
                   f"args_{i}: %json {json.dumps(schema)}"]
-    calls = " | ".join(f"call_{i}" for i in range(len(tools)))
-    start = 'start: call ("\\n" call)*' if parallel and choice == "required" else "start: call"
+    calls = " | ".join(f"call_{i}" for i in range(len(rules) // 2))
+    start = 'start: call ("\\n" call)*' if many else "start: call"
     return lark_grammar("\n".join([start, f"call: {calls}", *rules]), "tools")
 
 
-def _call(body: str, names: frozenset[str]) -> dict | None:
-    """One OpenAI tool call from a block's text, or None when it is not a call of a known tool."""
+_NOT_JSON = object()
+
+
+def _call(body: str, names: frozenset[str]):
+    """One OpenAI tool call from a block's text; None when the block is JSON but not a call of a known
+    tool with object arguments; _NOT_JSON when it is not JSON (a close tag inside an argument string
+    may have cut it short)."""
     try:
         obj = json.loads(body)
     except ValueError:
-        return None
+        return _NOT_JSON
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
     args = obj.get("arguments", {})
-    args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = args if isinstance(json.loads(args), dict) else None
+        except ValueError:
+            args = None
+    elif isinstance(args, dict):
+        args = json.dumps(args, ensure_ascii=False)
+    else:
+        args = None
+    if args is None:
+        return None
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": obj["name"], "arguments": args}}
 
@@ -157,15 +207,18 @@ def _held(text: str) -> int:
 class ToolCallStream:
     """One choice's text in, OpenAI deltas out: `{"content": ...}` and `{"tool_calls": [call]}`.
 
-    Text that may begin a call block is held until it does or cannot; a block is held until it closes.
-    Whitespace around the content is dropped (the model writes newlines between its text and its
-    calls), so the content deltas joined are the whole answer's content."""
+    Text that may begin a call block is held until it does or cannot; a block is held until it closes
+    with its JSON whole (a close tag inside an argument string does not end it). Whitespace around the
+    content is dropped (the model writes newlines between its text and its calls), so the content
+    deltas joined are the whole answer's content. Each piece of text is searched once (a long block
+    streamed in many chunks costs what its length does)."""
 
     def __init__(self, names: frozenset[str]):
         self.names = names
         self.calls = 0
         self._buf = ""
         self._in_call = False
+        self._seen = 0  # how far into the held block the close tag has been looked for
         self._space = ""  # whitespace after the content so far: sent only if more content follows
         self._started = False  # some content went out
 
@@ -184,7 +237,7 @@ class ToolCallStream:
 
     def _block(self, body: str, closed: bool) -> list[dict]:
         call = _call(body.strip(), self.names)
-        if call is None:
+        if call is None or call is _NOT_JSON:
             return self._content(OPEN + body + (CLOSE if closed else ""))
         self.calls += 1
         return [{"tool_calls": [{"index": self.calls - 1, **call}]}]
@@ -194,10 +247,15 @@ class ToolCallStream:
         out: list[dict] = []
         while True:
             if self._in_call:
-                end = self._buf.find(CLOSE)
+                end = self._buf.find(CLOSE, self._seen)
                 if end < 0:
+                    self._seen = max(self._seen, len(self._buf) - len(CLOSE) + 1)
                     return out
-                body, self._buf, self._in_call = self._buf[:end], self._buf[end + len(CLOSE):], False
+                body = self._buf[:end]
+                if _call(body.strip(), self.names) is _NOT_JSON:  # perhaps cut inside a string: look further
+                    self._seen = end + 1
+                    continue
+                self._buf, self._in_call, self._seen = self._buf[end + len(CLOSE):], False, 0
                 out += self._block(body, closed=True)
             else:
                 start = self._buf.find(OPEN)
@@ -206,10 +264,11 @@ class ToolCallStream:
                     text, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
                     return out + self._content(text)
                 out += self._content(self._buf[:start])
-                self._buf, self._in_call = self._buf[start + len(OPEN):], True
+                self._buf, self._in_call, self._seen = self._buf[start + len(OPEN):], True, 0
 
     def finish(self) -> list[dict]:
-        """What is still held, at the end of the answer: an unclosed block is a call if its JSON is whole."""
+        """What is still held, at the end of the answer: an unclosed block is a call if its JSON is whole
+        (or, when the block was closed but its JSON never became whole, the text as the model wrote it)."""
         buf, self._buf = self._buf, ""
         if self._in_call:
             self._in_call = False
@@ -221,6 +280,12 @@ def tool_calls_finish(finish: str, calls) -> str:
     """OpenAI's finish reason for an answer that called tools: "tool_calls" where the model stopped
     by itself ("length" and errors stay)."""
     return "tool_calls" if calls and finish == "stop" else finish
+
+
+def has_tag_tokens(tokenizer) -> bool:
+    """Whether `<tool_call>` and `</tool_call>` are tokens of their own in this vocabulary (Qwen's)."""
+    added = getattr(tokenizer, "get_added_vocab", dict)()
+    return OPEN in added and CLOSE in added
 
 
 def split_tool_calls(text: str, names: frozenset[str]) -> tuple[str | None, list[dict]]:
