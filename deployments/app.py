@@ -90,9 +90,9 @@ def deployment_options(cfg: AppConfig, gpus: int, cpus: float) -> tuple[dict[str
 
 def router_floor(per_gpu: int, gpus: int, cpus: float) -> int:
     """The Routers kept running: `per_gpu` for each GPU, at most a quarter of the cluster's cores, at
-    least one. Under load the Routers' Python threads, not the GPUs, capped two GPUs until there were
-    three per GPU; the autoscaler adds Routers only after seconds of load (and each takes seconds to
-    start), so a floor that follows the GPUs serves a burst at once."""
+    least one. Under load the Routers' Python threads, not the GPUs, capped two GPUs: two Routers served
+    1.31x one GPU, six 1.73x (benchmarks/RESULTS.md). The autoscaler adds Routers only after seconds of
+    load (and each takes seconds to start), so a floor that follows the GPUs serves a burst at once."""
     if gpus <= 0:
         return 1
     return max(1, min(per_gpu * gpus, int(cpus // 4) if cpus else per_gpu * gpus))

@@ -1,5 +1,5 @@
 """OpenAI tool calling (`tools`, `tool_choice`, `parallel_tool_calls`) in the Hermes format that
-Qwen2.5-VL, Qwen3-VL and MiniCPM-V 4.5 are trained on.
+Qwen3-VL and MiniCPM-V 4.5 are trained on (Qwen2.5-VL's published chat template lists no tools).
 
 - The checkpoint's chat template lists the tools in the system turn and renders earlier calls and
   tool results (`PromptBuilder.build(..., tools=...)`).

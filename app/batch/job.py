@@ -50,7 +50,7 @@ def llm_actor_share(cfg: BatchConfig, gpus: float, fused: bool) -> tuple[float, 
     share = cfg.llm_pool.num_gpus
     if share is None and gpus > 0 and fused:
         per = cfg.app.placement.llm_replicas_per_gpu
-        fits = max(1, cfg.llm_pool.max_size // int(gpus))
+        fits = max(1, cfg.llm_pool.max_size // max(1, int(gpus)))
         if fits < per:
             log.warning("llm_pool.max_size %d is below %d GPUs x llm_replicas_per_gpu %d: %d LLM actor(s) per GPU",
                         cfg.llm_pool.max_size, int(gpus), per, fits)
