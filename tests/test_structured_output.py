@@ -50,9 +50,27 @@ def test_the_api_turns_response_format_into_a_grammar_or_none():
     from app.llm.grammar import _schema_grammar
 
     hits = _schema_grammar.cache_info().hits
-    reordered = {"type": "json_schema", "json_schema": {"schema": dict(reversed(SCHEMA.items())), "name": "b"}}
-    assert parse({"response_format": reordered}).params.grammar == grammar_for(FORMAT)
-    assert _schema_grammar.cache_info().hits == hits + 2  # the same schema (keys in any order) compiled once
+    again = {"type": "json_schema", "json_schema": {"schema": json.loads(json.dumps(SCHEMA)), "name": "b"}}
+    assert parse({"response_format": again}).params.grammar == grammar_for(FORMAT)
+    assert _schema_grammar.cache_info().hits == hits + 2  # the same schema compiled once
+
+
+def test_properties_come_in_the_schemas_order_not_sorted(world):
+    """Clients order properties on purpose ("reasoning" before "answer"); the schema used to be compiled
+    from its key-sorted text, which made the answer's properties come alphabetically."""
+    import llguidance
+    import llguidance.hf
+
+    tok = world["tok"]
+    schema = {"type": "object", "additionalProperties": False, "required": ["reasoning", "answer"],
+              "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}}}
+    grammar = grammar_for({"type": "json_schema", "json_schema": {"schema": schema}})
+
+    def accepts(text):
+        m = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tok, n_vocab=len(tok)), grammar, log_level=0)
+        return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+    assert accepts('{"reasoning":"x","answer":1}') and not accepts('{"answer":1,"reasoning":"x"}')
 
 
 @pytest.mark.parametrize("fmt,says", [

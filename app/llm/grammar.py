@@ -64,7 +64,7 @@ def grammar_for(response_format, param: str = "response_format") -> str | None:
     else:
         raise _bad(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', not {kind!r}")
     try:
-        text = json.dumps(schema, sort_keys=True)
+        text = json.dumps(schema)  # not sorted: the answer's properties come in the schema's order
     except RecursionError as e:  # nested deeper than Python's stack: a 400, not the Router's 500
         raise _bad("invalid JSON schema: nested too deeply", param) from e
     except (ValueError, TypeError) as e:
