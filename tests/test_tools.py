@@ -130,6 +130,13 @@ TEXTS = {
     "arguments not an object stay text": (call_text("noop", '"s"', raw=True), call_text("noop", '"s"', raw=True), []),
     "string arguments not an object stay text": (call_text("noop", '"[1]"', raw=True),
                                                  call_text("noop", '"[1]"', raw=True), []),
+    "a prose block, then a call": ("<tool_call>\nI will call it now\n</tool_call>\nOk. " + call_text("noop", {}),
+                                   "<tool_call>\nI will call it now\n</tool_call>\nOk.", [("noop", {})]),
+    "a call with junk after it in its block, then a call": (
+        '<tool_call>{"name": "noop", "arguments": {}} extra</tool_call> ' + call_text("noop", {"b": 1}),
+        '<tool_call>{"name": "noop", "arguments": {}} extra</tool_call>', [("noop", {"b": 1})]),
+    "null arguments are an empty object": ('<tool_call>{"name": "noop", "arguments": null}</tool_call>', None,
+                                           [("noop", {})]),
     "a closed block never whole stays text": ("x " + call_text("noop", '{"q": "</tool_call>', raw=True) + " y",
                                               "x " + call_text("noop", '{"q": "</tool_call>', raw=True) + " y", []),
 }
@@ -163,6 +170,20 @@ def test_streamed_in_any_pieces_the_deltas_add_up_to_the_whole_answer(name):
         assert [c["index"] for c in got] == list(range(len(calls))) and stream.calls == len(calls)
         assert _calls(got) == calls
         assert all(d.get("content") != "" for d in deltas)  # no empty deltas
+
+
+def test_many_close_tags_inside_a_string_end_the_block_after_a_bound():
+    """Each close tag inside an argument string costs a parse of the block so far; past
+    MAX_CLOSE_TAGS_IN_STRINGS the next one ends the block (as text), so a hostile answer cannot hold
+    the Router's thread, and no text is lost."""
+    from app.api.tools import MAX_CLOSE_TAGS_IN_STRINGS
+
+    inner = "x</tool_call>" * (MAX_CLOSE_TAGS_IN_STRINGS + 5)
+    text = call_text("noop", {"q": inner}) + " tail " + call_text("noop", {})
+    content, calls = split_tool_calls(text, NAMES)
+    assert _calls(calls) == [("noop", {})] and content == text[:text.rindex("<tool_call>")].strip()
+    few = call_text("noop", {"q": "x</tool_call>" * MAX_CLOSE_TAGS_IN_STRINGS})
+    assert _calls(split_tool_calls(few, NAMES)[1]) == [("noop", {"q": "x</tool_call>" * MAX_CLOSE_TAGS_IN_STRINGS})]
 
 
 def test_a_whole_answer_reports_its_calls_with_the_tool_calls_finish():
@@ -215,6 +236,13 @@ def test_a_forced_choice_allows_only_calls_whose_arguments_follow_the_schema(wor
         assert not _accepts(required, tok, call_text("get_weather", bad, raw=True)), bad
     assert not _accepts(required, tok, "Sure! " + weather)
     assert tool_grammar(parse_tools(tools)) is None  # auto: free text
+    # arguments in the schema's property order (as the model sees the tool), not sorted
+    ordered = {"type": "function", "function": {"name": "search", "parameters": {
+        "type": ["object", "null"], "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
+        "required": ["query", "limit"], "additionalProperties": False}}}
+    g = tool_grammar(parse_tools({"tools": [ordered], "tool_choice": "required"}))
+    assert _accepts(g, tok, call_text("search", '{"query":"x","limit":1}', raw=True))
+    assert not _accepts(g, tok, call_text("search", '{"limit":1,"query":"x"}', raw=True))
 
 
 def test_forced_calls_name_the_tags_as_tokens_where_the_vocabulary_has_them(world):

@@ -26,7 +26,10 @@ from ..errors import ClientError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128  # as OpenAI
-MAX_DEPTH = 32  # nesting of a tool definition
+MAX_DEPTH = 100  # nesting of a tool definition (dict and list levels)
+# close tags inside one block's argument strings before the next one ends it: each costs a parse of
+# the block so far on the Router's thread
+MAX_CLOSE_TAGS_IN_STRINGS = 16
 MAX_CACHED_SCHEMA_CHARS = 64 << 10  # forced-call grammars kept only for tool lists this small
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -102,7 +105,8 @@ def _tool(t, i: int) -> dict:
     if not isinstance(fn.get("description", ""), str):
         raise _bad(f"{p}.function.description must be a string", "tools")
     params = fn.get("parameters", {})
-    if not isinstance(params, dict) or params.get("type", "object") != "object":
+    kind = params.get("type", "object") if isinstance(params, dict) else None
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         raise _bad(f"{p}.function.parameters must be a JSON schema of an object", "tools")
     _check_text(fn, f"{p}.function", MAX_DEPTH)
     return {"type": "function", "function": fn}
@@ -141,7 +145,7 @@ def tool_grammar(spec: ToolSpec, tag_tokens: bool = False) -> str | None:
         return None
     chosen = [(t["function"]["name"], t["function"].get("parameters") or {})
               for t in spec.tools if spec.choice in ("required", t["function"]["name"])]
-    key = json.dumps(chosen, sort_keys=True)
+    key = json.dumps(chosen)  # in the given order: the grammar keeps the properties' order
     many = spec.parallel and spec.choice == "required"
     if len(key) > MAX_CACHED_SCHEMA_CHARS:  # kept only while small: a client could send huge ones
         return _forced_grammar.__wrapped__(key, many, tag_tokens)
@@ -157,7 +161,7 @@ def _forced_grammar(chosen_json: str, many: bool, tag_tokens: bool) -> str:
     open_, close = (OPEN, CLOSE) if tag_tokens else (json.dumps(OPEN), json.dumps(CLOSE))
     rules = []
     for i, (name, params) in enumerate(json.loads(chosen_json)):
-        schema = {"type": "object", **params}
+        schema = {**params, "type": "object"}
         schema.setdefault("x-guidance", {"whitespace_flexible": False})
         head = json.dumps(f'\n{{"name": "{name}", "arguments": ')
         rules += [f"call_{i}: {open_} {head} args_{i} {json.dumps(chr(125) + chr(10))} {close}",
@@ -171,16 +175,18 @@ _NOT_JSON = object()
 
 
 def _call(body: str, names: frozenset[str]):
-    """One OpenAI tool call from a block's text; None when the block is JSON but not a call of a known
-    tool with object arguments; _NOT_JSON when it is not JSON (a close tag inside an argument string
-    may have cut it short)."""
+    """One OpenAI tool call from a block's text; None when it is not a call of a known tool with object
+    arguments; _NOT_JSON when the text ends inside a JSON string (a close tag inside an argument string
+    cut it short: the block goes on)."""
     try:
         obj = json.loads(body)
-    except ValueError:
-        return _NOT_JSON
+    except json.JSONDecodeError as e:
+        return _NOT_JSON if e.msg.startswith("Unterminated string") else None
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
     args = obj.get("arguments", {})
+    if args is None or args == "":  # a call without arguments
+        args = {}
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = args if isinstance(json.loads(args), dict) else None
@@ -219,6 +225,7 @@ class ToolCallStream:
         self._buf = ""
         self._in_call = False
         self._seen = 0  # how far into the held block the close tag has been looked for
+        self._cuts = 0  # close tags found inside the held block's JSON strings
         self._space = ""  # whitespace after the content so far: sent only if more content follows
         self._started = False  # some content went out
 
@@ -235,8 +242,10 @@ class ToolCallStream:
         self._started = True
         return [{"content": out}]
 
-    def _block(self, body: str, closed: bool) -> list[dict]:
-        call = _call(body.strip(), self.names)
+    def _block(self, body: str, closed: bool, call=_NOT_JSON) -> list[dict]:
+        """`call`: the block's parse, when the caller has it."""
+        if call is _NOT_JSON:
+            call = _call(body.strip(), self.names)
         if call is None or call is _NOT_JSON:
             return self._content(OPEN + body + (CLOSE if closed else ""))
         self.calls += 1
@@ -252,11 +261,12 @@ class ToolCallStream:
                     self._seen = max(self._seen, len(self._buf) - len(CLOSE) + 1)
                     return out
                 body = self._buf[:end]
-                if _call(body.strip(), self.names) is _NOT_JSON:  # perhaps cut inside a string: look further
-                    self._seen = end + 1
+                call = _call(body.strip(), self.names)
+                if call is _NOT_JSON and self._cuts < MAX_CLOSE_TAGS_IN_STRINGS:  # cut inside a string: go on
+                    self._seen, self._cuts = end + 1, self._cuts + 1
                     continue
-                self._buf, self._in_call, self._seen = self._buf[end + len(CLOSE):], False, 0
-                out += self._block(body, closed=True)
+                self._buf, self._in_call, self._seen, self._cuts = self._buf[end + len(CLOSE):], False, 0, 0
+                out += self._block(body, closed=True, call=call)
             else:
                 start = self._buf.find(OPEN)
                 if start < 0:
