@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .model_builder import _FIRST_IS_SYSTEM, _TOOLS_HEADER, _tool_turns
+from .model_builder import chatml_template
 
 # MiniCPM-V's placeholder and boundary tokens, after ChatML's.
 MINICPMV_TOKENS = ["<unk>", "<image>", "</image>", "<slice>", "</slice>", "<image_id>", "</image_id>",
@@ -40,21 +40,7 @@ _CONTENT_MACRO = (
 )
 
 # ChatML as MiniCPM-V 4.5 (a Qwen3 LLM) writes it, with Qwen's tool calling (model_builder's).
-MINICPMV_CHAT_TEMPLATE = (
-    _CONTENT_MACRO + _TOOLS_HEADER + _FIRST_IS_SYSTEM
-    + "{%- if tools -%}"
-    "{{- tools_header(render_content(messages[0]['content']) + '\\n\\n' if first_is_system else '') -}}"
-    "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if tools and loop.first and first_is_system -%}"  # already in the tools header
-    + _tool_turns("\\n") + "{%- else -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{{- render_content(message['content']) -}}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+MINICPMV_CHAT_TEMPLATE = chatml_template(_CONTENT_MACRO, "\\n")
 
 
 def processor_config(spec: dict) -> dict:

@@ -99,17 +99,24 @@ def _tool_turns(joiner: str) -> str:
 # Whether the first message is a system one (then the tools header holds it).
 _FIRST_IS_SYSTEM = "{%- set first_is_system = messages and messages[0]['role'] == 'system' -%}"
 
+def chatml_template(content_macro: str, joiner: str = "") -> str:
+    """ChatML with Qwen's tool calling, over a family's `render_content` macro; `joiner` joins a tool
+    result's text parts. The conversation's system message goes into the tools header when there are
+    tools."""
+    return (
+        content_macro + _TOOLS_HEADER + _FIRST_IS_SYSTEM
+        + "{%- if tools -%}"
+        "{{- tools_header(render_content(messages[0]['content']) + '\\n\\n' if first_is_system else '') -}}"
+        "{%- endif -%}"
+        "{%- for message in messages -%}"
+        "{%- if tools and loop.first and first_is_system -%}"  # already in the tools header
+        + _tool_turns(joiner) + "{%- else -%}" + _MESSAGE + "{%- endif -%}"
+        "{%- endfor -%}" + _GENERATION_PROMPT
+    )
+
+
 # Qwen3-VL's prompt format.
-CHAT_TEMPLATE = (
-    _CONTENT_MACRO + _TOOLS_HEADER + _FIRST_IS_SYSTEM
-    + "{%- if tools -%}"
-    "{{- tools_header(render_content(messages[0]['content']) + '\\n\\n' if first_is_system else '') -}}"
-    "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if tools and loop.first and first_is_system -%}"  # already in the tools header
-    + _tool_turns("") + "{%- else -%}" + _MESSAGE + "{%- endif -%}"
-    "{%- endfor -%}" + _GENERATION_PROMPT
-)
+CHAT_TEMPLATE = chatml_template(_CONTENT_MACRO)
 
 # Qwen2.5-VL's: a default system message when the conversation has none (with tools, the tools header
 # follows it), then the same messages (a video is one <|vision_start|><|video_pad|><|vision_end|>,
