@@ -36,12 +36,14 @@ def user(content, **kw) -> dict:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0, **kw}
 
 
-# The body that is also sent to the HTTP server (with log-probabilities, two seeded choices and a JSON
-# schema: batch rows carry them too).
+# The body that is also sent to the HTTP server (with log-probabilities, two seeded choices, a JSON
+# schema and a tool the prompt lists: batch rows carry them too).
 PROBE = user([{"type": "image_url", "image_url": {"url": data_url(png_bytes(72, 104, seed=42), "image/png")}},
               {"type": "text", "text": "Is there a cat?"}], max_tokens=8, logprobs=True, top_logprobs=2,
              n=2, temperature=1.0, seed=9,
-             response_format={"type": "json_schema", "json_schema": {"name": "yn", "schema": {"enum": ["yes", "no"]}}})
+             response_format={"type": "json_schema", "json_schema": {"name": "yn", "schema": {"enum": ["yes", "no"]}}},
+             tools=[{"type": "function", "function": {"name": "zoom", "description": "Zoom into the image",
+                                                      "parameters": {"type": "object"}}}])
 
 
 def dataset(tmp: Path) -> tuple[Path, Path, set[str]]:
@@ -193,12 +195,15 @@ def test_batch_answer_equals_the_http_servers(cluster, full_run):
     want, ours = got.json(), rows["probe"]["response"]
     assert ours["usage"]["prompt_tokens_details"]["image_tokens"] > 0
     assert ours["usage"] == want["usage"] and ours["model"] == want["model"]
+    without_tools = httpx.post(f"http://127.0.0.1:{PORT}/v1/chat/completions", timeout=120,
+                               json={k: v for k, v in PROBE.items() if k != "tools"}).json()
+    assert ours["usage"]["prompt_tokens"] > without_tools["usage"]["prompt_tokens"]  # the tool is listed in both
     # the same tokens in both choices; their log-probabilities equal up to float32 rounding (batched
     # here, alone there)
     lp_ours, lp_want = ([c.pop("logprobs")["content"] for c in r["choices"]] for r in (ours, want))
     assert ours["choices"] == want["choices"] and len(ours["choices"]) == 2
     assert all(json.loads(c["message"]["content"]) in ("yes", "no") and c["finish_reason"] == "stop"
-               for c in ours["choices"])
+               and "tool_calls" not in c["message"] for c in ours["choices"])
     assert sum(map(len, lp_ours)) == sum(map(len, lp_want)) == ours["usage"]["completion_tokens"]
 
     def close(a: dict, b: dict) -> bool:
