@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import ClientError
+from ..llm.grammar import _bad, lark_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128  # as OpenAI
@@ -49,10 +50,6 @@ class ToolSpec:
     @property
     def forced(self) -> bool:
         return self.choice != "auto"
-
-
-def _bad(message: str, param: str) -> ClientError:
-    return ClientError(message, param=param, code=f"invalid_{param}")
 
 
 def parse_tools(body: dict) -> ToolSpec | None:
@@ -156,8 +153,6 @@ def tool_grammar(spec: ToolSpec, tag_tokens: bool = False) -> str | None:
 def _forced_grammar(chosen_json: str, many: bool, tag_tokens: bool) -> str:
     """Kept per (name, parameters) list: agents send the same tools with every turn, and checking a
     grammar costs the Router's busy thread milliseconds."""
-    from ..llm.grammar import lark_grammar
-
     open_, close = (OPEN, CLOSE) if tag_tokens else (json.dumps(OPEN), json.dumps(CLOSE))
     rules = []
     for i, (name, params) in enumerate(json.loads(chosen_json)):
@@ -168,7 +163,7 @@ def _forced_grammar(chosen_json: str, many: bool, tag_tokens: bool) -> str:
                   f"args_{i}: %json {json.dumps(schema)}"]
     calls = " | ".join(f"call_{i}" for i in range(len(rules) // 2))
     start = 'start: call ("\\n" call)*' if many else "start: call"
-    return lark_grammar("\n".join([start, f"call: {calls}", *rules]), "tools")
+    return lark_grammar("\n".join([start, f"call: {calls}", *rules]), "tool parameters", "tools")
 
 
 _NOT_JSON = object()

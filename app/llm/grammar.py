@@ -116,19 +116,19 @@ def grammar_for_structured(spec) -> str | None:
         kind = "regex"
     if not isinstance(value, str) or not value:
         raise _bad(f"'structured_outputs.{kind}' must be a non-empty string", "structured_outputs")
-    lg = _llguidance()
-    grammar = lg.LLMatcher.grammar_from_regex(value) if kind == "regex" else lg.LLMatcher.grammar_from_lark(value)
-    return _checked(grammar, kind, "structured_outputs")
+    if kind == "grammar":
+        return lark_grammar(value, kind, "structured_outputs")
+    return _checked(_llguidance().LLMatcher.grammar_from_regex(value), kind, "structured_outputs")
 
 
-def lark_grammar(lark: str, param: str) -> str:
-    """A grammar from Lark text (llguidance's dialect) that the server writes, e.g. for forced tool
-    calls: a 400 naming `param` if llguidance refuses it (a tool's bad parameters schema)."""
+def lark_grammar(lark: str, what: str, param: str) -> str:
+    """A grammar from Lark text (llguidance's dialect): a client's (`structured_outputs.grammar`) or one
+    the server writes (forced tool calls); a 400 naming `param` if llguidance refuses it."""
     try:
         grammar = _llguidance().LLMatcher.grammar_from_lark(lark)
     except (ValueError, TypeError) as e:
-        raise _bad(f"invalid grammar: {e}", param) from e
-    return _checked(grammar, "tool parameters", param)
+        raise _bad(f"invalid {what}: {e}", param) from e
+    return _checked(grammar, what, param)
 
 
 def _bad(message: str, param: str = "response_format") -> ClientError:
