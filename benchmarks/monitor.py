@@ -5,10 +5,10 @@ sampled in a background thread, grouped by Ray Serve deployment, then a verdict.
   shows as `sm`), through nvidia-ml-py (`pynvml`); without it, `nvidia-smi --query-gpu`; without a
   GPU, nothing. Only the GPUs in CUDA_VISIBLE_DEVICES when it is set.
 - Processes: every process on this host whose title Ray set (`ray::ServeReplica:<app>:<Deployment>`,
-  `ray::ProxyActor`, `ray::ServeController`, ...), the raylet and GCS, and this process (the load
-  generator). Per process: cores used (CPU time / wall time) and its busiest thread's share of one
-  core. A Python process whose busiest thread sits near one core is bound by that thread (the GIL);
-  a process near its core count is bound by its cores.
+  `ray::ProxyActor`, `ray::ServeController`, ...), the raylet and GCS, and this process with its
+  multiprocessing children (the load generator). Per process: cores used (CPU time / wall time) and
+  its busiest thread's share of one core. A Python process whose busiest thread sits near one core
+  is bound by that thread (the GIL); a process near its core count is bound by its cores.
 """
 
 from __future__ import annotations
@@ -70,8 +70,12 @@ class GpuSampler:
 
 
 # ---------------------------------------------------------------------------- processes
-def process_group(title: str, pid: int) -> str | None:
-    """The group a process counts in, from its title; None for processes that are not Ray's."""
+def process_group(title: str, pid: int, ppid: int | None = None) -> str | None:
+    """The group a process counts in, from its title; None for processes that are not Ray's nor the
+    load generator's. The load generator is this process and its multiprocessing children (spawned
+    ones run `python -c "from multiprocessing.spawn import spawn_main; ..."`): serve.py's load
+    processes (`--load-processes`). Ray's titles, raylet and gcs_server are matched first, because
+    `ray.init` in this process starts raylet and gcs_server as its children."""
     if pid == os.getpid():
         return "load generator"
     if title.startswith("ray::ServeReplica:"):  # "ray::ServeReplica:<app>:<Deployment>[.<method>]"
@@ -82,6 +86,8 @@ def process_group(title: str, pid: int) -> str | None:
     base = os.path.basename(title.split()[0]) if title else ""
     if base in ("raylet", "gcs_server"):
         return base
+    if ppid == os.getpid() and "multiprocessing" in title:
+        return "load generator"
     return None
 
 
@@ -110,11 +116,11 @@ class ProcessSampler:
         return t.user + t.system, {th.id: th.user_time + th.system_time for th in p.threads()}
 
     def sample(self) -> None:
-        for p in self.psutil.process_iter(["pid", "cmdline"]):
+        for p in self.psutil.process_iter(["pid", "cmdline", "ppid"]):
             if p.pid in self.procs or p.pid in self._gone:
                 continue
             try:
-                group = process_group(" ".join(p.info["cmdline"] or []), p.pid)
+                group = process_group(" ".join(p.info["cmdline"] or []), p.pid, p.info["ppid"])
                 if group is not None:
                     times = self._times(p)
                     self.procs[p.pid] = _Proc(group, p, times, times)

@@ -30,6 +30,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import queue
 import random
 import re
 import statistics
@@ -145,6 +146,7 @@ class Report:
     # Completions per second between the 10th and the 90th percentile completion: the run without its
     # start (an idle server filling its pipeline: media, encoder, then the LLM) and its drain.
     steady_request_throughput: float = 0.0
+    load_processes: int = 1  # processes that sent the timed requests (run_load's `processes`)
 
 
 def steady_rate(done_s: list[float], lo: float = 0.1, hi: float = 0.9) -> float:
@@ -188,18 +190,141 @@ def build_bodies(workload: Workload, first: int, n: int) -> list[bytes]:
         return list(pool.map(_body_bytes, itertools.repeat(workload), range(first, first + n), chunksize=64))
 
 
-async def run_load(url: str, workload: Workload, num_requests: int, concurrency: int | None = None,
-                   request_rate: float | None = None, warmup: int = 2, progress: bool = True,
-                   timeout_s: float = 600, seed_offset: int = 0, monitor_t0: float | None = None,
-                   monitor: bool = False) -> Report:
-    """Warm up, then send `num_requests` at a fixed concurrency or a Poisson request rate. Media seeds
-    start at `seed_offset`: give every run its own range, or later runs hit the embedding cache.
-    With `monitor`, GPUs and processes are sampled over the timed part (timeline from `monitor_t0`)."""
-    bodies = build_bodies(workload, seed_offset, num_requests + warmup)
+def _session(url: str, concurrency: int | None, timeout_s: float) -> aiohttp.ClientSession:
+    """The load's HTTP client (one per load process)."""
     conn = aiohttp.TCPConnector(limit=max(64, (concurrency or 0) * 2))
     # per phase, as httpx's timeout was: a request may queue for a connection at high concurrency
     timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s)
-    async with aiohttp.ClientSession(base_url=url, connector=conn, timeout=timeout) as client:
+    return aiohttp.ClientSession(base_url=url, connector=conn, timeout=timeout)
+
+
+async def send_timed(client: aiohttp.ClientSession, items: list[tuple[int, bytes]], tag: str,
+                     concurrency: int | None, request_rate: float | None, rng: random.Random, t0: float,
+                     bar=None) -> list[Result]:
+    """The timed part's loop, the same in run_load's own process and in each load process: send the
+    (global index, body) `items` at most `concurrency` at a time, or with Poisson gaps at `request_rate`,
+    each tagged `{tag}-{index}` (x-request-id) and stamped with when it was sent, from `t0`
+    (time.perf_counter(), which is CLOCK_MONOTONIC on Linux and so shared by the processes)."""
+    sem = asyncio.Semaphore(concurrency or len(items))
+
+    async def task(i: int, b: bytes) -> Result:
+        async with sem:
+            start = time.perf_counter() - t0
+            r = await one_request(client, b, f"{tag}-{i}")
+            r.start_s = start
+        if bar is not None:
+            bar.update(1)
+        return r
+
+    tasks = []
+    for i, b in items:
+        tasks.append(asyncio.create_task(task(i, b)))
+        if request_rate:
+            await asyncio.sleep(rng.expovariate(request_rate))
+    return list(await asyncio.gather(*tasks))
+
+
+READY_TIMEOUT_S = 300.0  # for a load process to start, import this module and take its bodies
+
+
+def _load_worker(k: int, url: str, items: list[tuple[int, bytes]], tag: str, concurrency: int | None,
+                 request_rate: float | None, timeout_s: float, go, t0, out) -> None:
+    """One load process of run_load(processes=N) (spawned): its own event loop and aiohttp session.
+    It says it is ready, waits for the main process to set `go` (after `t0` holds the start time),
+    sends its share and puts its Results on `out`; a failure goes on `out` too, so nobody waits."""
+    async def load() -> list[Result]:
+        async with _session(url, concurrency, timeout_s) as client:
+            out.put((k, "ready", None))
+            # Blocking the loop is harmless here: nothing else runs in this process yet.
+            if not go.wait(2 * READY_TIMEOUT_S):
+                raise TimeoutError("the main process never started the run")
+            return await send_timed(client, items, tag, concurrency, request_rate, random.Random(k), t0.value)
+
+    try:
+        out.put((k, "results", asyncio.run(load())))
+    except BaseException as e:
+        out.put((k, "error", f"{type(e).__name__}: {e}"))
+
+
+def _from_each(out, procs: list, kind: str, timeout_s: float | None) -> dict[int, object]:
+    """One `kind` message from every load process. The queue is polled rather than waited on: a
+    process that died (killed for memory, a crash) never answers, and a bare get() would hang."""
+    got: dict[int, object] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    exited: set[int] = set()
+    while len(got) < len(procs):
+        try:
+            k, what, payload = out.get(timeout=1.0)
+        except queue.Empty:
+            # An exited process's last message may still be in the pipe: give it one more poll.
+            dead = {k for k, p in enumerate(procs) if k not in got and p.exitcode is not None}
+            if dead & exited:
+                codes = ", ".join(f"{k} (exit code {procs[k].exitcode})" for k in sorted(dead & exited))
+                raise RuntimeError(f"load process {codes} died before sending its {kind}") from None
+            exited |= dead
+            if deadline is not None and time.monotonic() > deadline:
+                missing = sorted(set(range(len(procs))) - set(got))
+                raise TimeoutError(f"load processes {missing} sent no {kind} within {timeout_s:.0f} s") from None
+            continue
+        if what == "error":
+            raise RuntimeError(f"load process {k} failed: {payload}")
+        got[k] = payload
+    return got
+
+
+def _load_in_processes(url: str, bodies: list[bytes], tag: str, concurrency: int | None,
+                       request_rate: float | None, processes: int, timeout_s: float, start_clock) -> list[Result]:
+    """Send `bodies` from `processes` spawned load processes (the caller may hold Ray's threads: never
+    fork). Body i goes to process i % N and keeps its index i in its tag; process k gets
+    c // N (+1 for the first c % N) of the concurrency and rate/N of a Poisson rate (independent
+    Poisson streams add up to the whole rate). The clock starts (`start_clock()`: the monitor, then
+    t0) once every process is ready, so their start-up is not measured. Results in body order."""
+    ctx = multiprocessing.get_context("spawn")
+    out, go, t0 = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
+    procs = []
+    for k in range(processes):
+        c = None if concurrency is None else concurrency // processes + (1 if k < concurrency % processes else 0)
+        rate = request_rate / processes if request_rate else None
+        items = [(i, bodies[i]) for i in range(k, len(bodies), processes)]
+        procs.append(ctx.Process(target=_load_worker, args=(k, url, items, tag, c, rate, timeout_s, go, t0, out),
+                                 name=f"load-{k}", daemon=True))
+    try:
+        for p in procs:
+            p.start()
+        _from_each(out, procs, "ready", READY_TIMEOUT_S)
+        t0.value = start_clock()
+        go.set()
+        got = _from_each(out, procs, "results", None)  # each request is bounded by the client's timeouts
+        for p in procs:
+            p.join(timeout=10)
+    finally:  # after a failure the others are stopped, not waited for
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                p.terminate()
+                p.join()
+    results: list = [None] * len(bodies)
+    for k, rs in got.items():
+        results[k::processes] = rs
+    return results
+
+
+async def run_load(url: str, workload: Workload, num_requests: int, concurrency: int | None = None,
+                   request_rate: float | None = None, warmup: int = 2, progress: bool = True,
+                   timeout_s: float = 600, seed_offset: int = 0, monitor_t0: float | None = None,
+                   monitor: bool = False, processes: int = 1) -> Report:
+    """Warm up, then send `num_requests` at a fixed concurrency or a Poisson request rate. Media seeds
+    start at `seed_offset`: give every run its own range, or later runs hit the embedding cache.
+    With `monitor`, GPUs and processes are sampled over the timed part (timeline from `monitor_t0`).
+    With `processes` > 1 the timed requests are sent from that many spawned processes (one asyncio
+    process tops out at a few hundred streamed req/s), splitting the concurrency (at least one each)
+    and the rate between them; warm-up and the encoder stats stay here, and there is no progress bar
+    (the requests complete in other processes)."""
+    if processes < 1 or (processes > 1 and concurrency is not None and concurrency < processes):
+        raise ValueError(f"processes={processes} needs 1 <= processes <= concurrency ({concurrency})")
+    bodies = build_bodies(workload, seed_offset, num_requests + warmup)
+    timed = bodies[warmup:]
+    tag = re.sub(r"\W+", "_", workload.label) + f"-c{concurrency or 'r'}-{seed_offset}"
+    async with _session(url, concurrency, timeout_s) as client:
         async def encoder_stats() -> dict:
             async with client.get("/v1/encoder/stats") as resp:
                 return await resp.json()
@@ -208,41 +333,35 @@ async def run_load(url: str, workload: Workload, num_requests: int, concurrency:
             await one_request(client, b)
         before = await encoder_stats()
         bar = None
-        if progress:
+        if progress and processes == 1:
             from tqdm import tqdm
 
             bar = tqdm(total=num_requests, desc=f"{workload.kind} c={concurrency} r={request_rate}", file=sys.stderr)
-        sem = asyncio.Semaphore(concurrency or num_requests)
-
-        tag = re.sub(r"\W+", "_", workload.label) + f"-c{concurrency or 'r'}-{seed_offset}"
-
-        async def task(i, b):
-            async with sem:
-                start = time.perf_counter() - t0
-                r = await one_request(client, b, f"{tag}-{i}")
-                r.start_s = start
-            if bar is not None:
-                bar.update(1)
-            return r
-
         mon = None
-        if monitor:
-            from benchmarks.monitor import Monitor
 
-            mon = Monitor(t0=monitor_t0).__enter__()
-        t0 = time.perf_counter()
-        tasks = []
-        rng = random.Random(0)
+        def start_clock() -> float:
+            nonlocal mon
+            if monitor:
+                from benchmarks.monitor import Monitor
+
+                mon = Monitor(t0=monitor_t0).__enter__()
+            return time.perf_counter()
+
         try:
-            for i, b in enumerate(bodies[warmup:]):
-                tasks.append(asyncio.create_task(task(i, b)))
-                if request_rate:
-                    await asyncio.sleep(rng.expovariate(request_rate))
-            results = await asyncio.gather(*tasks)
+            if processes == 1:
+                t0 = start_clock()
+                results = await send_timed(client, list(enumerate(timed)), tag, concurrency, request_rate,
+                                           random.Random(0), t0, bar)
+                duration = time.perf_counter() - t0
+            else:
+                results = await asyncio.to_thread(_load_in_processes, url, timed, tag, concurrency, request_rate,
+                                                  processes, timeout_s, start_clock)
+                # From the shared t0 to the last completion: this process's own clock would also count
+                # the hand-back of the results and the processes' exit, which are not load.
+                duration = max([r.start_s + r.e2e_s for r in results] + [1e-9])
         finally:
             if mon is not None:
                 mon.__exit__(None, None, None)
-        duration = time.perf_counter() - t0
         after = await encoder_stats()
         if bar is not None:
             bar.close()
@@ -257,7 +376,7 @@ async def run_load(url: str, workload: Workload, num_requests: int, concurrency:
         slowest=[{"sent_s": round(r.start_s, 3), "ttft_ms": round(1e3 * r.ttft_s, 1)}
                  for r in sorted(ok, key=lambda r: -r.ttft_s)[:8]],
         resources=asdict(mon.summary()) if mon is not None else {},
-        steady_request_throughput=steady_rate([r.start_s + r.e2e_s for r in ok]))
+        steady_request_throughput=steady_rate([r.start_s + r.e2e_s for r in ok]), load_processes=processes)
 
 
 def print_repeats(reports: list[Report]) -> None:
@@ -271,7 +390,8 @@ def print_repeats(reports: list[Report]) -> None:
 
 
 def print_report(r: Report, label: str = "") -> None:
-    print(f"--- {label} {r.workload}, concurrency {r.concurrency}, rate {r.request_rate} ---")
+    procs = f", {r.load_processes} load processes" if r.load_processes > 1 else ""
+    print(f"--- {label} {r.workload}, concurrency {r.concurrency}, rate {r.request_rate}{procs} ---")
     print(f"successful {r.successful}, failed {r.failed}, duration {r.duration_s:.2f} s")
     print(f"request throughput {r.request_throughput:.2f} req/s; input {r.input_token_throughput:.0f} tok/s; "
           f"output {r.output_token_throughput:.0f} tok/s; steady {r.steady_request_throughput:.2f} req/s "
@@ -405,7 +525,7 @@ def sweep_workload(url: str, wl: Workload, a, seed_offset: int, t0: float) -> li
     for i, c in enumerate(concurrency_ladder(a.max_concurrency)):
         n = max(a.num_requests, a.rounds * c)
         r = asyncio.run(run_load(url, wl, n, c, None, a.warmup, not a.no_progress, seed_offset=seed_offset + 100_000 * i,
-                                 monitor_t0=t0, monitor=not a.no_monitor))
+                                 monitor_t0=t0, monitor=not a.no_monitor, processes=min(a.load_processes, c)))
         print_report(r, "sweep")
         reports.append(r)
         if plateaued([x.request_throughput for x in reports], a.min_gain, a.patience):
@@ -525,6 +645,11 @@ def main() -> None:
     p.add_argument("--min-gain", type=float, default=0.05, help="--sweep: a point must beat the best by this much")
     p.add_argument("--patience", type=int, default=2, help="--sweep: stop after this many points without gain")
     p.add_argument("--no-monitor", action="store_true", help="do not sample GPUs and processes")
+    p.add_argument("--load-processes", type=int, default=1,
+                   help="send each point's timed requests from this many processes (the concurrency split between "
+                        "them; a point of lower concurrency uses one process per request): raise it when the "
+                        "monitor shows the load generator's busiest thread near one core, as one process is at "
+                        "several hundred streamed req/s")
     p.add_argument("--start", action="store_true", help="start Ray and the application here, then measure it")
     p.add_argument("--serve-config", default=None, help="with --start: deploy this file as `serve run FILE` does")
     p.add_argument("--num-gpus", type=int, default=None, help="with --start: give Ray the first N GPUs only")
@@ -568,8 +693,8 @@ def main() -> None:
                 for _ in range(a.repeat):
                     offset = 100_000 * len(out)  # the same ranges on both sides of --compare
                     r = asyncio.run(run_load(url, wl, a.num_requests, None if a.request_rate else c, a.request_rate,
-                                             a.warmup, not a.no_progress, seed_offset=offset,
-                                             monitor=not a.no_monitor))
+                                             a.warmup, not a.no_progress, seed_offset=offset, monitor=not a.no_monitor,
+                                             processes=a.load_processes if a.request_rate else min(a.load_processes, c)))
                     print_report(r, label)
                     out.append(asdict(r))
                     point.append(r)

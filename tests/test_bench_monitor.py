@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import time
 
 import pytest
 
-from benchmarks.monitor import MonitorSummary, process_group, verdict
+from benchmarks.monitor import MonitorSummary, ProcessSampler, process_group, verdict
 from benchmarks.serve import (
     Report,
     Workload,
@@ -65,6 +67,28 @@ def test_processes_are_grouped_by_deployment_from_their_ray_titles():
     assert process_group("/usr/lib/python3/site-packages/ray/core/src/ray/raylet/raylet --node", 1) == "raylet"
     assert process_group("python some_script.py", 1) is None
     assert process_group("python benchmarks/serve.py", os.getpid()) == "load generator"
+    # serve.py's load processes: spawned children of this process
+    spawned = '/usr/bin/python3 -c "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, ' \
+        'pipe_handle=7)" --multiprocessing-fork'
+    assert process_group(spawned, 2, os.getpid()) == "load generator"
+    assert process_group(spawned, 2, 1) is None  # someone else's
+    assert process_group("/path/raylet --node", 2, os.getpid()) == "raylet"  # ray.init's child stays Ray's
+    assert process_group("ray::ServeController", 2, os.getpid()) == "ServeController"
+    assert process_group("python some_script.py", 2, os.getpid()) is None
+
+
+def test_the_sampler_counts_a_spawned_child_as_the_load_generator():
+    """The real command line of a spawn child, and its parent from psutil's process_iter."""
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(30,), daemon=True)
+    child.start()
+    try:
+        sampler = ProcessSampler()
+        sampler.sample()
+        assert sampler.procs[child.pid].group == "load generator"
+        assert sampler.procs[os.getpid()].group == "load generator"
+    finally:
+        child.terminate()
+        child.join()
 
 
 def _summary(gpu_mean, processes, host_busy=0.3):
