@@ -6,7 +6,8 @@
 # e.g. ... configs/qwen3-vl-2b-gpu.yaml --workload image --concurrency 64 256 512 --num-requests 1024 --warmup 32
 # A run is PATH:GPUS. Port runs pin the Routers at ROUTERS_PER_GPU per GPU when it is set (otherwise
 # they autoscale: app.autoscaling.RouterAutoscalingPolicy counts the port's requests);
-# MEDIA_PER_GPU, when set, raises the MediaPreprocessor's min_replicas to that many per GPU (every run).
+# MEDIA_PER_GPU, when set, sets the MediaPreprocessor's min_replicas to that many per GPU and its ceiling
+# as the builder does (every run); otherwise the builder's floor (placement.media_replicas_per_gpu) applies.
 # TAG is appended to each run's label. Results per run in $OUT/<path>x<gpus><TAG>.tgz (serve.py's JSON
 # and report, the config it ran, the per-stage trace).
 set -uo pipefail
@@ -18,7 +19,7 @@ for run in ${RUNS:-proxy:1 proxy:2 port:2}; do
   config="$dir/config.yaml"; extra=(--via proxy); routers=0
   if [ "$path" = port ]; then routers=$(( ${ROUTERS_PER_GPU:-0} * gpus )); extra=(--via port --router-port 8800); fi
   python3 - "$CONFIG" "$config" "$routers" "$(( ${MEDIA_PER_GPU:-0} * gpus ))" <<'EOF'
-import sys, yaml
+import os, sys, yaml
 cfg = yaml.safe_load(open(sys.argv[1]))
 routers, media = int(sys.argv[3]), int(sys.argv[4])
 for d in cfg["applications"][0]["deployments"]:
@@ -27,8 +28,12 @@ for d in cfg["applications"][0]["deployments"]:
         d["autoscaling_config"] = {"target_ongoing_requests": 64, **scaling, "min_replicas": routers,
                                    "max_replicas": routers,
                                    "policy": {"policy_function": "app.autoscaling:RouterAutoscalingPolicy"}}
-    if d["name"] == "MediaPreprocessor" and media:
-        scaling.update(min_replicas=media, max_replicas=max(media, scaling.get("max_replicas", media)))
+    if d["name"] == "MediaPreprocessor" and media:  # the presets leave it to the builder as well
+        d["autoscaling_config"] = {"target_ongoing_requests": 2, "look_back_period_s": 15, "upscale_delay_s": 3,
+                                   "downscale_delay_s": 120, **scaling, "min_replicas": media,
+                                   # the builder's ceiling: half the cores, at least twice the floor
+                                   "max_replicas": max(2 * media, (os.cpu_count() or 2) // 2,
+                                                       scaling.get("max_replicas", 0))}
 yaml.safe_dump(cfg, open(sys.argv[2], "w"), sort_keys=False)
 EOF
   echo "=== $label"

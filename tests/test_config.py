@@ -66,6 +66,72 @@ def test_builder_options_follow_the_placement_policy():
     assert opts["Router"]["autoscaling_config"]["min_replicas"] == 4  # 16 cores: a quarter
 
 
+def media_autoscaling(placement: dict, gpus: int, cpus: float) -> dict:
+    from deployments.app import deployment_options
+
+    return deployment_options(AppConfig(placement=placement), gpus, cpus)[0]["MediaPreprocessor"]["autoscaling_config"]
+
+
+def test_media_floor_follows_the_gpus():
+    # without GPUs as before: 1 to half the cores, a minute before scaling down
+    assert media_autoscaling({}, 0, 2) == {"min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 2,
+                                           "look_back_period_s": 15, "upscale_delay_s": 3, "downscale_delay_s": 60}
+    assert media_autoscaling({"media_replicas_per_gpu": 4}, 0, 16)["min_replicas"] == 1
+    assert media_autoscaling({}, 0, 16)["max_replicas"] == 8
+    # 4 per GPU (a fixed 4 on four H200s served 500.76 req/s, 12 replicas 764.88), within a quarter of
+    # the cores, up to half the cores
+    assert media_autoscaling({}, 4, 64) == {"min_replicas": 16, "max_replicas": 32, "target_ongoing_requests": 2,
+                                            "look_back_period_s": 15, "upscale_delay_s": 3, "downscale_delay_s": 120}
+    assert media_autoscaling({"media_replicas_per_gpu": 2}, 2, 64)["min_replicas"] == 4
+    assert media_autoscaling({}, 1, 16)["min_replicas"] == 4
+    assert media_autoscaling({}, 5, 64)["min_replicas"] == 16  # a quarter of the cores
+    # cores unknown (outside Ray): per GPU, the ceiling twice that
+    assert media_autoscaling({}, 2, 0)["min_replicas"] == 8 and media_autoscaling({}, 2, 0)["max_replicas"] == 16
+    with pytest.raises(ValueError, match="media_replicas_per_gpu"):
+        AppConfig(placement={"media_replicas_per_gpu": 0})
+
+
+def test_media_floor_is_capped_by_the_cores():
+    from deployments.app import deployment_options
+
+    # a quarter of the cores at most, at least one; the ceiling at least twice the floor
+    assert media_autoscaling({}, 8, 32)["min_replicas"] == 8 and media_autoscaling({}, 8, 32)["max_replicas"] == 16
+    assert media_autoscaling({}, 1, 2)["min_replicas"] == 1
+    assert media_autoscaling({"media_replicas_per_gpu": 8}, 2, 24)["max_replicas"] == 12
+    # the Routers' and the media floors together leave half the cores to the other replicas
+    opts, _ = deployment_options(AppConfig(), 8, 32)
+    assert opts["Router"]["autoscaling_config"]["min_replicas"] + opts["MediaPreprocessor"]["autoscaling_config"][
+        "min_replicas"] == 16
+
+
+def test_a_config_files_media_autoscaling_replaces_the_builders():
+    """What `serve run` does with a config file's MediaPreprocessor entry (Ray Serve's own code, no Ray
+    started): its autoscaling_config replaces the builder's whole, floor and knobs alike."""
+    pytest.importorskip("ray")
+    from ray.serve._private.application_state import override_deployment_info
+    from ray.serve._private.deployment_info import DeploymentInfo
+    from ray.serve.schema import ServeApplicationSchema
+
+    from deployments.app import deployment_options
+    from deployments.media import MediaPreprocessor
+
+    opts, _ = deployment_options(AppConfig(), 4, 64)
+    media = MediaPreprocessor.options(**opts["MediaPreprocessor"])
+    info = DeploymentInfo(deployment_config=media._deployment_config, replica_config=media._replica_config,
+                          start_time_ms=0, deployer_job_id="")
+    assert info.deployment_config.autoscaling_config.min_replicas == 16
+    user = {"min_replicas": 2, "max_replicas": 5, "target_ongoing_requests": 4}
+    app = ServeApplicationSchema(import_path="deployments.app:build_app",
+                                 deployments=[{"name": "MediaPreprocessor", "autoscaling_config": user}])
+    scaling = override_deployment_info({"MediaPreprocessor": info}, app)["MediaPreprocessor"] \
+        .deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (2, 5, 4)
+    # not merged: what the file leaves out is Ray Serve's default, not the builder's (15 s, 120 s)
+    assert scaling.look_back_period_s != 15 and scaling.downscale_delay_s != 120
+    # an application built from Python (no config file) keeps the builder's
+    assert override_deployment_info({"MediaPreprocessor": info}, None)["MediaPreprocessor"] \
+        .deployment_config.autoscaling_config.min_replicas == 16
+
 @pytest.mark.parametrize("placement,gpus,want", [
     ({}, 1, ("fused", 0, 0.0, 1, 1.0, False)),  # auto: fused on GPUs (README, "Placement")
     ({"llm_replicas_per_gpu": 2}, 2, ("fused", 0, 0.0, 4, 0.5, False)),
@@ -154,9 +220,13 @@ def test_gpu_presets_validate(name):
     # the presets leave the Routers' autoscaling to the builder, whose floor follows the GPUs
     router = next(d for d in app["deployments"] if d["name"] == "Router")
     assert "autoscaling_config" not in router
+    # and the MediaPreprocessor's: its floor follows the GPUs too
+    media = next(d for d in app["deployments"] if d["name"] == "MediaPreprocessor")
+    assert "autoscaling_config" not in media
     from deployments.app import deployment_options
 
     opts, _ = deployment_options(cfg, 2, 32)
     scaling = opts["Router"]["autoscaling_config"]
     assert scaling["policy"]["policy_function"] == "app.autoscaling:RouterAutoscalingPolicy"
     assert scaling["min_replicas"] == 6
+    assert opts["MediaPreprocessor"]["autoscaling_config"]["min_replicas"] == 8
