@@ -207,7 +207,7 @@ def test_a_pool_whose_replacement_actors_fail_to_start_retries_then_fails_its_ca
         p = ActorPool("llm", object, lambda i: (), PoolConfig(min_size=1, max_size=1), 0)
         p.remote_cls, starts = fleet(fails)
         await p.start()
-        await p.release(await p.acquire(), dead=True)  # the only actor died
+        await p.release(*await p.acquire(), dead=True)  # the only actor died
         try:
             await asyncio.wait_for(p.acquire(), 10)
             return "served", len(starts)
@@ -265,3 +265,93 @@ def test_fused_llm_actors_share_a_gpu_as_serving_replicas_do():
                                             "batch-qwen3-vl-2b-gpu.yaml").read_text()))
     share, _ = llm_actor_share(example, 4, fused=True)
     assert example.llm_pool.min_size == example.llm_pool.max_size == 4 / share
+
+
+def test_a_chunk_takes_a_slot_per_row_and_one_larger_than_an_actor_takes_a_whole_idle_one():
+    """Stage calls carry chunks of rows (BatchConfig.chunk_rows), and an actor's capacity counts rows:
+    the LLM actors' is the engine's batch plus its queue, which per-call counting would overfill."""
+    from app.batch.config import PoolConfig
+    from app.batch.pool import ActorPool, Member
+
+    async def scenario():
+        p = ActorPool("media", object, lambda i: (), PoolConfig(min_size=2, max_size=2, max_in_flight=8), 0)
+        a, b = Member("a", 8), Member("b", 8)
+        p.members = [a, b]
+        first = await p.acquire(5)
+        second = await p.acquire(5)
+        third = await p.acquire(3)
+        loads = [first[0].handle, second[0].handle, third[0].handle], (a.in_flight, b.in_flight)
+        big = asyncio.ensure_future(p.acquire(20))  # more rows than any actor holds: waits for an idle one
+        await asyncio.sleep(0.05)
+        waited = not big.done()
+        await p.release(*second)  # b is idle now
+        got = await asyncio.wait_for(big, 5)
+        return loads, waited, (got[0].handle, got[1]), (a.in_flight, b.in_flight)
+
+    loads, waited, big, after = asyncio.run(scenario())
+    assert loads == (["a", "b", "a"], (8, 5))
+    assert waited and big == ("b", 8) and after == (8, 8)
+
+
+def _stages(monkeypatch, once, retries=2):
+    from app.batch import job
+
+    monkeypatch.setattr(job, "RETRY_DELAY_S", 0)
+    stages = job.Stages.__new__(job.Stages)  # its pools are not used: _once is replaced
+    stages.cfg = BatchConfig(max_retries=retries)
+    stages._once = once
+    return stages
+
+
+def _rows():
+    from app.batch.io import Row
+
+    return [Row(1, "a", {}), Row(2, "b", {}), Row(3, "c", {}),
+            Row(4, "line-4", None, ClientError("the line is not a JSON object", code="invalid_json"))]
+
+
+def test_a_chunk_sends_again_only_its_busy_rows_and_answers_every_row_in_order(monkeypatch):
+    """A row the engine had no room for (Busy) is sent again with the others of its chunk that were
+    also refused, up to max_retries; the chunk's answered rows are not sent twice."""
+    from app.batch.workers import Busy
+
+    calls = []
+
+    async def once(rows):
+        calls.append([r.id for r in rows])
+        return [Busy("engine full") if r.id == "b" or (r.id == "c" and len(calls) == 1)
+                else ({"id": r.id, "response": {}}, 1) for r in rows]
+
+    out = asyncio.run(_stages(monkeypatch, once).run_chunk(_rows()))
+    assert calls == [["a", "b", "c"], ["b", "c"], ["b"]]
+    assert [rec["id"] for rec, _ in out] == ["a", "b", "c", "line-4"]
+    assert out[0] == ({"id": "a", "response": {}}, 1) and out[2] == ({"id": "c", "response": {}}, 1)
+    assert out[1][0]["status"] == 500 and out[1][0]["error"]["type"] == "server_error"
+    assert "engine full" in out[1][0]["error"]["message"] and out[1][1] == 0
+    assert out[3][0]["status"] == 400 and out[3][0]["error"]["code"] == "invalid_json"
+
+
+def test_a_chunk_whose_actor_died_is_sent_again_whole_and_an_unexpected_error_is_not(monkeypatch):
+    from app.batch import job
+
+    calls = []
+
+    async def dies_once(rows):
+        calls.append(len(rows))
+        if len(calls) == 1:
+            raise job._Retry("llm actor lost")
+        return [({"id": r.id}, 0) for r in rows]
+
+    out = asyncio.run(_stages(monkeypatch, dies_once).run_chunk(_rows()))
+    assert calls == [3, 3] and [rec for rec, _ in out[:3]] == [{"id": "a"}, {"id": "b"}, {"id": "c"}]
+
+    calls.clear()
+
+    async def breaks(rows):
+        calls.append(len(rows))
+        raise KeyError("usage")
+
+    out = asyncio.run(_stages(monkeypatch, breaks).run_chunk(_rows()))
+    assert calls == [3]
+    assert all(rec["status"] == 500 and "KeyError" in rec["error"]["message"] for rec, _ in out[:3])
+    assert out[3][0]["error"]["code"] == "invalid_json"

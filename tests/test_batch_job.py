@@ -292,11 +292,11 @@ def test_a_pool_grows_while_calls_wait_and_shrinks_when_idle(cluster):
         assert len(pool.members) == 1
 
         async def call():
-            m = await pool.acquire()
+            m, taken = await pool.acquire()
             try:
                 return await m.handle.work.remote(3.0)
             finally:
-                await pool.release(m)
+                await pool.release(m, taken)
 
         pids = await asyncio.gather(*(call() for _ in range(6)))  # three times one actor's slots
         sizes = (pool.peak, len(set(pids)))

@@ -1,14 +1,15 @@
 """The batch driver: rows in, stages on actor pools, answers out.
 
-Per row: a media actor parses it and prepares its media and prompt (its patch rows stay in the
-object store); an encoder actor turns the rows into embeddings, which go straight to an LLM actor as
-an object reference (under serving's `fused` placement, the default on GPUs, the LLM actor encodes
-them itself and there is no encoder stage); the answer comes back to this driver, which writes shards. The driver keeps
-enough rows in flight to fill every pool's slots, reading the input lazily, so memory does not grow
-with the input.
+Rows travel in chunks of `chunk_rows` (workers.py says why). Per chunk: a media actor parses the
+rows and prepares their media and prompts (the patch rows stay in the object store); an encoder
+actor turns the rows into embeddings, which go straight to an LLM actor as an object reference (under
+serving's `fused` placement, the default on GPUs, the LLM actor encodes them itself and there is no
+encoder stage); the answers come back to this driver, which writes shards. The driver keeps enough
+rows in flight to fill every pool's slots, reading the input lazily, so memory does not grow with the
+input.
 
-Retries: a row whose actor died (a lost node, a preempted instance) or whose engine was full
-(503) is tried again, up to `max_retries`; anything else unexpected becomes that row's
+Retries: a chunk whose actor died (a lost node, a preempted instance), or a row whose engine was
+full (503), is tried again, up to `max_retries`; anything else unexpected becomes the row's
 `server_error` object. Client errors are answered at once. Nothing a row does stops the job.
 """
 
@@ -29,7 +30,7 @@ from .config import BatchConfig
 from .io import Row, ShardWriter, count_rows, read_rows, write_json_atomic
 from .pool import ActorPool, Member
 from .progress import Progress
-from .workers import EncoderWorker, Failure, LLMWorker, MediaWorker
+from .workers import Busy, EncoderWorker, Failure, LLMWorker, MediaWorker
 
 log = logging.getLogger(__name__)
 RETRY_DELAY_S = 1.0
@@ -117,8 +118,8 @@ class Stages:
         return sum(p.cfg.max_size * max([p.cfg.max_in_flight, *(m.capacity for m in p.members)])
                    for p in self.pools.values())
 
-    async def _call(self, pool: ActorPool, method: str, *args, num_returns: int = 1):
-        m = await pool.acquire()
+    async def _call(self, pool: ActorPool, method: str, *args, rows: int = 1, num_returns: int = 1):
+        m, taken = await pool.acquire(rows)
         dead = False
         try:
             call = getattr(m.handle, method)
@@ -134,46 +135,71 @@ class Stages:
             raise _Retry(f"{pool.name} actor lost: {e}") from e
         except ray.exceptions.ObjectLostError as e:  # media or embeddings stored on a node that died
             raise _Retry(f"{pool.name} input lost: {e}") from e
-        except ray.exceptions.RayTaskError as e:
+        except ray.exceptions.RayTaskError as e:  # a stage raised for the whole chunk
             cause = e.as_instanceof_cause()
-            if isinstance(cause, ClientError) and cause.status >= 500:
+            if isinstance(cause, ClientError) and cause.status >= 500:  # e.g. an overloaded encoder
                 await asyncio.sleep(RETRY_DELAY_S)
                 raise _Retry(cause.message) from e
             raise
         finally:
-            await pool.release(m, dead)
+            await pool.release(m, taken, dead)
 
-    async def run_row(self, row: Row) -> tuple[dict, int]:
-        """(output record, media items). Never raises for a row's own trouble."""
-        if row.error is not None:
-            return _error(row, Failure.of(row.error)), 0
-        last: Exception | None = None
-        for _ in range(self.cfg.max_retries + 1):
-            try:
-                return await self._once(row)
-            except _Retry as e:
-                last = e
-            except Exception as e:
-                log.exception("row %s (line %d) failed", row.id, row.line)
-                last = e
+    async def run_chunk(self, rows: list[Row]) -> list[tuple[dict, int]]:
+        """Per row (output record, media items), in order. Never raises for the rows' own trouble."""
+        answers: dict[int, tuple[dict, int]] = {}
+        todo = [i for i, row in enumerate(rows) if row.error is None]
+        for i, row in enumerate(rows):
+            if row.error is not None:
+                answers[i] = _error(row, Failure.of(row.error)), 0
+        last: dict[int, object] = {}
+        for attempt in range(self.cfg.max_retries + 1):
+            if not todo:
                 break
-        err = ClientError(f"internal error: {type(last).__name__}: {last}", status=500, type="server_error")
-        return _error(row, Failure.of(err)), 0
+            if attempt and all(isinstance(last[i], Busy) for i in todo):
+                await asyncio.sleep(RETRY_DELAY_S)  # the engine was full: give it time to drain
+            try:
+                done = await self._once([rows[i] for i in todo])
+            except _Retry as e:
+                last.update(dict.fromkeys(todo, e))
+                continue
+            except Exception as e:
+                log.exception("a chunk of %d rows (lines %d...) failed", len(todo), rows[todo[0]].line)
+                last.update(dict.fromkeys(todo, e))
+                break
+            for i, answer in zip(todo, done, strict=True):
+                if isinstance(answer, Busy):
+                    last[i] = answer
+                else:
+                    answers[i] = answer
+            todo = [i for i in todo if i not in answers]
+        for i in todo:  # out of tries, or an unexpected error
+            err = last[i].message if isinstance(last[i], Busy) else f"{type(last[i]).__name__}: {last[i]}"
+            answers[i] = _error(rows[i], Failure.of(ClientError(f"internal error: {err}", status=500,
+                                                                type="server_error"))), 0
+        return [answers[i] for i in range(len(rows))]
 
-    async def _once(self, row: Row) -> tuple[dict, int]:
-        prepared, payload = await self._call(self.media, "prepare", row.body, num_returns=2)
-        if isinstance(prepared, Failure):
-            return _error(row, prepared), 0
-        if self.fused:
-            out = await self._call(self.llm, "generate_from_media", prepared, payload)
-        else:
-            encoded = []
-            if prepared.items:
-                _, encoded = await self._call(self.encoder, "encode", payload, num_returns=2)
-            out = await self._call(self.llm, "generate", prepared, encoded)
-        if isinstance(out, Failure):
-            return _error(row, out), 0
-        return {"id": row.id, "response": out, "usage": out["usage"]}, prepared.items
+    async def _once(self, rows: list[Row]) -> list[tuple[dict, int] | Busy]:
+        prepared, payloads = await self._call(self.media, "prepare_many", [r.body for r in rows], rows=len(rows),
+                                              num_returns=2)
+        live = sum(not isinstance(p, Failure) for p in prepared)
+        outs = prepared  # every row failed in the media stage: nothing to generate
+        if live and self.fused:
+            outs = await self._call(self.llm, "generate_from_media_many", prepared, payloads, rows=live)
+        elif live:
+            media = sum(p.items for p in prepared if not isinstance(p, Failure))
+            encoded = [[] for _ in prepared]
+            if media:
+                _, encoded = await self._call(self.encoder, "encode_many", payloads, rows=live, num_returns=2)
+            outs = await self._call(self.llm, "generate_many", prepared, encoded, rows=live)
+        answers: list[tuple[dict, int] | Busy] = []
+        for row, p, out in zip(rows, prepared, outs, strict=True):
+            if isinstance(out, Busy):
+                answers.append(out)
+            elif isinstance(out, Failure):
+                answers.append((_error(row, out), 0))
+            else:
+                answers.append(({"id": row.id, "response": out, "usage": out["usage"]}, p.items))
+        return answers
 
     async def encoder_stats(self) -> dict:
         pool, method = (self.llm, "encoder_stats") if self.fused else (self.encoder, "stats")
@@ -216,24 +242,24 @@ async def _run(cfg: BatchConfig, input_path: str, output_dir: str, writer: Shard
     await stages.start()
     log.info("pools ready in %.1f s", time.perf_counter() - t_start)
     progress.start = time.perf_counter()
-    in_flight: set[asyncio.Task] = set()
+    in_flight: dict[asyncio.Task, int] = {}  # chunk -> its rows
     last_flush = last_show = time.monotonic()
     exhausted = False
     try:
         while True:
-            while not exhausted and len(in_flight) < stages.slots():
-                row = next(rows, None)
-                if row is None:
-                    exhausted = True
-                    break
-                in_flight.add(asyncio.create_task(stages.run_row(row)))
+            while not exhausted and sum(in_flight.values()) < stages.slots():
+                chunk = list(itertools.islice(rows, cfg.chunk_rows))
+                exhausted = len(chunk) < cfg.chunk_rows
+                if chunk:
+                    in_flight[asyncio.create_task(stages.run_chunk(chunk))] = len(chunk)
             if not in_flight:
                 break
-            done, in_flight = await asyncio.wait(in_flight, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(in_flight, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                record, items = task.result()
-                writer.add(record)
-                progress.record(record, items)
+                del in_flight[task]
+                for record, items in task.result():
+                    writer.add(record)
+                    progress.record(record, items)
             now = time.monotonic()
             if now - last_flush >= cfg.flush_interval_s:
                 writer.flush()

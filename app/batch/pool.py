@@ -1,7 +1,8 @@
 """An autoscaled pool of Ray core actors for one stage.
 
-Calls go to the actor with the fewest calls in flight, at most `max_in_flight` each; a caller with no
-free slot waits. While callers wait and the pool is below `max_size`, one more actor is started (one
+Calls go to the actor with the fewest rows in flight, at most `max_in_flight` rows each (a call
+carries a chunk of rows; one larger than an actor's capacity takes the whole of an idle actor); a
+caller with no room waits. While callers wait and the pool is below `max_size`, one more actor is started (one
 at a time: it joins when its `ready()` returns, and until the cluster has room for it, it stays
 pending, which is what makes a Ray autoscaler add a node). An actor idle for `idle_s` is removed
 while the pool is above `min_size`. A dead actor (node lost, preempted) leaves the pool; the caller
@@ -109,23 +110,25 @@ class ActorPool:
         async with self.cond:
             self.cond.notify_all()
 
-    async def acquire(self) -> Member:
+    async def acquire(self, rows: int = 1) -> tuple[Member, int]:
+        """(an actor, the slots taken for `rows` rows: at most its capacity); give both to release()."""
         async with self.cond:
             while True:
                 if self.failed is not None and not self.members:
                     raise PoolFailed(f"{self.name}: no actor left and {self.start_failures} starts in a row "
                                      f"failed; the last: {self.failed}")
-                free = [m for m in self.members if m.in_flight < m.capacity]
+                free = [m for m in self.members if m.in_flight + min(rows, m.capacity) <= m.capacity]
                 if free:
                     m = min(free, key=lambda m: m.in_flight)
-                    m.in_flight += 1
-                    return m
+                    taken = min(rows, m.capacity)
+                    m.in_flight += taken
+                    return m, taken
                 self._grow()  # someone waits: one more actor, if the pool may grow
                 await self.cond.wait()
 
-    async def release(self, m: Member, dead: bool = False) -> None:
+    async def release(self, m: Member, taken: int = 1, dead: bool = False) -> None:
         async with self.cond:
-            m.in_flight -= 1
+            m.in_flight -= taken
             if m.in_flight == 0:
                 m.idle_since = time.monotonic()
             if dead and m in self.members:
