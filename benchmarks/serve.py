@@ -186,7 +186,7 @@ def build_bodies(workload: Workload, first: int, n: int) -> list[bytes]:
     load generator may hold Ray's threads)."""
     if n < 256:
         return [_body_bytes(workload, first + i) for i in range(n)]
-    with ProcessPoolExecutor(min(8, os.cpu_count() or 1), mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(min(16, os.cpu_count() or 1), mp_context=multiprocessing.get_context("spawn")) as pool:
         return list(pool.map(_body_bytes, itertools.repeat(workload), range(first, first + n), chunksize=64))
 
 
