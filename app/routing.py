@@ -16,6 +16,14 @@ every request sent, minus one for every request finished). The score:
   that many requests' worth of load (8 by default: a replica with a full cache loses to one with up
   to 8 more requests in flight and an empty cache).
 Ties are broken at random, so routers with the same view do not all pick the same replica.
+
+Each request goes to the less loaded of two replicas drawn at random (`choose`), not to the least
+loaded of all. Every router sees the same report, up to a second old, and its own count of requests
+in flight is a small share of a replica's queue (a dozen routers split the traffic), so until the next
+report every router sent everything to the one replica that had reported the least: on four H200s
+single GPUs fell to 0-18% busy for a second at a time while the others queued (benchmarks/RESULTS.md).
+Two random choices keep most requests off the busiest replicas without all landing on one
+(benchmarks/routing_model.py models it).
 No Ray import: deployments/routing.py adapts this to Ray Serve's RequestRouter.
 """
 
@@ -27,6 +35,7 @@ from dataclasses import dataclass
 
 DEFAULT_WAITING_WEIGHT = 1.0
 DEFAULT_KV_WEIGHT = 8.0
+DEFAULT_SAMPLE = 2  # replicas drawn per request (0: rank them all)
 
 
 @dataclass(frozen=True)
@@ -53,3 +62,17 @@ def rank(loads: Mapping[Hashable, ReplicaLoad], waiting_weight: float = DEFAULT_
     """Replica keys, least loaded first."""
     rng = rng or random
     return sorted(loads, key=lambda k: (loads[k].score(waiting_weight, kv_weight), rng.random()))
+
+
+def choose(loads: Mapping[Hashable, ReplicaLoad], sample: int = DEFAULT_SAMPLE,
+           waiting_weight: float = DEFAULT_WAITING_WEIGHT, kv_weight: float = DEFAULT_KV_WEIGHT,
+           rng: random.Random | None = None) -> list[Hashable]:
+    """Replica keys in the order to try them: the least loaded of `sample` replicas drawn at random,
+    then the others, least loaded first (where the first has no room). `sample` 0, or at least the
+    number of replicas, ranks them all (one GPU's two replicas: the same)."""
+    rng = rng or random
+    if not 0 < sample < len(loads):
+        return rank(loads, waiting_weight, kv_weight, rng)
+    drawn = rng.sample(list(loads), sample)
+    first = rank({k: loads[k] for k in drawn}, waiting_weight, kv_weight, rng)[0]
+    return [first, *rank({k: v for k, v in loads.items() if k != first}, waiting_weight, kv_weight, rng)]

@@ -1,11 +1,12 @@
 """LeastLoadedRouter: Ray Serve request router for the LLM deployment (`request_router_config`).
 
 Ray Serve's default router probes two random replicas and takes the one with fewer requests in
-flight. This one ranks every replica by app.routing's score: requests in flight as the calling handle
+flight. This one scores replicas by app.routing's score: requests in flight as the calling handle
 knows them (Ray's queue-length cache), plus the engine's own report (`record_routing_stats` in
-deployments/llm.py: running, waiting, KV use). LLM deployments have a replica per GPU, a handful, so
-scoring them all costs nothing. Ranks are returned one replica each: Ray sends the request to the
-first that has room (`max_ongoing_requests`), probing replicas whose queue length it does not know.
+deployments/llm.py: running, waiting, KV use), and takes the less loaded of two drawn at random
+(`app.routing.choose`: a stale report shared by every router made them all pick the same replica).
+Ranks are returned one replica each: Ray sends the request to the first that has room
+(`max_ongoing_requests`), probing replicas whose queue length it does not know.
 """
 
 from __future__ import annotations
@@ -14,24 +15,24 @@ import logging
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from app.routing import DEFAULT_KV_WEIGHT, DEFAULT_WAITING_WEIGHT, ReplicaLoad, rank
+from app.routing import DEFAULT_KV_WEIGHT, DEFAULT_SAMPLE, DEFAULT_WAITING_WEIGHT, ReplicaLoad, choose
 
 log = logging.getLogger("ray.serve")
 
 
 class LeastLoadedRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, waiting_weight: float = DEFAULT_WAITING_WEIGHT, kv_weight: float = DEFAULT_KV_WEIGHT,
-                         **_):
+                         sample: int = DEFAULT_SAMPLE, **_):
         """`request_router_kwargs` of the deployment's RequestRouterConfig."""
-        self.waiting_weight, self.kv_weight = float(waiting_weight), float(kv_weight)
-        log.info("LeastLoadedRouter for %s: waiting_weight %g, kv_weight %g", self._deployment_id,
-                 self.waiting_weight, self.kv_weight)
+        self.waiting_weight, self.kv_weight, self.sample = float(waiting_weight), float(kv_weight), int(sample)
+        log.info("LeastLoadedRouter for %s: waiting_weight %g, kv_weight %g, sample %d", self._deployment_id,
+                 self.waiting_weight, self.kv_weight, self.sample)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_id = {r.replica_id: r for r in candidate_replicas}
         loads = {rid: ReplicaLoad.from_stats(self.replica_queue_len_cache.get(rid), r.routing_stats)
                  for rid, r in by_id.items()}
-        order = rank(loads, getattr(self, "waiting_weight", DEFAULT_WAITING_WEIGHT),
-                     getattr(self, "kv_weight", DEFAULT_KV_WEIGHT))
+        order = choose(loads, getattr(self, "sample", DEFAULT_SAMPLE),
+                       getattr(self, "waiting_weight", DEFAULT_WAITING_WEIGHT), getattr(self, "kv_weight", DEFAULT_KV_WEIGHT))
         return [[by_id[rid]] for rid in order]

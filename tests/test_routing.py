@@ -8,7 +8,7 @@ import random
 import pytest
 
 from app.replica_stats import merge_encoder_stats, merge_llm_loads
-from app.routing import ReplicaLoad, rank
+from app.routing import ReplicaLoad, choose, rank
 
 
 def test_fewest_requests_in_flight_wins():
@@ -39,6 +39,42 @@ def test_ties_are_broken_at_random():
     loads = {k: ReplicaLoad(1) for k in "abcd"}
     firsts = {rank(loads, rng=random.Random(seed))[0] for seed in range(40)}
     assert firsts == set("abcd")
+
+
+def _stale_burst(pick, sends: int = 100) -> dict:
+    """One router's `sends` requests between two reports: every replica reported 100-107 running
+    (replica a the least), and the router's own count of requests in flight at each grows per send."""
+    reported = {k: 100 + i for i, k in enumerate("abcdefgh")}
+    mine = dict.fromkeys(reported, 0)
+    for _ in range(sends):
+        k = pick({k: ReplicaLoad(mine[k], running=reported[k]) for k in reported})[0]
+        mine[k] += 1
+    return {k: n for k, n in mine.items() if n}
+
+
+def test_between_two_reports_ranking_every_replica_sends_the_whole_burst_to_one():
+    """Why `choose` draws two: a router's own requests are a small share of each replica's queue, so
+    under a shared stale report the least loaded replica stays the least loaded (every router does
+    the same: on four GPUs single GPUs fell idle for a second at a time while others queued)."""
+    assert _stale_burst(rank) == {"a": 100}
+    rng = random.Random(7)
+    spread = _stale_burst(lambda loads: choose(loads, 2, rng=rng))
+    assert len(spread) >= 6 and max(spread, key=spread.get) == "a"
+    assert "h" not in spread  # the busiest loses every draw it is in
+    assert sum(spread.values()) == 100
+
+
+def test_choose_tries_the_better_of_two_first_then_the_rest_least_loaded_first():
+    loads = {k: ReplicaLoad(i) for i, k in enumerate("abcdef")}
+    for seed in range(20):
+        order = choose(loads, 2, rng=random.Random(seed))
+        drawn = random.Random(seed).sample(list(loads), 2)
+        assert order[0] == min(drawn, key=lambda k: loads[k].in_flight)
+        assert order[1:] == [k for k in "abcdef" if k != order[0]]
+    # as many draws as replicas (one GPU's two replicas), or 0: every replica ranked
+    two = {"x": ReplicaLoad(3), "y": ReplicaLoad(1)}
+    assert all(choose(two, 2, rng=random.Random(s)) == ["y", "x"] for s in range(10))
+    assert choose(loads, 0) == list("abcdef")
 
 
 def _context(replicas: int, requests: float, kv: dict, target_requests: float = 4, metric: str = "kv_usage"):
