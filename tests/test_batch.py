@@ -156,6 +156,10 @@ def test_config_file_and_overrides(tmp_path):
     enc = BatchConfig.load(str(f)).app.encoder  # a file's encoder block keeps the batch defaults it leaves out
     assert (enc.batch_wait_ms, enc.batch_wait_when_idle, enc.min_budget) == (7.0, True, 64)
     assert cfg.llm_pool.max_size == 3 and cfg.shard_rows == 50 and cfg.file_root == "/data"
+    assert cfg.chunk_rows == 16 and BatchConfig.load(str(f), chunk_rows=4).chunk_rows == 4
+    from app.batch.__main__ import parse_args
+
+    assert parse_args(["--input", "i", "--output", "o", "--chunk-rows", "8"]).chunk_rows == 8
     with pytest.raises(ValueError):
         BatchConfig(llm_pool={"min_size": 3, "max_size": 2})
     with pytest.raises(ValueError):
@@ -355,3 +359,66 @@ def test_a_chunk_whose_actor_died_is_sent_again_whole_and_an_unexpected_error_is
     assert calls == [3]
     assert all(rec["status"] == 500 and "KeyError" in rec["error"]["message"] for rec, _ in out[:3])
     assert out[3][0]["error"]["code"] == "invalid_json"
+
+
+def test_callers_are_served_in_turn_so_a_large_chunk_is_not_starved_by_smaller_later_ones():
+    """A chunk larger than an actor's capacity needs an idle actor; before, one-row calls arriving
+    after it (a last partial chunk, retried rows) took the free slots and kept the actor busy."""
+    from app.batch.config import PoolConfig
+    from app.batch.pool import ActorPool, Member
+
+    async def scenario():
+        p = ActorPool("media", object, lambda i: (), PoolConfig(min_size=1, max_size=1, max_in_flight=8), 0)
+        p.members = [Member("a", 8)]
+        first = await p.acquire(1)
+        big = asyncio.ensure_future(p.acquire(16))
+        await asyncio.sleep(0.01)
+        small = asyncio.ensure_future(p.acquire(1))  # room for it, but the large chunk came first
+        await asyncio.sleep(0.01)
+        waiting = (big.done(), small.done())
+        await p.release(*first)
+        got_big = await asyncio.wait_for(big, 5)
+        await asyncio.sleep(0.01)
+        small_while_big = small.done()
+        await p.release(*got_big)
+        got_small = await asyncio.wait_for(small, 5)
+        return waiting, got_big[1], small_while_big, got_small[1], len(p._turns)
+
+    assert asyncio.run(scenario()) == ((False, False), 8, False, 1, 0)
+
+
+def test_one_rows_encoder_error_is_that_rows_answer_and_the_chunks_others_generate():
+    """Non-fused stages: the encoder answers per row (embeddings, or that row's Failure or Busy), and
+    the LLM stage passes a row's encoder answer on instead of generating it."""
+    from app.batch.workers import Busy, EncoderWorker, Failure, LLMWorker, Prepared
+
+    class Service:
+        async def encode_async(self, payload):
+            if payload == ["boom"]:
+                raise ValueError("bad grid")
+            if payload == ["full"]:
+                raise ClientError("encoder overloaded", status=503, type="server_error")
+            if payload == ["bad"]:
+                raise ClientError("too many patches", param="messages")
+            return [f"emb-{payload[0]}"]
+
+    enc = EncoderWorker.__new__(EncoderWorker)
+    enc.service = Service()
+    items, encoded = asyncio.run(enc.encode_many([["a"], ["boom"], [], ["full"], ["bad"]]))
+    assert items == 4 and encoded[0] == ["emb-a"] and encoded[2] == []
+    assert isinstance(encoded[1], Failure) and encoded[1].status == 500 and "ValueError" in encoded[1].error["message"]
+    assert isinstance(encoded[3], Busy) and encoded[3].message == "encoder overloaded"
+    assert isinstance(encoded[4], Failure) and encoded[4].status == 400
+
+    llm = LLMWorker.__new__(LLMWorker)
+
+    async def generate(prepared, embeddings):
+        return {"embeddings": embeddings}
+
+    llm.generate = generate
+    media_failed = Failure(400, {"message": "bad image"})
+    prepared = [Prepared(None, {}, 1), Prepared(None, {}, 1), Prepared(None, {}, 0), Prepared(None, {}, 1),
+                media_failed]
+    out = asyncio.run(llm.generate_many(prepared, encoded))
+    assert out[0] == {"embeddings": ["emb-a"]} and out[2] == {"embeddings": []}
+    assert out[1] is encoded[1] and out[3] is encoded[3] and out[4] is media_failed

@@ -24,6 +24,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-dir", help="overrides app.cache_dir (embedded checkpoints)")
     p.add_argument("--file-root", help="directory that file paths and file:// URLs may read from")
     p.add_argument("--shard-rows", type=int, help="rows per output shard")
+    p.add_argument("--chunk-rows", type=int, help="rows per call to a stage's actor (default 16)")
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a new local cluster)")
     p.add_argument("--num-cpus", type=float, help="CPUs of a new local cluster")
     p.add_argument("--num-gpus", type=int, help="GPUs of a new local cluster")
@@ -39,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = BatchConfig.load(args.config, model=args.model, device=args.device, cache_dir=args.cache_dir,
-                           file_root=args.file_root, shard_rows=args.shard_rows)
+                           file_root=args.file_root, shard_rows=args.shard_rows,
+                           chunk_rows=args.chunk_rows)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if not ray.is_initialized():
         local = {} if (args.address or os.environ.get("RAY_ADDRESS")) else \

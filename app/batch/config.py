@@ -26,7 +26,8 @@ class PoolConfig(_Strict):
     num_cpus: float = Field(0.5, ge=0)
     num_gpus: float | None = Field(None, ge=0, description="None on a GPU cluster: LLM actors take a whole GPU "
                                    "each, encoder actors share them (colocated, pinned in turn); 0 without GPUs")
-    max_in_flight: int = Field(8, ge=1, description="calls each actor holds at once")
+    max_in_flight: int = Field(8, ge=1, description="rows each actor holds at once (a chunk of more rows takes "
+                               "a whole idle actor)")
     idle_s: float = Field(30.0, gt=0)
 
     @model_validator(mode="after")
@@ -37,8 +38,9 @@ class PoolConfig(_Strict):
 
 
 def _media_pool() -> PoolConfig:
-    # One media actor decodes with `media.worker_threads` threads; a few calls each keep them busy.
-    return PoolConfig(min_size=1, max_size=4, num_cpus=1.0, num_gpus=0, max_in_flight=4)
+    # One media actor decodes with `media.worker_threads` threads; two chunks of rows (chunk_rows) keep
+    # them busy while the other chunk's answers go back.
+    return PoolConfig(min_size=1, max_size=4, num_cpus=1.0, num_gpus=0, max_in_flight=32)
 
 
 def _encoder_pool() -> PoolConfig:
@@ -64,12 +66,14 @@ class BatchConfig(_Strict):
     llm_pool: PoolConfig = Field(default_factory=_llm_pool)
     shard_rows: int = Field(1000, ge=1, description="rows per output shard")
     chunk_rows: int = Field(16, ge=1, description="rows per call to a stage's actor: one Ray call costs the "
-                            "driver about 2 ms of its one thread, which capped row-by-row jobs near 490 rows/s")
+                            "driver about 2 ms of its one thread, which capped row-by-row jobs near 490 rows/s. "
+                            "A chunk's answers return together, so its LLM slots are held until its longest "
+                            "row ends: rows of very different max_tokens fill the engine better in smaller chunks")
     flush_interval_s: float = Field(60.0, gt=0, description="a partial shard is written after this long, so a "
                                     "kill loses at most this much work")
     file_root: str | None = Field(None, description="directory that file paths and file:// URLs may read from; "
                                   "None refuses file media")
-    max_retries: int = Field(3, ge=0, description="per row, for a dead actor or an overloaded engine")
+    max_retries: int = Field(3, ge=0, description="per chunk for a dead actor, per row for an overloaded engine")
     progress_interval_s: float = Field(5.0, gt=0)
 
     @classmethod
@@ -91,7 +95,7 @@ class BatchConfig(_Strict):
         if app or "app" in data:
             app["encoder"] = BATCH_ENCODER_DEFAULTS | dict(app.get("encoder") or {})
             data["app"] = app
-        for key in ("file_root", "shard_rows"):
+        for key in ("file_root", "shard_rows", "chunk_rows"):
             if overrides.get(key) is not None:
                 data[key] = overrides[key]
         return cls(**data)

@@ -64,7 +64,7 @@ def llm_actor_share(cfg: BatchConfig, gpus: float, fused: bool) -> tuple[float, 
 
 
 class Stages:
-    """The three pools, and one row through them."""
+    """The three pools, and one chunk of rows through them."""
 
     def __init__(self, cfg: BatchConfig):
         self.cfg = cfg

@@ -2,7 +2,8 @@
 
 Calls go to the actor with the fewest rows in flight, at most `max_in_flight` rows each (a call
 carries a chunk of rows; one larger than an actor's capacity takes the whole of an idle actor); a
-caller with no room waits. While callers wait and the pool is below `max_size`, one more actor is started (one
+caller with no room waits, and callers are served in turn (a smaller call arriving later would
+otherwise keep an actor from ever being idle for a larger one). While callers wait and the pool is below `max_size`, one more actor is started (one
 at a time: it joins when its `ready()` returns, and until the cluster has room for it, it stays
 pending, which is what makes a Ray autoscaler add a node). An actor idle for `idle_s` is removed
 while the pool is above `min_size`. A dead actor (node lost, preempted) leaves the pool; the caller
@@ -17,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -58,6 +60,7 @@ class ActorPool:
         self.start_failures = 0  # failed starts in a row
         self.failed: BaseException | None = None  # set when the pool gives up (PoolFailed)
         self._tasks: set[asyncio.Task] = set()
+        self._turns: deque[object] = deque()  # callers waiting to acquire, first come first served
 
     async def start(self) -> None:
         """`min_size` actors, all ready."""
@@ -112,19 +115,25 @@ class ActorPool:
 
     async def acquire(self, rows: int = 1) -> tuple[Member, int]:
         """(an actor, the slots taken for `rows` rows: at most its capacity); give both to release()."""
+        turn = object()
         async with self.cond:
-            while True:
-                if self.failed is not None and not self.members:
-                    raise PoolFailed(f"{self.name}: no actor left and {self.start_failures} starts in a row "
-                                     f"failed; the last: {self.failed}")
-                free = [m for m in self.members if m.in_flight + min(rows, m.capacity) <= m.capacity]
-                if free:
-                    m = min(free, key=lambda m: m.in_flight)
-                    taken = min(rows, m.capacity)
-                    m.in_flight += taken
-                    return m, taken
-                self._grow()  # someone waits: one more actor, if the pool may grow
-                await self.cond.wait()
+            self._turns.append(turn)
+            try:
+                while True:
+                    if self.failed is not None and not self.members:
+                        raise PoolFailed(f"{self.name}: no actor left and {self.start_failures} starts in a row "
+                                         f"failed; the last: {self.failed}")
+                    free = [m for m in self.members if m.in_flight + min(rows, m.capacity) <= m.capacity]
+                    if free and self._turns[0] is turn:
+                        m = min(free, key=lambda m: m.in_flight)
+                        taken = min(rows, m.capacity)
+                        m.in_flight += taken
+                        return m, taken
+                    self._grow()  # someone waits: one more actor, if the pool may grow
+                    await self.cond.wait()
+            finally:
+                self._turns.remove(turn)
+                self.cond.notify_all()  # the next caller's turn
 
     async def release(self, m: Member, taken: int = 1, dead: bool = False) -> None:
         async with self.cond:

@@ -5,8 +5,8 @@ actors. They are the serving code, not copies of it:
   exact placeholder counts) over a `BatchMediaPipeline`; returns the small part (request, generation
   dict) and the patch rows separately, so the driver never holds pixels.
 - `EncoderWorker`: `EncoderService.encode_async` (graph manager, cross-request batcher, embedding
-  cache); many calls in flight per actor let the batcher fill its token budgets.
-- `LLMWorker`: the `Engine` behind `AsyncEngine`, each call one request, many calls in flight, so the
+  cache); many rows in flight per actor let the batcher fill its token budgets.
+- `LLMWorker`: the `Engine` behind `AsyncEngine`, each row one request, many rows in flight, so the
   engine's continuous batching always has sequences to run. Under serving's `fused` placement (the
   default on GPUs) it also holds the tower (`app.fused.FusedBackend`) and there is no encoder stage.
 
@@ -129,11 +129,19 @@ class EncoderWorker:
         embeddings go to an LLM actor without passing through the driver."""
         return len(payload), await self.service.encode_async(payload)
 
-    async def encode_many(self, payloads: list[list]) -> tuple[int, list[list]]:
+    async def encode_many(self, payloads: list[list]) -> tuple[int, list]:
         """`encode` for a chunk of rows, all queued at once so the batcher packs them together: (item
-        count, per row its items' embeddings; [] for a row without media)."""
-        encoded = await asyncio.gather(*(self.service.encode_async(p) if p else _nothing() for p in payloads))
-        return sum(map(len, payloads)), list(encoded)
+        count, per row its items' embeddings, [] for a row without media, or its Failure or Busy, which
+        the LLM stage passes on as that row's answer)."""
+        async def row(payload: list):
+            try:
+                return await self.service.encode_async(payload) if payload else []
+            except ClientError as e:
+                return Busy(e.message) if e.status >= 500 else Failure.of(e)
+            except Exception as e:
+                return _unexpected(e)
+
+        return sum(map(len, payloads)), list(await asyncio.gather(*(row(p) for p in payloads)))
 
     def stats(self) -> dict:
         return self.service.stats()
@@ -193,6 +201,8 @@ class LLMWorker:
         async def row(p, x):
             if isinstance(p, Failure):
                 return p
+            if isinstance(x, Failure | Busy):  # the encoder stage's answer for this row
+                return x
             try:
                 return await one(p, x)
             except ClientError as e:  # _complete raises only 5xx: no room in the engine now
@@ -220,7 +230,3 @@ class LLMWorker:
 
     def stats(self) -> dict:
         return self.engine.stats()
-
-
-async def _nothing() -> list:
-    return []
