@@ -86,8 +86,8 @@ def process_group(title: str, pid: int, ppid: int | None = None) -> str | None:
     base = os.path.basename(title.split()[0]) if title else ""
     if base in ("raylet", "gcs_server"):
         return base
-    if ppid == os.getpid() and "multiprocessing" in title:
-        return "load generator"
+    if ppid == os.getpid() and "multiprocessing" in title and "resource_tracker" not in title:
+        return "load generator"  # (multiprocessing's resource tracker is a child too, and idle)
     return None
 
 

@@ -105,7 +105,8 @@ async def one_request(client: aiohttp.ClientSession, body: bytes, request_id: st
     try:
         async with client.post("/v1/chat/completions", data=body, headers=headers) as resp:
             if resp.status != 200:
-                return Result(False, error=f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
+                return Result(False, e2e_s=time.perf_counter() - t0,
+                              error=f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
             async for raw in resp.content:  # one server-sent-event line at a time
                 if not raw.startswith(b"data: "):
                     continue
@@ -117,10 +118,10 @@ async def one_request(client: aiohttp.ClientSession, body: bytes, request_id: st
                 if b'"error"' in data or b'"usage"' in data:
                     obj = json.loads(data)
                     if "error" in obj:
-                        return Result(False, error=obj["error"]["message"])
+                        return Result(False, e2e_s=time.perf_counter() - t0, error=obj["error"]["message"])
                     usage = obj.get("usage") or usage
     except (TimeoutError, aiohttp.ClientError) as e:
-        return Result(False, error=f"{type(e).__name__}: {e}")
+        return Result(False, e2e_s=time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
     e2e = time.perf_counter() - t0
     return Result(True, ttft if ttft is not None else e2e, e2e, usage.get("prompt_tokens", 0),
                   usage.get("completion_tokens", 0))
@@ -272,22 +273,33 @@ def _from_each(out, procs: list, kind: str, timeout_s: float | None) -> dict[int
     return got
 
 
+def split_load(n: int, concurrency: int | None, processes: int) -> tuple[list, list[list[int]]]:
+    """(each process's concurrency, or None for a rate; each process's body indices): c // N, +1 for the
+    first c % N, and the bodies dealt in proportion to it (equally for a rate)."""
+    shares = [None] * processes if concurrency is None else \
+        [concurrency // processes + (1 if k < concurrency % processes else 0) for k in range(processes)]
+    owner = [k for k, c in enumerate(shares) for _ in range(c or 1)]  # body i goes to owner[i % len(owner)]
+    return shares, [[i for i in range(n) if owner[i % len(owner)] == k] for k in range(processes)]
+
+
 def _load_in_processes(url: str, bodies: list[bytes], tag: str, concurrency: int | None,
                        request_rate: float | None, processes: int, timeout_s: float, start_clock) -> list[Result]:
     """Send `bodies` from `processes` spawned load processes (the caller may hold Ray's threads: never
-    fork). Body i goes to process i % N and keeps its index i in its tag; process k gets
-    c // N (+1 for the first c % N) of the concurrency and rate/N of a Poisson rate (independent
-    Poisson streams add up to the whole rate). The clock starts (`start_clock()`: the monitor, then
-    t0) once every process is ready, so their start-up is not measured. Results in body order."""
+    fork). Process k gets c // N (+1 for the first c % N) of the concurrency and a share of the bodies
+    in proportion to it (an equal share would leave the processes with less concurrency sending the
+    run's end alone), or rate/N of a Poisson rate and an equal share (independent Poisson streams add
+    up to the whole rate). Each body keeps its index i in its tag. The clock starts (`start_clock()`:
+    the monitor, then t0) once every process is ready, so their start-up is not measured. Results in
+    body order."""
     ctx = multiprocessing.get_context("spawn")
     out, go, t0 = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
+    shares, indices = split_load(len(bodies), concurrency, processes)
     procs = []
     for k in range(processes):
-        c = None if concurrency is None else concurrency // processes + (1 if k < concurrency % processes else 0)
         rate = request_rate / processes if request_rate else None
-        items = [(i, bodies[i]) for i in range(k, len(bodies), processes)]
-        procs.append(ctx.Process(target=_load_worker, args=(k, url, items, tag, c, rate, timeout_s, go, t0, out),
-                                 name=f"load-{k}", daemon=True))
+        items = [(i, bodies[i]) for i in indices[k]]
+        procs.append(ctx.Process(target=_load_worker, args=(k, url, items, tag, shares[k], rate, timeout_s, go, t0,
+                                                            out), name=f"load-{k}", daemon=True))
     try:
         for p in procs:
             p.start()
@@ -304,7 +316,8 @@ def _load_in_processes(url: str, bodies: list[bytes], tag: str, concurrency: int
                 p.join()
     results: list = [None] * len(bodies)
     for k, rs in got.items():
-        results[k::processes] = rs
+        for i, r in zip(indices[k], rs, strict=True):
+            results[i] = r
     return results
 
 

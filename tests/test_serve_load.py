@@ -119,3 +119,15 @@ def test_a_dead_load_process_raises_instead_of_hanging():
     assert not thread.is_alive(), "waited for a dead load process"
     assert isinstance(raised[0], RuntimeError)
     assert "load process 0 (exit code -9) died before sending its results" in str(raised[0])
+
+
+def test_each_load_process_gets_bodies_in_proportion_to_its_concurrency():
+    """An equal share of bodies with unequal concurrency (7 over 3 processes: 3, 2, 2) left the
+    processes with less concurrency sending the run's end alone: 33% fewer req/s at c=6 over 4."""
+    from benchmarks.serve import split_load
+
+    shares, indices = split_load(70, 7, 3)
+    assert shares == [3, 2, 2] and [len(x) for x in indices] == [30, 20, 20]
+    assert sorted(i for x in indices for i in x) == list(range(70))
+    shares, indices = split_load(10, None, 3)  # a Poisson rate: equal shares
+    assert shares == [None] * 3 and [len(x) for x in indices] == [4, 3, 3]
