@@ -1,4 +1,5 @@
-"""Which LLM replica gets the next request: the least loaded, by a score every router can compute.
+"""Which LLM replica gets the next request: the less loaded of two drawn at random, by a score every
+router can compute.
 
 A replica's load is what its engine reports every `request_routing_stats_period_s` (running and
 waiting requests, the fraction of its KV cache in use) and, fresher, the number of requests the

@@ -33,6 +33,11 @@ class LeastLoadedRouter(FIFOMixin, RequestRouter):
         by_id = {r.replica_id: r for r in candidate_replicas}
         loads = {rid: ReplicaLoad.from_stats(self.replica_queue_len_cache.get(rid), r.routing_stats)
                  for rid, r in by_id.items()}
+        if pending_request is not None:
+            # Every replica is in the ranks: when none has room (max_ongoing_requests), Ray should back
+            # off before asking again. Its locality mixin sets this; FIFOMixin alone leaves it False,
+            # and the routing loop then re-probed every replica at once, again and again.
+            pending_request.routing_context.should_backoff = True
         order = choose(loads, getattr(self, "sample", DEFAULT_SAMPLE),
                        getattr(self, "waiting_weight", DEFAULT_WAITING_WEIGHT), getattr(self, "kv_weight", DEFAULT_KV_WEIGHT))
         return [[by_id[rid]] for rid in order]

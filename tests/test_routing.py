@@ -139,3 +139,20 @@ def test_merged_reports_sum_counters_and_recompute_ratios():
     assert (loads["running"], loads["waiting"], loads["num_replicas"]) == (3, 1, 2)
     assert loads["kv_usage"] == pytest.approx(0.3) and loads["kv_usage_max"] == 0.5
     assert [r["replica"] for r in loads["replicas"]] == ["x", "y"]
+
+
+def test_the_ray_router_backs_off_when_no_replica_has_room_and_puts_the_drawn_one_first():
+    """deployments/routing.py's adapter: every replica is ranked, so Ray's routing loop must back off
+    before asking again (with FIFOMixin alone `should_backoff` stayed False: a loop of re-probes)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    pytest.importorskip("ray")
+    from deployments.routing import LeastLoadedRouter
+
+    replicas = [SimpleNamespace(replica_id=k, routing_stats={"running": n}) for k, n in (("a", 5), ("b", 1), ("c", 9))]
+    router = SimpleNamespace(replica_queue_len_cache={}, sample=0, waiting_weight=1.0, kv_weight=8.0)
+    pending = SimpleNamespace(routing_context=SimpleNamespace(should_backoff=False))
+    ranks = asyncio.run(LeastLoadedRouter.choose_replicas(router, replicas, pending))
+    assert pending.routing_context.should_backoff is True
+    assert [[r.replica_id for r in rank] for rank in ranks] == [["b"], ["a"], ["c"]]
