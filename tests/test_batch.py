@@ -368,14 +368,17 @@ def test_callers_are_served_in_turn_so_a_large_chunk_is_not_starved_by_smaller_l
     from app.batch.pool import ActorPool, Member
 
     async def scenario():
-        p = ActorPool("media", object, lambda i: (), PoolConfig(min_size=1, max_size=1, max_in_flight=8), 0)
+        p = ActorPool("media", object, lambda i: (), PoolConfig(min_size=1, max_size=2, max_in_flight=8), 0)
         p.members = [Member("a", 8)]
+        grows = []
+        p._grow = lambda: grows.append(len(p._turns))  # would start a second actor
         first = await p.acquire(1)
         big = asyncio.ensure_future(p.acquire(16))
         await asyncio.sleep(0.01)
         small = asyncio.ensure_future(p.acquire(1))  # room for it, but the large chunk came first
         await asyncio.sleep(0.01)
         waiting = (big.done(), small.done())
+        assert grows and all(n == 1 for n in grows)  # only the chunk without room asked for an actor
         await p.release(*first)
         got_big = await asyncio.wait_for(big, 5)
         await asyncio.sleep(0.01)

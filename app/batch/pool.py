@@ -129,7 +129,8 @@ class ActorPool:
                         taken = min(rows, m.capacity)
                         m.in_flight += taken
                         return m, taken
-                    self._grow()  # someone waits: one more actor, if the pool may grow
+                    if not free:
+                        self._grow()  # no room for this caller: one more actor, if the pool may grow
                     await self.cond.wait()
             finally:
                 self._turns.remove(turn)
