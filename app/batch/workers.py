@@ -52,7 +52,7 @@ class Failure:
 
 @dataclass
 class Busy:
-    """The engine refused the row for now (overloaded, a 5xx): the driver tries it again."""
+    """A stage refused the row for now (an engine or encoder overloaded, a 5xx): the driver sends it again."""
 
     message: str
 
