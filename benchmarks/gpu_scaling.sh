@@ -24,28 +24,26 @@ for run in ${RUNS:-proxy:1 proxy:2 port:2}; do
   label="${path}x${gpus}${TAG:-}"; dir="$OUT/$label"; mkdir -p "$dir"
   config="$dir/config.yaml"; extra=(--via proxy); routers=0
   if [ "$path" = port ]; then routers=$(( ${ROUTERS_PER_GPU:-0} * gpus )); extra=(--via port --router-port 8800); fi
-  python3 - "$CONFIG" "$config" "$routers" "$(( ${MEDIA_PER_GPU:-0} * gpus ))" "${ROUTER_SAMPLE:-}" <<'EOF'
+  python3 - "$CONFIG" "$config" "$routers" "$(( ${MEDIA_PER_GPU:-0} * gpus ))" "${ROUTER_SAMPLE:-}" "$gpus" <<'EOF'
+# Each override starts from the builder's own options for this machine (deployments/app.py), since a
+# config file's autoscaling_config or request_router_config replaces the builder's whole value.
 import os, sys, yaml
+from app.config import AppConfig
+from deployments.app import deployment_options
 cfg = yaml.safe_load(open(sys.argv[1]))
-routers, media, sample = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-for d in cfg["applications"][0]["deployments"]:
-    scaling = d.get("autoscaling_config", {})
-    if d["name"] == "Router" and routers:  # the presets leave the Routers' autoscaling to the builder
-        d["autoscaling_config"] = {"target_ongoing_requests": 64, **scaling, "min_replicas": routers,
-                                   "max_replicas": routers,
-                                   "policy": {"policy_function": "app.autoscaling:RouterAutoscalingPolicy"}}
-    if d["name"] == "MediaPreprocessor" and media:  # the presets leave it to the builder as well
-        d["autoscaling_config"] = {"target_ongoing_requests": 2, "look_back_period_s": 15, "upscale_delay_s": 3,
-                                   "downscale_delay_s": 120, **scaling, "min_replicas": media,
-                                   # the builder's ceiling: half the cores, at least twice the floor
-                                   "max_replicas": max(2 * media, (os.cpu_count() or 2) // 2,
-                                                       scaling.get("max_replicas", 0))}
-    if d["name"] == "LLM" and sample:  # replaces the builder's whole request_router_config
-        from deployments.app import LLM_REQUEST_ROUTER, ROUTING_STATS_PERIOD_S
-        d["request_router_config"] = {"request_router_class": LLM_REQUEST_ROUTER,
-                                      "request_router_kwargs": {"sample": int(sample)},
-                                      "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
-                                      "request_routing_stats_timeout_s": 5 * ROUTING_STATS_PERIOD_S}
+routers, media, sample, gpus = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
+app = cfg["applications"][0]
+opts, _ = deployment_options(AppConfig(**app["args"]), gpus, os.cpu_count() or 2)
+for d in app["deployments"]:
+    scaling = {**opts[d["name"]].get("autoscaling_config", {}), **d.get("autoscaling_config", {})}
+    if d["name"] == "Router" and routers:
+        d["autoscaling_config"] = scaling | {"min_replicas": routers, "max_replicas": routers}
+    if d["name"] == "MediaPreprocessor" and media:  # the builder's ceiling: at least twice the floor
+        d["autoscaling_config"] = scaling | {"min_replicas": media,
+                                             "max_replicas": max(2 * media, scaling["max_replicas"])}
+    if d["name"] == "LLM" and sample:
+        router = opts["LLM"]["request_router_config"].model_dump(exclude_unset=True)
+        d["request_router_config"] = router | {"request_router_kwargs": {"sample": int(sample)}}
 yaml.safe_dump(cfg, open(sys.argv[2], "w"), sort_keys=False)
 EOF
   echo "=== $label"
