@@ -18,15 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import dataclasses
 import functools
 import json
-import multiprocessing
 import os
 import resource
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -34,7 +31,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.media.synthetic import image_bytes  # noqa: E402
-from benchmarks.serve import Workload, deep_merge  # noqa: E402
+from benchmarks.serve import Workload, deep_merge, map_in_processes  # noqa: E402
 
 GPU_PRESET = Path(__file__).resolve().parent.parent / "configs" / "qwen3-vl-2b-gpu.yaml"
 
@@ -42,32 +39,25 @@ GPU_PRESET = Path(__file__).resolve().parent.parent / "configs" / "qwen3-vl-2b-g
 def _request_line(work: Workload, images: Path, media: str, i: int) -> str:
     """Request i's JSONL line (the serving benchmark's body, with an id); with `files`, its image is
     written under `images` and the body names the file."""
+    name = None
     if media == "files":
         name = f"{i:07d}.jpg"
         (images / name).write_bytes(image_bytes(work.image_size, work.image_size, i, "JPEG"))
-        body = dataclasses.replace(work, image_size=8).body(i)  # a small stand-in, replaced by the file
-        body["messages"][0]["content"][0]["image_url"]["url"] = name
-    else:
-        body = work.body(i)
+    body = work.body(i, image_url=name)
     body.pop("stream_options", None)
     return json.dumps({"id": f"img-{i}", **body}) + "\n"
 
 
 def write_requests(folder: Path, n: int, size: int, words: int, tokens: int, media: str) -> Path:
     """`n` requests, one image each, made in a pool of processes (about 9 ms per 448² JPEG: 16,000 took
-    over two minutes in one process); spawned, as Ray may run in this process later."""
+    over two minutes in one process)."""
     work = Workload("image", image_size=size, prompt_words=words, output_tokens=tokens)
     images = folder / "images"
     images.mkdir(parents=True, exist_ok=True)
     path = folder / "requests.jsonl"
-    make = functools.partial(_request_line, work, images, media)
+    lines = map_in_processes(functools.partial(_request_line, work, images, media), range(n))
     with path.open("w") as f:
-        if n < 256:
-            f.writelines(map(make, range(n)))
-        else:
-            ctx = multiprocessing.get_context("spawn")
-            with ProcessPoolExecutor(min(16, os.cpu_count() or 1), mp_context=ctx) as pool:
-                f.writelines(pool.map(make, range(n), chunksize=64))
+        f.writelines(lines)
     return path
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import itertools
+import functools
 import json
 import multiprocessing
 import os
@@ -63,11 +63,12 @@ class Workload:
         return {"image": f"image {self.image_size}^2",
                 "video": f"video {self.video_size}^2 x{self.video_frames}f"}.get(self.kind, self.kind)
 
-    def body(self, i: int) -> dict:
+    def body(self, i: int, image_url: str | None = None) -> dict:
+        """Request i's body; `image_url` names an image instead of the data URL of image i's JPEG."""
         kind = self.kind if self.kind != "mixed" else ("image" if i % 2 == 0 else "video")
         if kind == "image":
             part = {"type": "image_url", "image_url": {
-                "url": "data:image/jpeg;base64," + base64.b64encode(
+                "url": image_url or "data:image/jpeg;base64," + base64.b64encode(
                     image_bytes(self.image_size, self.image_size, i, "JPEG")).decode()}}
         else:
             part = {"type": "video_url", "video_url": {
@@ -181,14 +182,20 @@ def _body_bytes(workload: Workload, i: int) -> bytes:
     return json.dumps(workload.body(i)).encode()
 
 
+def map_in_processes(fn, items: range) -> list:
+    """`[fn(x) for x in items]`, in a pool of up to 16 processes from 256 items on (spawned: the caller
+    may hold Ray's threads, or start Ray later). `fn` must be picklable: a module-level function or a
+    functools.partial of one."""
+    if len(items) < 256:
+        return [fn(x) for x in items]
+    with ProcessPoolExecutor(min(16, os.cpu_count() or 1), mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(fn, items, chunksize=64))
+
+
 def build_bodies(workload: Workload, first: int, n: int) -> list[bytes]:
     """Request bodies for media seeds first .. first + n - 1, built before the clock starts. A 1024² JPEG
-    takes about 20 ms to make and encode, so thousands are built in a pool of processes (spawned: the
-    load generator may hold Ray's threads)."""
-    if n < 256:
-        return [_body_bytes(workload, first + i) for i in range(n)]
-    with ProcessPoolExecutor(min(16, os.cpu_count() or 1), mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(_body_bytes, itertools.repeat(workload), range(first, first + n), chunksize=64))
+    takes about 20 ms to make and encode, so thousands are built in a pool of processes."""
+    return map_in_processes(functools.partial(_body_bytes, workload), range(first, first + n))
 
 
 def _session(url: str, concurrency: int | None, timeout_s: float) -> aiohttp.ClientSession:
