@@ -146,11 +146,9 @@ class Stages:
 
     async def run_chunk(self, rows: list[Row]) -> list[tuple[dict, int]]:
         """Per row (output record, media items), in order. Never raises for the rows' own trouble."""
-        answers: dict[int, tuple[dict, int]] = {}
-        todo = [i for i, row in enumerate(rows) if row.error is None]
-        for i, row in enumerate(rows):
-            if row.error is not None:
-                answers[i] = _error(row, Failure.of(row.error)), 0
+        answers: dict[int, tuple[dict, int]] = {i: (_error(row, Failure.of(row.error)), 0)
+                                                 for i, row in enumerate(rows) if row.error is not None}
+        todo = [i for i in range(len(rows)) if i not in answers]
         last: dict[int, object] = {}
         for attempt in range(self.cfg.max_retries + 1):
             if not todo:
