@@ -8,12 +8,14 @@
 - the four patch mergers (main + 3 deepstack) one by one vs grouped into batched GEMMs;
 - every tower's bias-free GEMMs (proj, fc2 / down) through cuBLAS or cuBLASLt, MLP width padded or not;
 - optional Hopper kernels written in the CuTe DSL, where their packages are installed:
-  FlashAttention-4's forward (`flash_attn.cute`, SM90 path) and QuACK's GEMMs (`quack`).
+  FlashAttention-4's forward (`flash_attn.cute`, SM90 path) and QuACK's GEMMs (`quack`);
+- FlashAttention-3's prebuilt forward (the `fa3-fwd` wheel, put on PYTHONPATH: `fa3_attention`).
 
 Times are per call, from a CUDA graph of `inner` back-to-back calls (no launch gaps), median of 30
 replays. Writes $OUT/kernels.json (or ./kernels.json).
 
-    python benchmarks/kernels.py [sdpa_by_head_dim attention_cases gemms mergers residual_gemms fa4_attention quack_gemms]
+    python benchmarks/kernels.py [sdpa_by_head_dim attention_cases gemms mergers residual_gemms fa4_attention quack_gemms
+                                  fa3_attention]
 """
 
 from __future__ import annotations
@@ -273,6 +275,52 @@ def fa4_attention():
     RESULTS["fa4"] = rows
 
 
+def fa3_call(q, k, v, cu=None, maxlen=None):
+    """FlashAttention-3's forward (the `fa3-fwd` wheel's op, called directly: its Python wrapper reads a
+    config module under another name), dense [B, L, H, D] or varlen [N, H, D] with `cu`."""
+    out = torch.ops.fa3_fwd.fwd(q, k, v, None, None, None, None, cu, cu, None, None, None, maxlen, maxlen,
+                                None, None, None, None, None, None, None, None, None, q.shape[-1] ** -0.5,
+                                False, -1, -1, 0, 0.0, True, None, 1, None, 0)
+    return out[0]
+
+
+def fa3_attention():
+    """FlashAttention-3's Hopper forward (a prebuilt forward-only wheel, `fa3-fwd`) at the attention cases,
+    as fa4_attention: varlen and dense, error against per-sequence fp32 attention, time from graphs."""
+    try:
+        import fa3_fwd._C  # noqa: F401 - registers torch.ops.fa3_fwd
+    except Exception as e:  # noqa: BLE001 - recorded: the package is optional
+        RESULTS["fa3"] = f"not importable: {e}"
+        print("fa3", RESULTS["fa3"], flush=True)
+        return
+    rows = []
+    for name, (seqs, slots) in CASES.items():
+        n = sum(seqs)
+        q, k, v, ref, cu, maxlen = case_inputs(seqs, slots)
+        row = {"case": name}
+        qkv_v = v  # a strided view into the qkv rows, as the tower passes it
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        for label, vv in [("varlen", v), ("varlen_strided_v", qkv_v)]:
+            fn = partial(fa3_call, q, k, vv, cu, maxlen)
+            row[f"{label}_err"] = attempt(err_after, fn, ref)
+            row[f"{label}_us"] = attempt(graph_us, fn)
+        if slots == len(seqs) and len(set(seqs)) == 1:
+            qb, kb, vb = (t.reshape(len(seqs), seqs[0], HEADS, HD) for t in (q, k, v))
+            dense = partial(lambda a, b, c: fa3_call(a, b, c).reshape(-1, HEADS, HD), qb, kb, vb)
+            row["dense_err"] = attempt(err_after, dense, ref)
+            row["dense_us"] = attempt(graph_us, dense)
+            qd, kd, vd = (t.transpose(1, 2) for t in (qb, kb, vb))
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                row["cudnn_dense_us"] = graph_us(partial(F.scaled_dot_product_attention, qd, kd, vd))
+        bm = attention.block_m_for(seqs[0] if len(set(seqs)) == 1 else None)
+        tab = attention.block_table(seqs, attention.table_rows(n, slots, bm), bm).to(DEV)
+        row["triton_us"] = graph_us(partial(attention.varlen_attention, q, k, v, tab, bm))
+        row["fa2_varlen_us"] = graph_us(partial(varlen_attn, q, k, v, cu, cu, maxlen, maxlen))
+        rows.append(row)
+        print("fa3", row, flush=True)
+    RESULTS["fa3"] = rows
+
+
 def quack_gemms():
     """QuACK's SM90 GEMMs (CuTe DSL) at the layer's four GEMMs, a few tile configs, against cuBLAS."""
     try:
@@ -324,7 +372,7 @@ def main():
     RESULTS["heads"] = [HEADS, HD]
     print(RESULTS["device"], flush=True)
     steps = {f.__name__: f for f in (sdpa_by_head_dim, attention_cases, gemms, mergers, residual_gemms, fa4_attention,
-                                      quack_gemms)}
+                                      quack_gemms, fa3_attention)}
     out = Path(os.environ.get("OUT", ".")) / ("kernels.json" if HD == 72 else f"kernels_hd{HD}.json")
     for step in [steps[a] for a in sys.argv[1:]] or list(steps.values())[:5]:
         step()
