@@ -125,6 +125,11 @@ def bench_workload(fam, mgr: GraphManager, name: str, grids, runs: int, warmup: 
         first_path = path_taken(mgr, lambda: mgr.encode(items))
         errs = errors(concat(mgr.encode(items)), ref, truth)
         t_ref = time_fn(lambda: fam.reference(pixels, grids), runs, warmup, cuda)
+        extra_refs = {}
+        for label, other in fam.extra_references.items():
+            t_other = time_fn(lambda other=other: other(pixels, grids), runs, warmup, cuda)
+            extra_refs[label] = {"ms": statistics.median(t_other), "p99": p99(t_other),
+                                 "vs_fp32_max": errors(other(pixels, grids), ref, truth)["ours_vs_fp32_max"]}
         t_eager = time_fn(lambda: mgr.encode(items, force_eager=True), runs, warmup, cuda)
         eager_errs = errors(concat(mgr.encode(items, force_eager=True)), ref, truth)
         t_first = time_fn(lambda: mgr.encode(items), runs, warmup, cuda)
@@ -151,6 +156,9 @@ def bench_workload(fam, mgr: GraphManager, name: str, grids, runs: int, warmup: 
            "ours_ms": statistics.median(t_ours), "ours_p99": p99(t_ours), "replay_ms": replay,
            "gflop": flops / 1e9, "floor_ms": flops / (tflops * 1e12) * 1e3 if tflops else None, **errs}
     row["ref_over_ours"] = row["ref_ms"] / row["ours_ms"]
+    for other in extra_refs.values():
+        other["over_ours"] = other["ms"] / row["ours_ms"]
+    row["extra_refs"] = extra_refs
     row["ref_over_eager"] = row["ref_ms"] / row["eager_ms"]
     row["ours_over_eager"] = row["ours_ms"] / row["eager_ms"]
     row["first_over_eager"] = row["first_ms"] / row["eager_ms"]
@@ -238,6 +246,11 @@ def markdown(results: list[dict], device: str, tflops: float | None) -> str:
                          f"{_ms(w['replay_ms'])} | {_ms(w['floor_ms'])} | {w['ref_over_ours']:.2f}x | "
                          f"{w['ours_over_eager']:.2f}{flag} | {w['ours_vs_ref_max']:.1e}, {w['ours_vs_ref_norm']:.1e} | "
                          f"{w['ours_vs_fp32_max']:.1e} / {w['ref_vs_fp32_max']:.1e} |")
+        others = [(w["workload"], label, o) for w in r["workloads"] for label, o in w.get("extra_refs", {}).items()]
+        if others:
+            lines += ["", "Other reference paths (the ratio above uses the reference column):", ""]
+            lines += [f"- {name}, {label}: {_ms(o['ms'], o['p99'])} ms, ref / ours {o['over_ours']:.2f}x, "
+                      f"err vs fp32 (max) {o['vs_fp32_max']:.1e}" for name, label, o in others]
         if r["autotune"]:
             lines += ["", "Auto-tune (budget or uniform shape: eager ms / graph ms, kept):", ""]
             lines += [f"- {a.get('budget', a.get('uniform'))}: {a['eager_ms']} / {a['graph_ms']} "

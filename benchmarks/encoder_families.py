@@ -5,7 +5,8 @@ is judged against (in the run's dtype, and in float32 as the truth), a FLOP coun
 - Qwen2.5-VL (`qwen2.5-vl-3b`, `qwen2.5-vl-7b`, `tiny-qwen2.5-vl`): reference = transformers'
   `Qwen2_5_VisionTransformerPretrainedModel` (window attention);
 - MiniCPM-V 4.5 (`minicpm-v-4.5`, `tiny-minicpm-v-4.5`): reference = the published forward's batching
-  on our modules' weights (benchmarks/minicpmv_reference.py); MiniCPM-V is not in transformers.
+  on our modules' weights, its flash_attention_2 path; its default path (eager attention) is timed
+  beside it (benchmarks/minicpmv_reference.py); MiniCPM-V is not in transformers.
 
 Weights are random (speed does not depend on their values). Workloads are grids (t, h, w) in patches of
 what the router sends for a given source image: Qwen sides are the smart-resized ones (patch x merge
@@ -17,7 +18,7 @@ run's batches shaped like the real ones.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -69,6 +70,8 @@ class Family:
     truth: object
     flops: object  # grids -> matmul FLOPs of one forward
     workloads: dict[str, list[tuple[int, int, int]]]
+    # Other paths of the same published forward, timed beside `reference` (which the ratio uses)
+    extra_references: dict[str, object] = field(default_factory=dict)
 
 
 def qwen3_flops(cfg, grids) -> float:
@@ -160,13 +163,18 @@ def minicpmv_family(preset: str, dtype: torch.dtype, device: str) -> Family:
     from benchmarks.minicpmv_reference import PublishedStyleMiniCPMV, minicpmv_flops
 
     model = _random_vision(load_preset(preset), seed=0).to(device)
-    truth = PublishedStyleMiniCPMV(_truth_copy(model, dtype))
+    truth_model = _truth_copy(model, dtype)
+    truth = PublishedStyleMiniCPMV(truth_model)
     model = model.to(dtype)
-    reference = truth if dtype == torch.float32 else PublishedStyleMiniCPMV(_reference_copy(model, dtype))
+    ref_model = truth_model if dtype == torch.float32 else _reference_copy(model, dtype)
+    # The headline reference is the published code's fast path (flash_attention_2); its default path
+    # (eager attention, what `attn_implementation="sdpa"` gives the vision tower) is timed beside it.
+    reference = truth if dtype == torch.float32 else PublishedStyleMiniCPMV(ref_model)
+    extra = {"published default (eager attention)": PublishedStyleMiniCPMV(ref_model, attention="eager")}
     spec = PatchSpec(patch=14, temporal=1, merge=1)  # MiniCPM-V normalises with mean = std = 0.5
     workloads = {name: minicpmv_grids(images) for name, images in IMAGES_MINICPMV.items()}
     return Family("minicpmv", MiniCPMVTower(model, pixel_norm=spec.column_norm()), reference, truth,
-                  lambda grids: minicpmv_flops(model, grids), workloads)
+                  lambda grids: minicpmv_flops(model, grids), workloads, extra)
 
 
 def family_for(preset: str, dtype: torch.dtype, device: str) -> Family:

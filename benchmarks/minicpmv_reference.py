@@ -1,32 +1,51 @@
 """MiniCPM-V 4.5's vision forward batched the way the published remote code batches it, for the
-encoder benchmark's "reference" column (the Hub's code itself is not used here).
+encoder benchmark's "reference" columns (the Hub's code itself is not used here).
 
 Per call, as published: the slices' pixels padded to the longest slice in its [3, P, L*P] layout, one
-Conv2d, bucketed position ids computed per slice on the host, SigLIP over the padded batch with a
-4-D additive padding mask (transformers' `SiglipEncoder`, SDPA), post-layernorm; then the resampler
-with one `nn.MultiheadAttention` call over the padded batch with a key padding mask and 2-D sin-cos
-keys gathered per slice. It shares the weights of our `MiniCPMVision` module.
+Conv2d, bucketed position ids computed per slice on the host, SigLIP over the padded batch, post-layernorm;
+then the resampler with one `nn.MultiheadAttention` call over the padded batch with a key padding mask and
+2-D sin-cos keys gathered per slice. It shares the weights of our `MiniCPMVision` module.
+
+The published SigLIP has two attention paths, and `attention` picks one:
+- "eager": what the published code runs unless it is loaded with `attn_implementation=
+  "flash_attention_2"` (its `init_vision_module` sets the vision config to eager for anything else,
+  "sdpa" included, the model card's example): per layer q @ k^T, the scale, the mask, a float32 softmax
+  and the product with v, as separate ops (transformers' `eager_attention_forward`, the same math);
+- "flash_attention_2": the fast path, when flash-attn is installed. Without padding it calls
+  FlashAttention-2 on the dense batch; here PyTorch's SDPA restricted to its bundled FlashAttention-2
+  kernel stands in (on CUDA in bf16/fp16; elsewhere SDPA picks). With padding the published code unpads
+  every layer (a host sync each); the stand-in instead passes the additive mask to SDPA, which is
+  faster, so this reference errs on the fast side.
+
+Both drop the mask when no slice is padded, as the published forward does (an all-ones patch mask).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from app.vision.minicpmv_metadata import bucketed_positions, row_cols
 from app.vision.minicpmv_resampler import key_positions, sincos_frequencies
 from app.vision.minicpmv_tower import MiniCPMVision
 
+ATTENTION = ("flash_attention_2", "eager")
+
 
 class PublishedStyleMiniCPMV:
-    def __init__(self, model: MiniCPMVision):
+    def __init__(self, model: MiniCPMVision, attention: str = "flash_attention_2"):
         from transformers import SiglipVisionConfig
         from transformers.models.siglip.modeling_siglip import SiglipEncoder
 
-        self.model = model
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, not {attention!r}")
+        self.model, self.attention = model, attention
         v = dict(model.vpm.config)
         v.pop("model_type", None)
         cfg = SiglipVisionConfig(**{**v, "num_hidden_layers": len(model.vpm.encoder.layers)})
-        cfg._attn_implementation = "sdpa"
+        cfg._attn_implementation = "eager" if attention == "eager" else "sdpa"
         self.encoder = SiglipEncoder(cfg).to(model.vpm.post_layernorm.weight)
         self.encoder.load_state_dict(model.vpm.encoder.state_dict())
         self.encoder.eval()
@@ -55,9 +74,12 @@ class PublishedStyleMiniCPMV:
             pos[i, :h * w] = bucketed_positions(h, w, self.side)
         x = x + vpm.embeddings.position_embedding(pos.to(x.device))
         valid = torch.arange(longest, device=x.device)[None] < torch.tensor(lens, device=x.device)[:, None]
-        mask = torch.zeros(b, 1, longest, longest, dtype=x.dtype, device=x.device)
-        mask.masked_fill_(~valid[:, None, None, :], torch.finfo(x.dtype).min)
-        x = vpm.post_layernorm(self.encoder(inputs_embeds=x, attention_mask=mask).last_hidden_state)
+        mask = None  # the published forward passes none when every slice is of the longest length
+        if min(lens) < longest:
+            mask = torch.zeros(b, 1, longest, longest, dtype=x.dtype, device=x.device)
+            mask.masked_fill_(~valid[:, None, None, :], torch.finfo(x.dtype).min)
+        with self._attention_kernel(x, mask):
+            x = vpm.post_layernorm(self.encoder(inputs_embeds=x, attention_mask=mask).last_hidden_state)
         kv = res.ln_kv(res.kv_proj(x)).transpose(0, 1)  # L x B x E
         pos2d = torch.zeros_like(kv)
         for i, (_, h, w) in enumerate(grids):
@@ -65,6 +87,13 @@ class PublishedStyleMiniCPMV:
         q = res.ln_q(res.query)[:, None].expand(-1, b, -1)
         out = res.attn(q, kv + pos2d, kv, key_padding_mask=~valid)[0].transpose(0, 1)
         return [(res.ln_post(out) @ res.proj).reshape(-1, out.shape[-1])]
+
+    def _attention_kernel(self, x: torch.Tensor, mask: torch.Tensor | None):
+        """FlashAttention-2 for the flash path's unmasked calls on CUDA half types, where PyTorch has it."""
+        if (self.attention == "flash_attention_2" and mask is None and x.is_cuda
+                and x.dtype in (torch.bfloat16, torch.float16)):
+            return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+        return contextlib.nullcontext()
 
 
 def minicpmv_flops(model: MiniCPMVision, grids) -> float:
