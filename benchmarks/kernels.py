@@ -229,18 +229,35 @@ def mergers():
     RESULTS["mergers"] = rows
 
 
+def record_missing(key: str, e: Exception) -> None:
+    """An optional package's probe that could not run: why, in the results."""
+    RESULTS[key] = f"not importable: {e}"
+    print(key, RESULTS[key], flush=True)
+
+
+def cudnn_dense_us(qb, kb, vb) -> float:
+    """cuDNN's dense attention over [B, L, H, D] inputs, the baseline the optional kernels must beat."""
+    qd, kd, vd = (t.transpose(1, 2) for t in (qb, kb, vb))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return graph_us(partial(F.scaled_dot_product_attention, qd, kd, vd))
+
+
+def triton_varlen_us(q, k, v, seqs, slots) -> float:
+    """Our Triton varlen kernel with the block size the tower picks, padded to `slots` as in graphs."""
+    bm = attention.block_m_for(seqs[0] if len(set(seqs)) == 1 else None)
+    tab = attention.block_table(seqs, attention.table_rows(sum(seqs), slots, bm), bm).to(DEV)
+    return graph_us(partial(attention.varlen_attention, q, k, v, tab, bm))
+
+
 def fa4_attention():
     """FlashAttention-4 (CuTe DSL) at the attention cases: varlen as the graphs would call it, and dense
     (batch, length) for equal lengths; error against per-sequence fp32 attention; can it be captured?"""
     try:
         from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
     except Exception as e:  # noqa: BLE001 - recorded: the package is optional
-        RESULTS["fa4"] = f"not importable: {e}"
-        print("fa4", RESULTS["fa4"], flush=True)
-        return
+        return record_missing("fa4", e)
     rows = []
     for name, (seqs, slots) in CASES.items():
-        n = sum(seqs)
         q, k, v, ref, cu, maxlen = case_inputs(seqs, slots)
         q, k, v = (t.contiguous() for t in (q, k, v))  # the tower's q and k are contiguous (rotary output)
         row = {"case": name}
@@ -264,12 +281,8 @@ def fa4_attention():
             row["dense_us"] = attempt(graph_us, dense)
             vs = qkv[:, 2].reshape(len(seqs), seqs[0], HEADS, HD)  # v strided, as the tower's dense path passes it
             row["dense_strided_v_us"] = attempt(graph_us, partial(lambda a, b, c: flash_attn_func(a, b, c)[0], qb, kb, vs))
-            qd, kd, vd = (t.transpose(1, 2) for t in (qb, kb, vb))
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                row["cudnn_dense_us"] = graph_us(partial(F.scaled_dot_product_attention, qd, kd, vd))
-        bm = attention.block_m_for(seqs[0] if len(set(seqs)) == 1 else None)
-        tab = attention.block_table(seqs, attention.table_rows(n, slots, bm), bm).to(DEV)
-        row["triton_us"] = graph_us(partial(attention.varlen_attention, q, k, v, tab, bm))
+            row["cudnn_dense_us"] = cudnn_dense_us(qb, kb, vb)
+        row["triton_us"] = triton_varlen_us(q, k, v, seqs, slots)
         rows.append(row)
         print("fa4", row, flush=True)
     RESULTS["fa4"] = rows
@@ -290,12 +303,9 @@ def fa3_attention():
     try:
         import fa3_fwd._C  # noqa: F401 - registers torch.ops.fa3_fwd
     except Exception as e:  # noqa: BLE001 - recorded: the package is optional
-        RESULTS["fa3"] = f"not importable: {e}"
-        print("fa3", RESULTS["fa3"], flush=True)
-        return
+        return record_missing("fa3", e)
     rows = []
     for name, (seqs, slots) in CASES.items():
-        n = sum(seqs)
         q, k, v, ref, cu, maxlen = case_inputs(seqs, slots)
         row = {"case": name}
         qkv_v = v  # a strided view into the qkv rows, as the tower passes it
@@ -309,12 +319,8 @@ def fa3_attention():
             dense = partial(lambda a, b, c: fa3_call(a, b, c).reshape(-1, HEADS, HD), qb, kb, vb)
             row["dense_err"] = attempt(err_after, dense, ref)
             row["dense_us"] = attempt(graph_us, dense)
-            qd, kd, vd = (t.transpose(1, 2) for t in (qb, kb, vb))
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                row["cudnn_dense_us"] = graph_us(partial(F.scaled_dot_product_attention, qd, kd, vd))
-        bm = attention.block_m_for(seqs[0] if len(set(seqs)) == 1 else None)
-        tab = attention.block_table(seqs, attention.table_rows(n, slots, bm), bm).to(DEV)
-        row["triton_us"] = graph_us(partial(attention.varlen_attention, q, k, v, tab, bm))
+            row["cudnn_dense_us"] = cudnn_dense_us(qb, kb, vb)
+        row["triton_us"] = triton_varlen_us(q, k, v, seqs, slots)
         row["fa2_varlen_us"] = graph_us(partial(varlen_attn, q, k, v, cu, cu, maxlen, maxlen))
         rows.append(row)
         print("fa3", row, flush=True)
@@ -328,9 +334,7 @@ def quack_gemms():
         from quack.gemm_interface import gemm_act, gemm_tuned
         gemm_pinned = gemm_tuned.fn  # the function under the autotuner: runs the config it is given
     except Exception as e:  # noqa: BLE001 - recorded: the package is optional
-        RESULTS["quack"] = f"not importable: {e}"
-        print("quack", RESULTS["quack"], flush=True)
-        return
+        return record_missing("quack", e)
     configs = {"128x128 pp c1x2": GemmConfig(128, 128, pingpong=True, is_dynamic_persistent=False, cluster_m=1,
                                             cluster_n=2),
                "128x192 pp c2x1": GemmConfig(128, 192, pingpong=True, is_dynamic_persistent=False, cluster_m=2),
