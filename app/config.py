@@ -109,6 +109,10 @@ class EncoderConfig(_Strict):
     batch_wait_ms: float = Field(2.0, ge=0, description="longest wait for other requests' items before a batch runs; none when the encoder was idle")
     batch_wait_when_idle: bool = Field(False, description="wait batch_wait_ms even after an idle spell: fuller batches, "
                                        "later first tokens (batch jobs turn it on)")
+    backlog_wait_ms: float = Field(0.0, ge=0, description="`fused` placement: while the engine has requests waiting "
+                                   "for a slot, a tower batch waits up to this long (instead of batch_wait_ms) for "
+                                   "more items, since encoding sooner would not start them sooner and a fuller batch "
+                                   "costs the shared GPU less per image; 0 = off (not yet measured on GPUs)")
     pinned_pixel_copy: bool = Field(True, description="patch rows go to the GPU through pinned host buffers and a copy "
                                     "stream, so that their copy waits neither for the stream nor for the LLM's step "
                                     "(app/vision/staging.py); batches below pinned_copy_min_rows are copied directly")

@@ -55,6 +55,8 @@ class FusedBackend:
         # its KV cache from what is left (llm.gpu_memory_utilization).
         encoder = EncoderService(cfg, checkpoint, keep_on_device=True)
         engine = Engine(checkpoint, pick_device(cfg.device), cfg.llm)
+        if cfg.encoder.backlog_wait_ms:  # requests waiting for an engine slot gain nothing from early encoding
+            encoder.batcher.backlog = lambda: engine.load()["waiting"] > 0
         return cls(encoder, AsyncEngine(engine, cfg.llm.stream_interval_ms / 1e3))
 
     async def chunks(self, gen: dict, items: list) -> AsyncIterator[Chunk]:

@@ -116,6 +116,28 @@ def check_fused_answers(fused, cfg, tiny_checkpoint, reference, device):
     assert all(d.untyped_storage().nbytes() == d.numel() * d.element_size() for d in deepstack)
 
 
+def test_the_fused_encoder_waits_longer_only_while_the_engine_has_a_backlog(tiny_checkpoint, reference, monkeypatch):
+    """`encoder.backlog_wait_ms`: the tower's batcher asks the engine whether requests wait for a slot.
+    Off by default; on, the answers are unchanged and the engine's own queue is what it reads."""
+    from app.fused import FusedBackend
+
+    off = FusedBackend.build(fp32_config(tiny_checkpoint, "cpu"), str(tiny_checkpoint))
+    try:
+        assert off.encoder.batcher.backlog is None
+    finally:
+        off.engine.shutdown()
+    cfg = fp32_config(tiny_checkpoint, "cpu", backlog_wait_ms=50)
+    fused = FusedBackend.build(cfg, str(tiny_checkpoint))
+    try:
+        check_fused_answers(fused, cfg, tiny_checkpoint, reference, "cpu")
+        assert fused.encoder.batcher.backlog() is False  # all answered: nothing waits
+        real = fused.engine.load
+        monkeypatch.setattr(fused.engine, "load", lambda: real() | {"waiting": 3})
+        assert fused.encoder.batcher.backlog() is True
+    finally:
+        fused.engine.shutdown()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("stream", ["own", "shared"])
 def test_the_fused_tower_hands_over_only_finished_embeddings(tiny_checkpoint, reference, monkeypatch, stream):

@@ -222,3 +222,60 @@ def test_a_batch_jobs_encoder_waits_for_company_even_when_idle():
 
     assert scenario(wait_when_idle=True) == [2]
     assert scenario(wait_when_idle=False) == [1, 1]
+
+
+def test_a_backlog_lengthens_the_wait_and_its_end_cuts_it_short():
+    """While the consumer has a backlog (the fused engine's waiting requests), even an idle encoder
+    waits up to `backlog_wait_ms` for company; when the backlog clears, the batch runs within a poll
+    instead of waiting out the window. Without a backlog the idle encoder starts at once."""
+    import time
+
+    from app.vision.batcher import EncodeBatcher
+    from app.vision.graphs import VisionEmbedding
+
+    def scenario(backlog: list[bool], clear_after_s: float | None) -> tuple[list[int], float]:
+        sizes = []
+
+        def run_batch(items):
+            sizes.append(len(items))
+            return [VisionEmbedding(it.pixels[:1], []) for it in items], sum(it.pixels.shape[0] for it in items)
+
+        batcher = EncodeBatcher(run_batch, Limits(64, 4, 4), wait_ms=1, backlog_wait_ms=3000,
+                                backlog=lambda: backlog[0])
+        px = torch.ones((4, 8))
+
+        async def two_arrivals():
+            t0 = time.monotonic()
+            first = asyncio.ensure_future(batcher.submit([(px, (1, 2, 2))]))
+            await asyncio.sleep(0.1)
+            second = asyncio.ensure_future(batcher.submit([(px, (1, 2, 2))]))
+            if clear_after_s is not None:
+                await asyncio.sleep(clear_after_s)
+                backlog[0] = False
+            await asyncio.gather(first, second)
+            return time.monotonic() - t0
+
+        return sizes, asyncio.run(two_arrivals())
+
+    sizes, took = scenario([True], clear_after_s=0.2)
+    assert sizes == [2]  # the first arrival waited for the second
+    assert 0.25 <= took < 0.3 + 1.0  # and ran soon after the backlog cleared, far inside the 3 s window
+    sizes, took = scenario([False], clear_after_s=None)
+    assert sizes == [1, 1]  # no backlog: each arrival at the idle encoder ran at once
+
+
+def test_no_backlog_wait_without_a_longer_window():
+    """`backlog_wait_ms` at or below `wait_ms` (the default 0: off) leaves the batcher as before: the
+    backlog is not even asked."""
+    from app.vision.batcher import EncodeBatcher
+    from app.vision.graphs import VisionEmbedding
+
+    asked = []
+
+    def run_batch(items):
+        return [VisionEmbedding(it.pixels[:1], []) for it in items], sum(it.pixels.shape[0] for it in items)
+
+    batcher = EncodeBatcher(run_batch, Limits(64, 4, 4), wait_ms=5, backlog=lambda: asked.append(1) or True)
+    out = asyncio.run(batcher.submit([(torch.ones((4, 8)), (1, 2, 2))]))
+    assert len(out) == 1 and asked == []
+

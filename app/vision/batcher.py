@@ -10,6 +10,12 @@ An idle encoder (no batch ended within the last `wait_ms`) does not wait: with n
 flight there is nothing to batch with, and the wait would only add to time to first token. Under
 load batches end back to back, so the wait applies, and pieces arriving during a batch join the next.
 A batch job wants full batches, not first tokens: with `wait_when_idle` the wait applies always.
+
+Under the `fused` placement the tower shares its GPU with the engine. While the engine has requests
+waiting for a slot (`backlog()`), a piece encoded now would wait there anyway, so the batcher may wait
+longer (`backlog_wait_ms`) for a fuller batch, which costs the GPU less per item. Why: with arrivals
+spread out in time, as real traffic arrives, a 2 ms wait gathered about two images per batch on four
+H100s, against 5-8 from a closed loop's bursts (benchmarks/RESULTS.md, twenty-fourth session).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from .packing import Limits, Piece, chunk_video, pack
 log = logging.getLogger(__name__)
 
 RunBatch = Callable[[list[VisionItem]], tuple[list[VisionEmbedding], int]]  # -> outputs, padded tokens
+BACKLOG_POLL_S = 0.002  # while waiting on a backlog, how often it is asked whether the backlog is gone
 
 
 @dataclass
@@ -90,12 +97,16 @@ class BatcherStats:
 class EncodeBatcher:
     def __init__(self, run_batch: RunBatch, limits: Limits, wait_ms: float = 2.0, wait_when_idle: bool = False,
                  on_batch: Callable[[float, float, list[float]], None] | None = None,
-                 on_idle: Callable[[], Callable[[], object] | None] | None = None):
+                 on_idle: Callable[[], Callable[[], object] | None] | None = None,
+                 backlog_wait_ms: float = 0.0, backlog: Callable[[], bool] | None = None):
         """`on_batch(latency_s, fill, queue_waits_s)` is called after every batch (metrics).
         `on_idle()` is called whenever the queue drains; it returns deferred work (graph captures)
-        to run in a worker thread, or None when there is none."""
+        to run in a worker thread, or None when there is none. `backlog()` (may be set later, by the
+        fused replica once its engine exists) says whether the consumer of the embeddings has work
+        queued; while it has, the wait is `backlog_wait_ms` when that is the longer one."""
         self.run_batch, self.limits, self.wait_s = run_batch, limits, wait_ms / 1000
         self.wait_when_idle = wait_when_idle
+        self.backlog_wait_s, self.backlog = backlog_wait_ms / 1000, backlog
         self.on_batch, self.on_idle = on_batch, on_idle
         self.stats = BatcherStats()
         self._queue: list[_Queued] = []
@@ -142,21 +153,28 @@ class EncodeBatcher:
                 except Exception:  # a failed capture must not stop the batcher
                     log.exception("encoder idle task failed")
 
+    def _backlogged(self) -> bool:
+        return self.backlog is not None and self.backlog_wait_s > self.wait_s and self.backlog()
+
     async def _wait_for_batch(self) -> None:
-        """Until the oldest piece has waited wait_ms, or the queue already fills the largest budget;
-        not at all when the encoder was idle (unless `wait_when_idle`)."""
-        if not self.wait_when_idle and time.monotonic() - self._last_end > self.wait_s:
+        """Until the oldest piece has waited the window (wait_ms, or backlog_wait_ms while there is a
+        backlog), or the queue already fills the largest budget; not at all when the encoder was idle
+        and there is no backlog (unless `wait_when_idle`). A backlog that clears ends its longer wait
+        within BACKLOG_POLL_S."""
+        if not (self.wait_when_idle or self._backlogged()) and time.monotonic() - self._last_end > self.wait_s:
             return
         while self._queue:
+            backlogged = self._backlogged()
             oldest = min(q.enqueued for q in self._queue)
-            left = oldest + self.wait_s - time.monotonic()
+            left = oldest + (self.backlog_wait_s if backlogged else self.wait_s) - time.monotonic()
             if left <= 0 or sum(q.vision.pixels.shape[0] for q in self._queue) >= self.limits.max_tokens:
                 return
             self._wakeup.clear()
             try:
-                await asyncio.wait_for(self._wakeup.wait(), timeout=left)
+                await asyncio.wait_for(self._wakeup.wait(), timeout=min(left, BACKLOG_POLL_S) if backlogged else left)
             except TimeoutError:
-                return
+                if not backlogged:
+                    return
 
     async def _run_one(self, batch: list[_Queued]) -> None:
         batch = [q for q in batch if not q.req.cancelled]

@@ -71,7 +71,7 @@ class EncoderService:
         self.batcher = EncodeBatcher(self._encode_batch,
                                      Limits(self.manager.max_budget, enc.max_items_per_batch, enc.max_frames_per_batch),
                                      enc.batch_wait_ms, enc.batch_wait_when_idle,
-                                     on_idle=self.manager.pending_captures)
+                                     on_idle=self.manager.pending_captures, backlog_wait_ms=enc.backlog_wait_ms)
         log.info("vision encoder ready on %s (%s, dense attention: %s%s), budgets %s, graphs %s", device, dtype,
                  "FlashAttention-4" if tower.flash4 else "SDPA", f", stream {enc.stream}" if self._stream else "",
                  self.manager.budgets, sorted(self.manager.graphs) or "none captured")
