@@ -110,7 +110,7 @@ class EncoderConfig(_Strict):
     batch_wait_when_idle: bool = Field(False, description="wait batch_wait_ms even after an idle spell: fuller batches, "
                                        "later first tokens (batch jobs turn it on)")
     backlog_wait_ms: float = Field(0.0, ge=0, description="`fused` placement: while the engine has requests waiting "
-                                   "for a slot, a tower batch waits up to this long (instead of batch_wait_ms) for "
+                                   "for a sequence slot or KV blocks, a tower batch waits up to this long (instead of batch_wait_ms) for "
                                    "more items, since encoding sooner would not start them sooner and a fuller batch "
                                    "costs the shared GPU less per image; 0 = off (not yet measured on GPUs)")
     pinned_pixel_copy: bool = Field(True, description="patch rows go to the GPU through pinned host buffers and a copy "

@@ -56,7 +56,7 @@ class FusedBackend:
         encoder = EncoderService(cfg, checkpoint, keep_on_device=True)
         engine = Engine(checkpoint, pick_device(cfg.device), cfg.llm)
         if cfg.encoder.backlog_wait_ms:  # requests waiting for an engine slot gain nothing from early encoding
-            encoder.batcher.backlog = lambda: engine.load()["waiting"] > 0
+            encoder.batcher.backlog = engine.short_of_room
         return cls(encoder, AsyncEngine(engine, cfg.llm.stream_interval_ms / 1e3))
 
     async def chunks(self, gen: dict, items: list) -> AsyncIterator[Chunk]:

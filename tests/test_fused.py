@@ -117,8 +117,9 @@ def check_fused_answers(fused, cfg, tiny_checkpoint, reference, device):
 
 
 def test_the_fused_encoder_waits_longer_only_while_the_engine_has_a_backlog(tiny_checkpoint, reference, monkeypatch):
-    """`encoder.backlog_wait_ms`: the tower's batcher asks the engine whether requests wait for a slot.
-    Off by default; on, the answers are unchanged and the engine's own queue is what it reads."""
+    """`encoder.backlog_wait_ms`: the tower's batcher asks the engine whether requests wait for a slot
+    (Engine.short_of_room). Off by default; on, the answers are unchanged and the engine's own
+    scheduling state is what it reads."""
     from app.fused import FusedBackend
 
     off = FusedBackend.build(fp32_config(tiny_checkpoint, "cpu"), str(tiny_checkpoint))
@@ -129,10 +130,10 @@ def test_the_fused_encoder_waits_longer_only_while_the_engine_has_a_backlog(tiny
     cfg = fp32_config(tiny_checkpoint, "cpu", backlog_wait_ms=50)
     fused = FusedBackend.build(cfg, str(tiny_checkpoint))
     try:
+        assert fused.encoder.batcher.backlog_wait_s == 0.05  # the config reached the batcher
         check_fused_answers(fused, cfg, tiny_checkpoint, reference, "cpu")
         assert fused.encoder.batcher.backlog() is False  # all answered: nothing waits
-        real = fused.engine.load
-        monkeypatch.setattr(fused.engine, "load", lambda: real() | {"waiting": 3})
+        monkeypatch.setattr(fused.engine.scheduler, "short_of_room", True)  # as a full engine's scheduling sets it
         assert fused.encoder.batcher.backlog() is True
     finally:
         fused.engine.shutdown()

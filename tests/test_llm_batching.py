@@ -414,6 +414,50 @@ def test_full_queue_is_a_503_with_retry_after(tiny_checkpoint, world):
     first.cancel()
 
 
+def test_short_of_room_means_waiting_for_a_slot_not_for_the_next_step(tiny_checkpoint, world):
+    """Engine.short_of_room (the fused encoder's backlog signal): true while a request waits for the
+    one sequence slot, false again once it is admitted; never true while requests only wait for the
+    token budget of the next steps (plenty of slots and KV blocks)."""
+    small = Engine(str(tiny_checkpoint), max_num_seqs=1)
+    try:
+        first = small.submit(make_request(world, [], max_tokens=8000, ignore_eos=True)[0])
+        deadline = time.monotonic() + 30
+        while first not in small.running:
+            assert time.monotonic() < deadline, "the scheduler never admitted the first request"
+            time.sleep(0.001)
+        second = small.submit(make_request(world, [], max_tokens=2)[0])
+        while not small.short_of_room():
+            assert time.monotonic() < deadline, "a request waiting for the only slot was not reported"
+            time.sleep(0.001)
+        first.cancel()
+        collect(second)  # admitted once the slot freed, then finished
+        while small.short_of_room():
+            assert time.monotonic() < deadline, "the backlog was still reported after it cleared"
+            time.sleep(0.001)
+    finally:
+        small.shutdown()
+
+    wide = Engine(str(tiny_checkpoint), max_num_seqs=8, max_num_batched_tokens=16)
+    seen, done = set(), threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.add(wide.short_of_room())
+            time.sleep(0.0002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        seqs = [wide.submit(make_request(world, [], words=40, max_tokens=2)[0]) for _ in range(4)]
+        for seq in seqs:
+            collect(seq)  # each prompt took several 16-token steps, the later ones waiting their turn
+    finally:
+        done.set()
+        watcher.join()
+        wide.shutdown()
+    assert seen == {False}
+
+
 def test_kv_memory_per_token_is_exactly_the_keys_and_values(tiny_checkpoint, world):
     eng = Engine(str(tiny_checkpoint), max_model_len=64, max_num_seqs=2, num_kv_blocks=9, block_size=8)
     s = eng.spec

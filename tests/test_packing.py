@@ -279,3 +279,49 @@ def test_no_backlog_wait_without_a_longer_window():
     out = asyncio.run(batcher.submit([(torch.ones((4, 8)), (1, 2, 2))]))
     assert len(out) == 1 and asked == []
 
+
+def test_a_failing_backlog_signal_does_not_stop_the_batcher():
+    """A backlog signal that raises counts as no backlog: the batch still runs, and later ones too."""
+    from app.vision.batcher import EncodeBatcher
+    from app.vision.graphs import VisionEmbedding
+
+    def run_batch(items):
+        return [VisionEmbedding(it.pixels[:1], []) for it in items], sum(it.pixels.shape[0] for it in items)
+
+    def broken():
+        raise RuntimeError("engine gone")
+
+    batcher = EncodeBatcher(run_batch, Limits(64, 4, 4), wait_ms=1, backlog_wait_ms=3000, backlog=broken)
+
+    async def twice():
+        px = torch.ones((4, 8))
+        return [await asyncio.wait_for(batcher.submit([(px, (1, 2, 2))]), 2.0) for _ in range(2)]
+
+    assert [len(o) for o in asyncio.run(twice())] == [1, 1]
+
+
+def test_a_queue_that_makes_a_whole_batch_does_not_wait_out_the_window():
+    """Items up to the item cap (not only tokens up to the largest budget) end the wait: a longer one
+    could add nothing to the batch."""
+    import time
+
+    from app.vision.batcher import EncodeBatcher
+    from app.vision.graphs import VisionEmbedding
+
+    sizes = []
+
+    def run_batch(items):
+        sizes.append(len(items))
+        return [VisionEmbedding(it.pixels[:1], []) for it in items], sum(it.pixels.shape[0] for it in items)
+
+    batcher = EncodeBatcher(run_batch, Limits(1024, 2, 8), wait_ms=3000, wait_when_idle=True)
+    px = torch.ones((4, 8))
+
+    async def two():
+        t0 = time.monotonic()
+        await asyncio.gather(batcher.submit([(px, (1, 2, 2))]), batcher.submit([(px, (1, 2, 2))]))
+        return time.monotonic() - t0
+
+    took = asyncio.run(two())
+    assert sizes == [2] and took < 1.0  # two items fill the cap of 2: no 3 s wait
+

@@ -257,6 +257,12 @@ class Engine:
             for seq in seqs:
                 seq.cancel()
 
+    def short_of_room(self) -> bool:
+        """Whether requests wait for a sequence slot or KV blocks, as of the last scheduling (not the
+        ones that only wait for the next step). One attribute read, no lock: the fused replica's
+        encoder asks it every few milliseconds while it batches, beside the step thread."""
+        return self.scheduler.short_of_room
+
     def load(self) -> dict:
         """Queue and KV use: what routing and autoscaling look at."""
         with self._cv:

@@ -48,6 +48,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0
         self.preempted: list[Sequence] = []  # since the engine last looked (it releases their rows)
+        self.short_of_room = False  # see schedule(), step 3
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -91,7 +92,7 @@ class Scheduler:
                 plan.add(seq, n)
                 budget -= n
         # 3. new requests
-        waiting, i = self.waiting, 0
+        waiting, i, no_blocks = self.waiting, 0, False
         while i < len(waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = waiting[i]
             if seq.token_ids[-1] < 0:  # preempted with a token still on the device: admitted once it is read
@@ -100,6 +101,7 @@ class Scheduler:
                 i += 1
                 continue
             if not blocks.allocate(seq):
+                no_blocks = True
                 break
             del waiting[i]
             seq.status = running
@@ -109,6 +111,9 @@ class Scheduler:
             n = min(seq.num_remaining, budget)
             plan.add(seq, n)
             budget -= n
+        # Requests left waiting for a sequence slot or KV blocks, not just for the next step's token
+        # budget: the fused replica's encoder batches longer meanwhile (Engine.short_of_room).
+        self.short_of_room = bool(waiting) and (no_blocks or len(self.running) >= self.max_num_seqs)
         return plan
 
     def preempt(self, seq: Sequence) -> None:

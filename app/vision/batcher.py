@@ -12,7 +12,7 @@ load batches end back to back, so the wait applies, and pieces arriving during a
 A batch job wants full batches, not first tokens: with `wait_when_idle` the wait applies always.
 
 Under the `fused` placement the tower shares its GPU with the engine. While the engine has requests
-waiting for a slot (`backlog()`), a piece encoded now would wait there anyway, so the batcher may wait
+waiting for a sequence slot or KV blocks (`backlog()`), a piece encoded now would wait there anyway, so the batcher may wait
 longer (`backlog_wait_ms`) for a fuller batch, which costs the GPU less per item. Why: with arrivals
 spread out in time, as real traffic arrives, a 2 ms wait gathered about two images per batch on four
 H100s, against 5-8 from a closed loop's bursts (benchmarks/RESULTS.md, twenty-fourth session).
@@ -154,20 +154,32 @@ class EncodeBatcher:
                     log.exception("encoder idle task failed")
 
     def _backlogged(self) -> bool:
-        return self.backlog is not None and self.backlog_wait_s > self.wait_s and self.backlog()
+        if self.backlog is None or self.backlog_wait_s <= self.wait_s:
+            return False
+        try:
+            return bool(self.backlog())
+        except Exception:  # a broken signal must not stop the batcher: batch as without one
+            log.exception("encoder backlog signal failed")
+            return False
+
+    def _queue_full(self) -> bool:
+        """The queue already makes a whole batch: the largest budget's tokens, or the item or sequence cap."""
+        q, lim = self._queue, self.limits
+        return (len(q) >= lim.max_items or sum(p.vision.pixels.shape[0] for p in q) >= lim.max_tokens
+                or sum(p.vision.grid[0] for p in q) >= lim.max_seqs)
 
     async def _wait_for_batch(self) -> None:
         """Until the oldest piece has waited the window (wait_ms, or backlog_wait_ms while there is a
-        backlog), or the queue already fills the largest budget; not at all when the encoder was idle
-        and there is no backlog (unless `wait_when_idle`). A backlog that clears ends its longer wait
-        within BACKLOG_POLL_S."""
+        backlog), or the queue already makes a whole batch; not at all when the encoder was idle and
+        there is no backlog (unless `wait_when_idle`). A backlog that clears is seen within
+        BACKLOG_POLL_S, and the window is then wait_ms again, from the oldest piece."""
         if not (self.wait_when_idle or self._backlogged()) and time.monotonic() - self._last_end > self.wait_s:
             return
         while self._queue:
             backlogged = self._backlogged()
             oldest = min(q.enqueued for q in self._queue)
             left = oldest + (self.backlog_wait_s if backlogged else self.wait_s) - time.monotonic()
-            if left <= 0 or sum(q.vision.pixels.shape[0] for q in self._queue) >= self.limits.max_tokens:
+            if left <= 0 or self._queue_full():
                 return
             self._wakeup.clear()
             try:
