@@ -281,8 +281,8 @@ def fa4_attention():
             row["dense_us"] = attempt(graph_us, dense)
             vs = qkv[:, 2].reshape(len(seqs), seqs[0], HEADS, HD)  # v strided, as the tower's dense path passes it
             row["dense_strided_v_us"] = attempt(graph_us, partial(lambda a, b, c: flash_attn_func(a, b, c)[0], qb, kb, vs))
-            row["cudnn_dense_us"] = cudnn_dense_us(qb, kb, vb)
-        row["triton_us"] = triton_varlen_us(q, k, v, seqs, slots)
+            row["cudnn_dense_us"] = attempt(cudnn_dense_us, qb, kb, vb)
+        row["triton_us"] = attempt(triton_varlen_us, q, k, v, seqs, slots)
         rows.append(row)
         print("fa4", row, flush=True)
     RESULTS["fa4"] = rows
@@ -319,9 +319,9 @@ def fa3_attention():
             dense = partial(lambda a, b, c: fa3_call(a, b, c).reshape(-1, HEADS, HD), qb, kb, vb)
             row["dense_err"] = attempt(err_after, dense, ref)
             row["dense_us"] = attempt(graph_us, dense)
-            row["cudnn_dense_us"] = cudnn_dense_us(qb, kb, vb)
-        row["triton_us"] = triton_varlen_us(q, k, v, seqs, slots)
-        row["fa2_varlen_us"] = graph_us(partial(varlen_attn, q, k, v, cu, cu, maxlen, maxlen))
+            row["cudnn_dense_us"] = attempt(cudnn_dense_us, qb, kb, vb)
+        row["triton_us"] = attempt(triton_varlen_us, q, k, v, seqs, slots)
+        row["fa2_varlen_us"] = attempt(graph_us, partial(varlen_attn, q, k, v, cu, cu, maxlen, maxlen))
         rows.append(row)
         print("fa3", row, flush=True)
     RESULTS["fa3"] = rows

@@ -14,8 +14,9 @@ The published SigLIP has two attention paths, and `attention` picks one:
 - "flash_attention_2": the fast path, when flash-attn is installed. Without padding it calls
   FlashAttention-2 on the dense batch; here PyTorch's SDPA restricted to its bundled FlashAttention-2
   kernel stands in (on CUDA in bf16/fp16; elsewhere SDPA picks). With padding the published code unpads
-  every layer (a host sync each); the stand-in instead passes the additive mask to SDPA, which is
-  faster, so this reference errs on the fast side.
+  every layer (a host sync each) and runs variable-length FlashAttention-2; the stand-in instead passes
+  the additive mask to SDPA, which skips those syncs but computes the padded positions. Which of the
+  two is faster was not measured; the headline workload (one 448^2 image, one slice) has no padding.
 
 Both drop the mask when no slice is padded, as the published forward does (an all-ones patch mask).
 """
@@ -89,7 +90,8 @@ class PublishedStyleMiniCPMV:
         return [(res.ln_post(out) @ res.proj).reshape(-1, out.shape[-1])]
 
     def _attention_kernel(self, x: torch.Tensor, mask: torch.Tensor | None):
-        """FlashAttention-2 for the flash path's unmasked calls on CUDA half types, where PyTorch has it."""
+        """SDPA restricted to FlashAttention-2 for the flash path's unmasked calls on CUDA half types
+        (it raises where that kernel cannot run, e.g. before Ampere: no silent fallback)."""
         if (self.attention == "flash_attention_2" and mask is None and x.is_cuda
                 and x.dtype in (torch.bfloat16, torch.float16)):
             return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
