@@ -136,6 +136,21 @@ def test_cache_is_bounded_in_bytes():
     assert cache.get("k0") is None and cache.get("k4") is not None  # least recently used went first
 
 
+def echo_batch(sizes: list[int] | None = None, sleep_s: float = 0.0):
+    """A stand-in for the tower's batch: each item's first row back, batch sizes recorded in `sizes`."""
+    import time
+
+    from app.vision.graphs import VisionEmbedding
+
+    def run_batch(items):
+        if sizes is not None:
+            sizes.append(len(items))
+        time.sleep(sleep_s)
+        return [VisionEmbedding(it.pixels[:1], []) for it in items], sum(it.pixels.shape[0] for it in items)
+
+    return run_batch
+
+
 def test_the_batcher_runs_its_idle_task_after_the_queue_drains():
     """Deferred work (the encoder's uniform-graph captures) runs between rounds, never mid-batch."""
     from app.vision.batcher import EncodeBatcher
@@ -168,19 +183,11 @@ def test_the_batcher_runs_its_idle_task_after_the_queue_drains():
 def test_an_idle_encoder_starts_at_once_and_a_busy_one_waits_to_batch():
     """No batching wait when no batch ended within `wait_ms` (nothing to batch with: it would only add
     to time to first token); right after a batch, arrivals wait up to `wait_ms` and run together."""
-    import time
 
     from app.vision.batcher import EncodeBatcher
-    from app.vision.graphs import VisionEmbedding
 
     sizes = []
-
-    def run_batch(items):
-        sizes.append(len(items))
-        time.sleep(0.05)
-        return [VisionEmbedding(it.pixels[:1], []) for it in items], sum(it.pixels.shape[0] for it in items)
-
-    batcher = EncodeBatcher(run_batch, Limits(64, 4, 4), wait_ms=400)
+    batcher = EncodeBatcher(echo_batch(sizes, sleep_s=0.05), Limits(64, 4, 4), wait_ms=400)
     px = torch.ones((4, 8))
 
     async def scenario():
@@ -199,16 +206,10 @@ def test_a_batch_jobs_encoder_waits_for_company_even_when_idle():
     """`wait_when_idle` (batch jobs): the first arrival at an idle encoder waits the window, and one
     that comes meanwhile shares its batch; without it the first runs alone at once."""
     from app.vision.batcher import EncodeBatcher
-    from app.vision.graphs import VisionEmbedding
 
     def scenario(wait_when_idle: bool) -> list[int]:
         sizes = []
-
-        def run_batch(items):
-            sizes.append(len(items))
-            return [VisionEmbedding(it.pixels[:1], []) for it in items], sum(it.pixels.shape[0] for it in items)
-
-        batcher = EncodeBatcher(run_batch, Limits(64, 4, 4), wait_ms=400, wait_when_idle=wait_when_idle)
+        batcher = EncodeBatcher(echo_batch(sizes), Limits(64, 4, 4), wait_ms=400, wait_when_idle=wait_when_idle)
         px = torch.ones((4, 8))
 
         async def two_arrivals():
@@ -231,16 +232,10 @@ def test_a_backlog_lengthens_the_wait_and_its_end_cuts_it_short():
     import time
 
     from app.vision.batcher import EncodeBatcher
-    from app.vision.graphs import VisionEmbedding
 
     def scenario(backlog: list[bool], clear_after_s: float | None) -> tuple[list[int], float]:
         sizes = []
-
-        def run_batch(items):
-            sizes.append(len(items))
-            return [VisionEmbedding(it.pixels[:1], []) for it in items], sum(it.pixels.shape[0] for it in items)
-
-        batcher = EncodeBatcher(run_batch, Limits(64, 4, 4), wait_ms=1, backlog_wait_ms=3000,
+        batcher = EncodeBatcher(echo_batch(sizes), Limits(64, 4, 4), wait_ms=1, backlog_wait_ms=3000,
                                 backlog=lambda: backlog[0])
         px = torch.ones((4, 8))
 
@@ -268,14 +263,9 @@ def test_no_backlog_wait_without_a_longer_window():
     """`backlog_wait_ms` at or below `wait_ms` (the default 0: off) leaves the batcher as before: the
     backlog is not even asked."""
     from app.vision.batcher import EncodeBatcher
-    from app.vision.graphs import VisionEmbedding
 
     asked = []
-
-    def run_batch(items):
-        return [VisionEmbedding(it.pixels[:1], []) for it in items], sum(it.pixels.shape[0] for it in items)
-
-    batcher = EncodeBatcher(run_batch, Limits(64, 4, 4), wait_ms=5, backlog=lambda: asked.append(1) or True)
+    batcher = EncodeBatcher(echo_batch(), Limits(64, 4, 4), wait_ms=5, backlog=lambda: asked.append(1) or True)
     out = asyncio.run(batcher.submit([(torch.ones((4, 8)), (1, 2, 2))]))
     assert len(out) == 1 and asked == []
 
@@ -283,15 +273,11 @@ def test_no_backlog_wait_without_a_longer_window():
 def test_a_failing_backlog_signal_does_not_stop_the_batcher():
     """A backlog signal that raises counts as no backlog: the batch still runs, and later ones too."""
     from app.vision.batcher import EncodeBatcher
-    from app.vision.graphs import VisionEmbedding
-
-    def run_batch(items):
-        return [VisionEmbedding(it.pixels[:1], []) for it in items], sum(it.pixels.shape[0] for it in items)
 
     def broken():
         raise RuntimeError("engine gone")
 
-    batcher = EncodeBatcher(run_batch, Limits(64, 4, 4), wait_ms=1, backlog_wait_ms=3000, backlog=broken)
+    batcher = EncodeBatcher(echo_batch(), Limits(64, 4, 4), wait_ms=1, backlog_wait_ms=3000, backlog=broken)
 
     async def twice():
         px = torch.ones((4, 8))
@@ -306,15 +292,9 @@ def test_a_queue_that_makes_a_whole_batch_does_not_wait_out_the_window():
     import time
 
     from app.vision.batcher import EncodeBatcher
-    from app.vision.graphs import VisionEmbedding
 
     sizes = []
-
-    def run_batch(items):
-        sizes.append(len(items))
-        return [VisionEmbedding(it.pixels[:1], []) for it in items], sum(it.pixels.shape[0] for it in items)
-
-    batcher = EncodeBatcher(run_batch, Limits(1024, 2, 8), wait_ms=3000, wait_when_idle=True)
+    batcher = EncodeBatcher(echo_batch(sizes), Limits(1024, 2, 8), wait_ms=3000, wait_when_idle=True)
     px = torch.ones((4, 8))
 
     async def two():
