@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
@@ -61,6 +62,17 @@ def _unexpected(e: BaseException) -> Failure:
     """A row's own unexpected error, as the answer for that row alone (the chunk's others go on)."""
     log.error("a row failed", exc_info=e)
     return Failure.of(ClientError(f"internal error: {type(e).__name__}: {e}", status=500, type="server_error"))
+
+
+async def _answer(call: Awaitable):
+    """A row's call in a chunk, its trouble as the row's answer: Busy for a 5xx (no room now: the driver
+    sends it again), a Failure for a client error, an unexpected error as a 500 Failure."""
+    try:
+        return await call
+    except ClientError as e:
+        return Busy(e.message) if e.status >= 500 else Failure.of(e)
+    except Exception as e:
+        return _unexpected(e)
 
 
 @dataclass
@@ -134,12 +146,7 @@ class EncoderWorker:
         count, per row its items' embeddings, [] for a row without media, or its Failure or Busy, which
         the LLM stage passes on as that row's answer)."""
         async def row(payload: list):
-            try:
-                return await self.service.encode_async(payload) if payload else []
-            except ClientError as e:
-                return Busy(e.message) if e.status >= 500 else Failure.of(e)
-            except Exception as e:
-                return _unexpected(e)
+            return await _answer(self.service.encode_async(payload)) if payload else []
 
         return sum(map(len, payloads)), list(await asyncio.gather(*(row(p) for p in payloads)))
 
@@ -191,7 +198,7 @@ class LLMWorker:
     async def generate_many(self, prepared: list[Prepared | Failure], encoded: list[list]) -> list:
         """`generate` for a chunk of rows, concurrently; a row that failed an earlier stage (a Failure)
         is passed through. Per row: the chat.completion object, a Failure or Busy."""
-        return await self._many(prepared, lambda p, e: self.generate(p, e), encoded)
+        return await self._many(prepared, self.generate, encoded)
 
     async def generate_from_media_many(self, prepared: list[Prepared | Failure], payloads: list[list]) -> list:
         """`fused`: `generate_from_media` for a chunk of rows, as `generate_many`."""
@@ -203,12 +210,7 @@ class LLMWorker:
                 return p
             if isinstance(x, Failure | Busy):  # the encoder stage's answer for this row
                 return x
-            try:
-                return await one(p, x)
-            except ClientError as e:  # _complete raises only 5xx: no room in the engine now
-                return Busy(e.message) if e.status >= 500 else Failure.of(e)
-            except Exception as e:
-                return _unexpected(e)
+            return await _answer(one(p, x))  # _complete raises only 5xx: no room in the engine now
 
         return list(await asyncio.gather(*(row(p, x) for p, x in zip(prepared, inputs, strict=True))))
 

@@ -70,7 +70,7 @@ class EncoderService:
             self._stream = torch.cuda.Stream(device)
         if enc.backlog_wait_ms and not keep_on_device:
             log.warning("encoder.backlog_wait_ms applies to the fused placement only (it reads the engine's "
-                        "queue in the same process); ignored by this encoder replica")
+                        "scheduling state in the same process); ignored by this encoder replica")
         self.batcher = EncodeBatcher(self._encode_batch,
                                      Limits(self.manager.max_budget, enc.max_items_per_batch, enc.max_frames_per_batch),
                                      enc.batch_wait_ms, enc.batch_wait_when_idle,
