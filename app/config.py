@@ -180,6 +180,13 @@ class LLMConfig(_Strict):
                                              "the engine thread and the replica's event loop wait for each other's "
                                              "turn; None leaves the interpreter's")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    load_format: Literal["auto", "dummy"] = Field("auto", description="auto: the checkpoint's safetensors; dummy: "
+                                                  "random weights made on the device (benchmarks of shapes whose "
+                                                  "checkpoints cannot be written to disk; config and tokenizer are "
+                                                  "still read from the checkpoint folder)")
+    moe_parallel: Literal["tp", "ep"] = Field("tp", description="under tensor parallelism, how MoE layers split: "
+                                              "every expert's units over the ranks (tp) or whole experts per rank "
+                                              "(ep)")
 
     def resolved_max_num_seqs(self, device_type: str) -> int:
         return self.max_num_seqs or (256 if device_type == "cuda" else 8)

@@ -12,3 +12,11 @@ class ClientError(Exception):
 
     def to_json(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class Overloaded(ClientError):
+    """No room now (a full queue): 503 with Retry-After, which clients and the batch driver retry."""
+
+    def __init__(self, message: str = "the server is at capacity; retry shortly", retry_after_s: int = 1):
+        super().__init__(message, status=503, type="server_busy", code="overloaded",
+                         headers={"Retry-After": str(retry_after_s)})

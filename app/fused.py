@@ -28,7 +28,8 @@ from dataclasses import asdict
 
 from .config import AppConfig
 from .llm.async_engine import AsyncEngine
-from .llm.engine import Engine, request_from_dict
+from .llm.engine import Engine
+from .llm.sequence import GenerationRequest
 from .llm.stream import Chunk
 from .vision.service import EncoderService, pick_device
 
@@ -66,7 +67,7 @@ class FusedBackend:
         towards the queue, so a burst may still be refused after encoding, by `submit`."""
         self.engine.check_admission(len(gen["input_ids"]), gen["params"].get("n", 1))
         encoded = await self.encoder.encode_async(items) if items else []
-        stream = self.streams.generate(request_from_dict(gen, encoded))
+        stream = self.streams.generate(GenerationRequest.from_router(gen, encoded))
         del encoded  # the engine's sequence copies the embeddings: keep no GPU memory here meanwhile
         async for chunk in stream:
             yield chunk

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict
 
-from .llm.engine import Engine, request_from_dict
+from .llm.engine import Engine
+from .llm.sequence import GenerationRequest
 from .vision.service import EncoderService
 
 
@@ -20,6 +21,6 @@ class LocalBackend:
 
     async def stream(self, gen: dict, payload: list):
         encoded = self.encoder.encode([(px, grid) for px, grid, _ in payload]) if payload else []
-        it = self.engine.generate(request_from_dict(gen, encoded))
+        it = self.engine.generate(GenerationRequest.from_router(gen, encoded))
         while (chunk := await asyncio.to_thread(next, it, None)) is not None:
             yield asdict(chunk)

@@ -4,9 +4,11 @@ No weights or tokenizers can be downloaded here, so the project makes its own: t
 tests and `make serve`, and checkpoints with real shapes for GPU benchmarks (speed does not depend on
 weight values). A preset's `model_type` picks the family:
 
-- `qwen3_vl` (`tiny`, `qwen3-vl-2b`, `qwen3-vl-8b`) and `qwen2_5_vl` (`tiny-qwen2.5-vl`, `qwen2.5-vl-3b`,
+- `qwen3_vl` (`tiny`, `qwen3-vl-2b`, `qwen3-vl-8b`), `qwen3_vl_moe` (`tiny-qwen3-vl-moe`,
+  `qwen3-vl-30b-a3b`, `qwen3-vl-235b-a22b`) and `qwen2_5_vl` (`tiny-qwen2.5-vl`, `qwen2.5-vl-3b`,
   `qwen2.5-vl-7b`): transformers' own classes save the weights; the folder loads through
-  `from_pretrained` exactly like a real one;
+  `from_pretrained` exactly like a real one. The large MoE shapes are built with `--config-only` and
+  served with `llm.load_format: dummy` (weights made on the GPU);
 - `minicpmv` (`tiny-minicpm-v-4.5`, `minicpm-v-4.5`): MiniCPM-V is remote code on the Hub, not in
   transformers, so `minicpmv_builder.py` writes its published config keys and parameter names itself.
 """
@@ -191,6 +193,11 @@ QWEN_FAMILIES = {
                  "video_processor": "Qwen3VLVideoProcessor", "template": CHAT_TEMPLATE, "mean": [0.5] * 3,
                  "std": [0.5] * 3, "image_size": {"shortest_edge": 65536, "longest_edge": 16777216},
                  "video_size": {"shortest_edge": 4096, "longest_edge": 25165824}},
+    "qwen3_vl_moe": {"config": "Qwen3VLMoeConfig", "model": "Qwen3VLMoeForConditionalGeneration",
+                     "processor": "Qwen3VLProcessor", "video_processor": "Qwen3VLVideoProcessor",
+                     "template": CHAT_TEMPLATE, "mean": [0.5] * 3, "std": [0.5] * 3,
+                     "image_size": {"shortest_edge": 65536, "longest_edge": 16777216},
+                     "video_size": {"shortest_edge": 4096, "longest_edge": 25165824}},
     "qwen2_5_vl": {"config": "Qwen2_5_VLConfig", "model": "Qwen2_5_VLForConditionalGeneration",
                    "processor": "Qwen2_5_VLProcessor", "video_processor": "Qwen2VLVideoProcessor",
                    "template": QWEN25_CHAT_TEMPLATE, "mean": CLIP_MEAN, "std": CLIP_STD,

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.api.chat import ChatService  # noqa: E402
 from app.config import AppConfig  # noqa: E402
 from app.fused import FusedBackend  # noqa: E402
-from app.llm.engine import request_from_dict  # noqa: E402
+from app.llm.sequence import GenerationRequest  # noqa: E402
 from app.media.pipeline import MediaPipeline  # noqa: E402
 from app.media.preprocess import PatchSpec  # noqa: E402
 from app.model_builder import resolve_model  # noqa: E402
@@ -152,7 +152,7 @@ async def run(a) -> dict:
         return first, time.perf_counter() - t0, n
 
     async def llm_one(req):  # embeddings made before the clock: req[2]
-        return await timed(streams.generate(request_from_dict(req[0], req[2])))
+        return await timed(streams.generate(GenerationRequest.from_router(req[0], req[2])))
 
     async def fused_one(req):
         return await timed(backend.chunks(req[0], req[1]))

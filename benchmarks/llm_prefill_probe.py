@@ -38,9 +38,9 @@ def fwd_inputs(runner, t: int):
     wseq, wq0 = work_table(lens, runner.prefill_block_q)
     nb = -(-t // runner.block_size)
     row = runner.max_num_seqs - 1
-    runner.block_tables[row, :nb] = torch.arange(1, nb + 1, dtype=torch.int32, device=dev)
+    runner.tables.tensor[row, :nb] = torch.arange(1, nb + 1, dtype=torch.int32, device=dev)
     meta = AttentionMetadata(torch.tensor(qstart, device=dev), torch.tensor(lens, device=dev),
-                             torch.tensor([row], dtype=torch.int32, device=dev), runner.block_tables,
+                             torch.tensor([row], dtype=torch.int32, device=dev), runner.tables.tensor,
                              torch.tensor(wseq, device=dev), torch.tensor(wq0, device=dev), runner.prefill_block_q,
                              runner.block_size, host_query_start=qstart, host_seq_lens=lens)
     ids = torch.randint(0, 150000, (t,), dtype=torch.int32, device=dev)

@@ -15,7 +15,7 @@ from ray import serve
 
 from app.config import AppConfig
 from app.fused import build_generation
-from app.llm.engine import request_from_dict
+from app.llm.sequence import GenerationRequest
 from app.model_builder import resolve_model
 
 from .logs import route_app_logs
@@ -38,7 +38,7 @@ class LLM:
 
     async def generate(self, gen: dict, encoded: list):
         """Async generator of chunk dicts; `encoded` arrives resolved from the encoder's response."""
-        async for chunk in self.streams.generate(request_from_dict(gen, encoded)):
+        async for chunk in self.streams.generate(GenerationRequest.from_router(gen, encoded)):
             yield asdict(chunk)
 
     async def generate_from_media(self, gen: dict, payload: list):

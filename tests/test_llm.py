@@ -218,7 +218,7 @@ def test_detokenizing_many_tokens_at_once_equals_one_by_one(world):
 def test_step_buckets_hold_every_step_and_pad_as_documented():
     """Every step size up to the token budget has a step graph, padded by at most its own size up to 128
     tokens, then by fewer than 128, 256 or 512 tokens (up to 1024, 4096, beyond)."""
-    from app.llm.model_runner import step_buckets
+    from app.llm.step_inputs import step_buckets
 
     assert step_buckets(2048)[:6] == [16, 32, 64, 128, 256, 384] and len(step_buckets(2048)) == 15
     for top in (16, 48, 130, 2048, 3000, 8192):

@@ -704,7 +704,7 @@ def test_step_inputs_are_not_rewritten_before_their_copy_has_run():
     cloned in stream order, as the step's kernels read it; every clone must hold its own step's data."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from app.llm.model_runner import StepInputs
+    from app.llm.step_inputs import StepInputs
 
     inputs = StepInputs(torch.device("cuda"), 4096)
     torch.cuda._sleep(200_000_000)  # about 0.1 s of one busy kernel ahead of the copies

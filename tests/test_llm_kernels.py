@@ -112,7 +112,7 @@ def test_a_padded_step_layout_changes_no_real_row_of_attention():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from app.llm.attention import AttentionMetadata, block_q_for, paged_attention, work_table
-    from app.llm.model_runner import StepLayout
+    from app.llm.step_inputs import StepLayout
 
     g = torch.Generator(device="cuda").manual_seed(3)
     heads, kv, d, bs = 16, 8, 128, 16

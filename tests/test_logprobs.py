@@ -245,14 +245,14 @@ def test_the_answer_and_the_stream_carry_the_engines_logprobs(world, tiny_checkp
     """The JSON answer's `logprobs.content` is the engine's entries (tested against transformers above)
     with each id's text and bytes; the stream's chunks carry the same entries, in order."""
     from app.api.logprobs import TokenText
-    from app.llm.engine import request_from_dict
+    from app.llm.sequence import GenerationRequest
 
     body = {"messages": [{"role": "user", "content": "Tell me about it"}], "max_tokens": 8, "temperature": 0,
             "logprobs": True, "top_logprobs": 3}
     answer, gen = run_chat(tiny_checkpoint, body)
     content = answer["choices"][0]["logprobs"]["content"]
     text = answer["choices"][0]["message"]["content"]
-    got, chunks = ours(world, request_from_dict(gen, []))
+    got, chunks = ours(world, GenerationRequest.from_router(gen, []))
     tt = TokenText(world["tok"])
     assert len(content) == len(got)
     # the text skips special tokens (random weights generate some); the bytes of the others are the

@@ -185,9 +185,9 @@ class LLMWorker:
 
     async def generate(self, prepared: Prepared, encoded: list) -> dict | Failure:
         """The OpenAI chat.completion object, built as the server builds it (`completion_response`)."""
-        from ..llm.engine import request_from_dict
+        from ..llm.sequence import GenerationRequest
 
-        return await self._complete(prepared, lambda: self.streams.generate(request_from_dict(prepared.gen, encoded)))
+        return await self._complete(prepared, lambda: self.streams.generate(GenerationRequest.from_router(prepared.gen, encoded)))
 
     async def generate_from_media(self, prepared: Prepared, payload: list) -> dict | Failure:
         """`fused`: the same from the media worker's payload (uint8 rows, grid, cache key per item)."""

@@ -37,7 +37,7 @@ class AttentionMetadata:
 
     query_start: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32, keys per sequence after this step
-    seq_slots: torch.Tensor  # [B] int32, row of each sequence in block_tables
+    seq_rows: torch.Tensor  # [B] int32, row of each sequence in block_tables
     block_tables: torch.Tensor  # [rows, max_blocks] int32
     work_seq: torch.Tensor  # [W] int32, one entry per program
     work_q0: torch.Tensor  # [W] int32
@@ -99,7 +99,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 if triton is not None:
 
     @triton.jit
-    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, table_stride, slots_ptr, qstart_ptr,
+    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, table_stride, rows_ptr, qstart_ptr,
                                 lens_ptr, work_seq_ptr, work_q0_ptr, scale_log2,
                                 H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                                 GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -113,7 +113,7 @@ if triton is not None:
         qn = tl.load(qstart_ptr + seq + 1) - qs
         length = tl.load(lens_ptr + seq)
         ctx = length - qn
-        table = tables_ptr + tl.load(slots_ptr + seq).to(tl.int64) * table_stride
+        table = tables_ptr + tl.load(rows_ptr + seq).to(tl.int64) * table_stride
 
         m = tl.arange(0, BLOCK_M)
         qi = q0 + m // GROUP
@@ -180,7 +180,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     work = meta.work_seq.shape[0]
     if work:
         _paged_attention_kernel[(work, kv)](
-            q, k_cache, v_cache, out, meta.block_tables, meta.block_tables.stride(0), meta.seq_slots,
+            q, k_cache, v_cache, out, meta.block_tables, meta.block_tables.stride(0), meta.seq_rows,
             meta.query_start, meta.seq_lens, meta.work_seq, meta.work_q0, scale * 1.4426950408889634,
             H=h, KV=kv, D=d, DP=triton.next_power_of_2(d), GROUP=group, BLOCK_Q=meta.block_q,
             BLOCK_N=block_n or meta.block_n, PAGE=meta.block_size,

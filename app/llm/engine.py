@@ -24,25 +24,24 @@ Sequences whose placeholder is their last token (`max_tokens`) are not scheduled
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..config import LLMConfig
-from ..errors import ClientError
+from ..errors import ClientError, Overloaded
 from .block_manager import BlockManager
 from .grammar import Grammars
-from .model import TextModel, TextSpec, load_text_model
+from .loader import load_checkpoint, load_in_memory, resolve_dtype, vision_token_ids
 from .model_runner import LaunchedStep, ModelRunner
 from .mrope import Rope
+from .parallel import SINGLE, TensorParallel
 from .sampling import MAX_LOGPROBS
 from .scheduler import Scheduler
 from .sequence import GenerationRequest, Sequence, Status, VisionInput
@@ -50,73 +49,40 @@ from .stream import Chunk, OutputStream, ThreadReader, TokenDelta
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Chunk", "Engine", "GenerationRequest", "VisionInput", "request_from_dict", "resolve_dtype"]
+__all__ = ["Chunk", "Engine", "GenerationRequest", "VisionInput"]
 
 STEP_LOG = 8192  # steps kept for host-time statistics
-
-
-def request_from_dict(gen: dict, encoded: list) -> GenerationRequest:
-    """The router's generation dict plus the encoder's (main, deepstack) per item, in prompt order."""
-    from .sampling import SamplingParams
-
-    n = len(gen["grids"])
-    keys = gen.get("media_keys") or [None] * n
-    seconds = gen.get("second_per_grid_ts") or [None] * n
-    vision = [VisionInput(tuple(g), main, ds, key, secs)
-              for g, (main, ds), key, secs in zip(gen["grids"], encoded, keys, seconds, strict=True)]
-    return GenerationRequest(gen["input_ids"], gen["mm_token_type_ids"], vision, SamplingParams(**gen["params"]))
-
-
-def _overloaded() -> ClientError:
-    return ClientError("the server is at capacity; retry shortly", status=503, type="server_busy",
-                       code="overloaded", headers={"Retry-After": "1"})
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 class Engine:
     """`Engine(path, device, config)` loads a checkpoint; `Engine.from_model(hf_model, tokenizer, device)`
     takes a transformers model in memory. Keyword overrides set LLMConfig fields, e.g.
-    `Engine(path, "cuda", max_num_seqs=64)`."""
+    `Engine(path, "cuda", max_num_seqs=64)`. `tp`: this process's rank of a tensor-parallel group
+    (parallel.py); the engine of rank 0 drives the others' runners."""
 
     def __init__(self, path: str | None = None, device: str = "cpu", config: LLMConfig | None = None, *,
-                 model=None, tokenizer=None, **overrides):
+                 model=None, tokenizer=None, tp: TensorParallel = SINGLE, **overrides):
         cfg = (config or LLMConfig()).model_copy(update=overrides)
         self.cfg = cfg
         self.device = torch.device(device)
-        self.dtype = _resolve(cfg.dtype, self.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.max_model_len = cfg.max_model_len
         self.max_num_seqs = cfg.resolved_max_num_seqs(self.device.type)
         self.max_waiting = cfg.max_waiting
         if model is None:
-            from transformers import AutoTokenizer
-
-            config_json = json.loads((Path(path) / "config.json").read_text())
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            self.model = load_text_model(path, self.dtype, self.device, _rope_rows(config_json, self.max_model_len))
-            generation = _generation_eos(path)
-        else:  # a transformers model in memory: our modules take its tensors by name
-            config_json = model.config.to_dict()
-            self.model = TextModel(TextSpec.from_config(config_json), self.dtype, self.device,
-                                   _rope_rows(config_json, self.max_model_len))
-            self.model.load_weights(model.state_dict().items())
-            eos = model.generation_config.eos_token_id
-            generation = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self.tokenizer = tokenizer
+            loaded = load_checkpoint(path, self.dtype, self.device, self.max_model_len, tp, cfg.load_format)
+        else:
+            loaded = load_in_memory(model, tokenizer, self.dtype, self.device, self.max_model_len, tp)
+        self.model, self.tokenizer, self.eos_ids = loaded.model, loaded.tokenizer, loaded.eos_ids
         self.spec = self.model.spec
-        self.rope = Rope.from_config(config_json)
-        self.vision_ids = _vision_ids(config_json, tokenizer)
-        self.eos_ids = generation | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        self.rope = Rope.from_config(loaded.config)
+        self.vision_ids = vision_token_ids(loaded.config, self.tokenizer)
         self.runner = ModelRunner(self.model, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
                                   num_kv_blocks=cfg.num_kv_blocks,
                                   gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=cfg.cuda_graphs,
                                   step_graphs=cfg.step_graphs)
-        self.grammars = self.runner.grammars = Grammars(tokenizer, self.spec.vocab)
+        self.grammars = self.runner.grammars = Grammars(self.tokenizer, self.spec.vocab)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, self.max_num_seqs, cfg.max_num_batched_tokens)
         self.emit: Callable[[list[tuple[Sequence, TokenDelta]]], None] = self._emit_each
@@ -192,7 +158,7 @@ class Engine:
             seq.sink = sink
         with self._cv:
             if len(self._inbox) + len(self.scheduler.waiting) + n > self.max_waiting:
-                raise _overloaded()
+                raise Overloaded()
             now = time.perf_counter()
             for seq in seqs:
                 seq.queued_time = now
@@ -233,7 +199,7 @@ class Engine:
             raise ClientError(f"n={choices} exceeds the {self.max_waiting} sequences this server queues",
                               param="n")
         if len(self._inbox) + len(self.scheduler.waiting) + choices > self.max_waiting:
-            raise _overloaded()
+            raise Overloaded()
         return capacity
 
     def output_stream(self, req: GenerationRequest) -> OutputStream:
@@ -450,33 +416,5 @@ class Engine:
             seq.sink(delta)
 
 
-def _rope_rows(config: dict, max_model_len: int) -> int:
-    """Rows of the rotary tables. Positions can run ahead of token counts (Qwen2.5-VL's video time axis
-    counts seconds), so the tables go up to the model's own max_position_embeddings, at most four times
-    max_model_len (submit keeps every request inside them)."""
-    text = config.get("text_config") or config
-    return max(max_model_len + 16, min(int(text.get("max_position_embeddings") or 0), 4 * max_model_len))
-
-
 def _rows(req: GenerationRequest) -> int:
     return sum(v.main.shape[0] for v in req.vision)
-
-
-def _resolve(name: str, device: torch.device) -> torch.dtype:
-    return resolve_dtype(name, device)
-
-
-def _vision_ids(config: dict, tokenizer) -> tuple[int, ...]:
-    """Token ids whose embeddings the encoder's rows replace: Qwen's image and video pads, or
-    MiniCPM-V's `<unk>` placeholder (its config names no id; the tokenizer does)."""
-    if config.get("model_type") == "minicpmv":
-        return (tokenizer.convert_tokens_to_ids("<unk>"),)
-    return config.get("image_token_id", -1), config.get("video_token_id", -1)
-
-
-def _generation_eos(path: str) -> set[int]:
-    f = Path(path) / "generation_config.json"
-    if not f.is_file():
-        return set()
-    eos = json.loads(f.read_text()).get("eos_token_id")
-    return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .spec import family as spec_family
+
 MROPE_FAMILIES = ("qwen3_vl", "qwen2_5_vl")
 
 
@@ -75,7 +77,7 @@ class Rope:
 
     @classmethod
     def from_config(cls, config: dict) -> Rope:
-        family = config.get("model_type", "")
+        family = spec_family(config)
         vision = config.get("vision_config") or {}
         if family not in MROPE_FAMILIES:
             return cls("1d", 1)

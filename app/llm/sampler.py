@@ -80,7 +80,7 @@ class SamplingBatch:
     steps: torch.Tensor  # [S] int64, the index of the output token being sampled
     frequency_penalty: torch.Tensor  # [S] float32
     presence_penalty: torch.Tensor  # [S] float32
-    slots: torch.Tensor  # [S] int64, rows of the penalty counts
+    rows: torch.Tensor  # [S] int64, each request's row of the penalty counts (its block-table row)
     all_greedy: bool = True
     max_top_k: int = 0
     any_top_p: bool = False
@@ -98,7 +98,7 @@ def host_sampling_arrays(seqs) -> dict[str, np.ndarray]:
         "steps": np.array([s.num_output for s in seqs], dtype=np.int64),
         "frequency_penalty": np.array([p.frequency_penalty for p in ps], dtype=np.float32),
         "presence_penalty": np.array([p.presence_penalty for p in ps], dtype=np.float32),
-        "slots": np.array([s.slot for s in seqs], dtype=np.int64),
+        "rows": np.array([s.row for s in seqs], dtype=np.int64),
     }
 
 
@@ -112,20 +112,20 @@ class Sampler:
             self.counts = torch.zeros(self.rows, self.vocab, dtype=torch.int32, device=self.device)
         return self.counts
 
-    def reset_counts(self, slot: int, output_ids: list[int]) -> None:
-        """A penalised request took `slot`: its row counts its output so far (none, or the tokens
-        it had before a preemption)."""
+    def reset_counts(self, row: int, output_ids: list[int]) -> None:
+        """A penalised request took `row`: it counts its output so far (none, or the tokens it had
+        before a preemption)."""
         counts = self._counts()
-        counts[slot].zero_()
+        counts[row].zero_()
         if output_ids:
             ids = torch.tensor(output_ids, device=self.device)
-            counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+            counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         """logits [S, vocab] -> token ids [S] (int64, on the device)."""
         logits = logits[:, :self.vocab].float()
         if b.any_penalty:
-            counts = self._counts()[b.slots].float()
+            counts = self._counts()[b.rows].float()
             logits = logits - b.frequency_penalty[:, None] * counts - b.presence_penalty[:, None] * (counts > 0)
         greedy = logits.argmax(-1)
         if b.all_greedy:
@@ -150,4 +150,4 @@ class Sampler:
     def count(self, tokens: torch.Tensor, b: SamplingBatch) -> None:
         """Add this step's tokens to the penalty counts of the rows that use penalties."""
         if b.any_penalty:
-            self._counts().index_put_((b.slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+            self._counts().index_put_((b.rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)

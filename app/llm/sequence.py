@@ -44,6 +44,17 @@ class GenerationRequest:
     vision: list[VisionInput] = field(default_factory=list)
     params: SamplingParams = field(default_factory=SamplingParams)
 
+    @classmethod
+    def from_router(cls, gen: dict, encoded: list) -> GenerationRequest:
+        """The Router's generation dict (app/api) plus the encoder's (main, deepstack) per item, in
+        prompt order."""
+        n = len(gen["grids"])
+        keys = gen.get("media_keys") or [None] * n
+        seconds = gen.get("second_per_grid_ts") or [None] * n
+        vision = [VisionInput(tuple(g), main, ds, key, secs)
+                  for g, (main, ds), key, secs in zip(gen["grids"], encoded, keys, seconds, strict=True)]
+        return cls(gen["input_ids"], gen["mm_token_type_ids"], vision, SamplingParams(**gen["params"]))
+
 
 class Status(enum.Enum):
     WAITING = 0
@@ -104,7 +115,7 @@ class Sequence:
         self.num_cached = 0  # of those, taken from the prefix cache at admission
         # waiting for another's computation of shared prompt blocks: (the last one's hash, that sequence)
         self.waits_on: tuple[int, Sequence] | None = None
-        self.slot = -1  # row in the model runner's block-table tensor while running
+        self.row = -1  # its row of the block tables (block_tables.py) and penalty counts while running
         self.finish_reason: str | None = None
         # perf_counter times: built (arrival_time), queued for the engine, first scheduled, first token
         self.queued_time: float | None = None

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from ..config import AppConfig
-from ..llm.engine import resolve_dtype
+from ..llm.loader import resolve_dtype
 from ..media.preprocess import PatchSpec
 from .batcher import EncodeBatcher
 from .cache import EmbeddingCache

@@ -1,0 +1,42 @@
+"""A mixture-of-experts feed-forward block (Qwen3-VL-MoE, Qwen3-MoE): route each token to its top-k
+experts, run them, sum their outputs weighted by the router.
+
+The router is transformers' (softmax over every expert in float32, top-k, renormalised when the
+checkpoint says so, weights rounded to the model's dtype), so greedy answers match the reference.
+The experts run in `fused_moe`: one grouped GEMM launch for gate/up and one for down over tokens
+sorted by expert, instead of a Python loop over the experts a step hits; nothing synchronises
+with the host, so the block lives inside the decode and step CUDA graphs.
+
+Under tensor parallelism each rank runs its share (parallel.py): every expert's units ("tp"), or
+its whole experts ("ep", the others' ids routed out of range so they count nothing); the caller
+all-reduces the partial sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .fused_moe import fused_moe
+from .parallel import TensorParallel
+from .spec import TextSpec
+
+
+def route(h: torch.Tensor, router_weight: torch.Tensor, spec: TextSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (expert ids [T, k], weights [T, k] in h's dtype)."""
+    probs = F.softmax(F.linear(h, router_weight), dim=-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, spec.experts_per_token, dim=-1)
+    if spec.norm_topk:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(h.dtype)
+
+
+def moe_forward(h: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                spec: TextSpec, tp: TensorParallel) -> torch.Tensor:
+    """h [T, hidden] -> this rank's part of the block's output [T, hidden]. gate_up [experts, 2 units,
+    hidden] and down [experts, hidden, units] are the rank's experts (or the rank's units of all)."""
+    ids, weights = route(h, router_weight, spec)
+    if tp.enabled and tp.moe == "ep":
+        first = tp.rank * gate_up.shape[0]
+        ids = ids - first  # experts held elsewhere fall outside [0, held) and count nothing here
+    return fused_moe(h, gate_up, down, ids, weights)
