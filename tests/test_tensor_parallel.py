@@ -161,6 +161,8 @@ def test_two_gpus_over_nccl_give_one_gpus_logits(model_cache, tmp_path):
     from app.llm.loader import load_checkpoint
     from app.model_builder import ensure_embedded
 
+    for preset, _ in CASES:  # built here: ranks building it at once would read each other's half-written folder
+        ensure_embedded(preset, model_cache)
     out = str(tmp_path / "logits.pt")
     mp.spawn(_gpu_rank, args=(2, _free_port(), model_cache, out), nprocs=2, join=True)
     got = torch.load(out)

@@ -65,6 +65,8 @@ class Engine:
         cfg = (config or LLMConfig()).model_copy(update=overrides)
         self.cfg = cfg
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # the engine thread must use the same GPU
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.max_model_len = cfg.max_model_len
         self.max_num_seqs = cfg.resolved_max_num_seqs(self.device.type)
@@ -259,6 +261,8 @@ class Engine:
     # ------------------------------------------------------------------ loop
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        if self.device.type == "cuda":  # a new thread starts on GPU 0, whatever its creator had set
+            torch.cuda.set_device(self.device)
         while True:
             with self._cv:
                 while not self._stop and not self._inbox and not self.scheduler.has_work() and self._inflight is None:
