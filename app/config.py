@@ -212,6 +212,11 @@ class PlacementConfig(_Strict):
                                       "auto: more processes for the host work (each its own GIL), at the cost of a "
                                       "copy of the weights (and under fused, of the tower) per replica; they split "
                                       "llm.gpu_memory_utilization between them")
+    llm_tensor_parallel: int = Field(1, ge=1, description="GPUs per LLM replica: the model is split over this many "
+                                     "GPUs of one node (tensor parallelism; a placement group of that many bundles, "
+                                     "STRICT_PACK), for models too large for one GPU (Qwen3-VL-32B, the MoE models). "
+                                     "Replicas are whole groups: each node holds its GPUs // this many. With the "
+                                     "fused placement (or on the CPU, over gloo)")
     encoder_num_gpus: float | Literal["auto"] = Field("auto", description="explicit GPU share per encoder replica")
     llm_num_gpus: float | Literal["auto"] = Field("auto", description="explicit GPU share per LLM replica")
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each encoder and LLM replica")

@@ -47,7 +47,7 @@ class FusedBackend:
         return self.streams.engine
 
     @classmethod
-    def build(cls, cfg: AppConfig, checkpoint: str) -> FusedBackend:
+    def build(cls, cfg: AppConfig, checkpoint: str, **engine_kw) -> FusedBackend:
         if cfg.encoder.uniform_capture_after:
             log.warning("encoder.uniform_capture_after is ignored under the fused placement: no graph is "
                         "captured while the engine runs in the same process")
@@ -55,7 +55,7 @@ class FusedBackend:
         # The tower first: its weights, graphs and buffers take their memory before the engine sizes
         # its KV cache from what is left (llm.gpu_memory_utilization).
         encoder = EncoderService(cfg, checkpoint, keep_on_device=True)
-        engine = Engine(checkpoint, pick_device(cfg.device), cfg.llm)
+        engine = Engine(checkpoint, pick_device(cfg.device), cfg.llm, **engine_kw)
         if cfg.encoder.backlog_wait_ms:  # requests waiting for an engine slot gain nothing from early encoding
             encoder.batcher.backlog = engine.short_of_room
         return cls(encoder, AsyncEngine(engine, cfg.llm.stream_interval_ms / 1e3))
@@ -78,11 +78,12 @@ class FusedBackend:
             yield asdict(chunk)
 
 
-def build_generation(cfg: AppConfig, checkpoint: str, fused: bool) -> tuple[FusedBackend | None, AsyncEngine]:
+def build_generation(cfg: AppConfig, checkpoint: str, fused: bool, **engine_kw) -> tuple[FusedBackend | None, AsyncEngine]:
     """What an LLM replica (or a batch job's LLM actor) generates with: the engine behind an event
-    loop, and under `fused` the tower beside it (else None)."""
+    loop, and under `fused` the tower beside it (else None). `engine_kw`: the tensor-parallel rank
+    and lockstep channel of a replica that spans several GPUs (app/tensor_parallel.py)."""
     if fused:
-        backend = FusedBackend.build(cfg, checkpoint)
+        backend = FusedBackend.build(cfg, checkpoint, **engine_kw)
         return backend, backend.streams
-    engine = Engine(checkpoint, pick_device(cfg.device), cfg.llm)
+    engine = Engine(checkpoint, pick_device(cfg.device), cfg.llm, **engine_kw)
     return None, AsyncEngine(engine, cfg.llm.stream_interval_ms / 1e3)

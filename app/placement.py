@@ -73,10 +73,28 @@ def resolve_policy(p: PlacementConfig, gpus: int) -> str:
     return p.policy
 
 
-def plan(p: PlacementConfig, gpus: int) -> Plan:
-    """The replica counts and GPU shares for a cluster with `gpus` GPUs (0: everything on the CPU)."""
+def tensor_parallel_groups(node_gpus: list[int], size: int) -> int:
+    """LLM replicas of `size` GPUs each that fit the cluster: a group never spans nodes."""
+    return sum(g // size for g in node_gpus)
+
+
+def plan(p: PlacementConfig, gpus: int, node_gpus: list[int] | None = None) -> Plan:
+    """The replica counts and GPU shares for a cluster with `gpus` GPUs (0: everything on the CPU);
+    `node_gpus`: the GPUs of each node, for tensor-parallel groups (default: one node)."""
     per_gpu = p.llm_replicas_per_gpu
     policy = resolve_policy(p, gpus)
+    tp = p.llm_tensor_parallel
+    if tp > 1:
+        if policy not in ("fused", "cpu"):
+            raise ValueError(f"placement.llm_tensor_parallel {tp} runs under the fused placement (the tower in "
+                             f"each group's first GPU), not {policy!r}")
+        if gpus <= 0:
+            return Plan(policy, 0 if policy == "fused" else _pick(p.encoder_replicas, 1), 0.0,
+                        _pick(p.llm_replicas, 1), 0.0, False)
+        groups = tensor_parallel_groups(node_gpus or [gpus], tp)
+        if groups < 1:
+            raise ValueError(f"placement.llm_tensor_parallel {tp}: no node has {tp} GPUs ({node_gpus or [gpus]})")
+        return Plan("fused", 0, 0.0, _pick(p.llm_replicas, groups), 1.0, False)
     if policy == "fused":
         if gpus <= 0:
             return Plan("fused", 0, 0.0, _pick(p.llm_replicas, 1), _pick(p.llm_num_gpus, 0.0), False)

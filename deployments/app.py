@@ -42,6 +42,15 @@ ROUTER_AUTOSCALING_POLICY = "app.autoscaling:RouterAutoscalingPolicy"
 ROUTING_STATS_PERIOD_S = 1.0  # how fresh the LLM replicas' load reports are (Ray's default: 10 s)
 
 
+def node_gpus() -> list[int]:
+    """GPUs of each live node of the Ray cluster ([] outside Ray): tensor-parallel groups stay on one node."""
+    import ray
+
+    if not ray.is_initialized():
+        return []
+    return [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")]
+
+
 def cluster_resources() -> tuple[int, float]:
     """(GPUs, CPUs) of the Ray cluster this builder runs in; (0, 0) outside Ray."""
     import ray
@@ -58,10 +67,11 @@ def llm_request_router() -> RequestRouterConfig:
                                request_routing_stats_timeout_s=5 * ROUTING_STATS_PERIOD_S)
 
 
-def deployment_options(cfg: AppConfig, gpus: int, cpus: float) -> tuple[dict[str, dict], Plan]:
-    """`.options()` per deployment name, and the placement plan behind them."""
+def deployment_options(cfg: AppConfig, gpus: int, cpus: float, per_node: list[int] | None = None
+                       ) -> tuple[dict[str, dict], Plan]:
+    """`.options()` per deployment name, and the placement plan behind them (`per_node`: each node's GPUs)."""
     p = cfg.placement
-    pl = plan(p, gpus)
+    pl = plan(p, gpus, per_node)
     ongoing = p.max_ongoing_requests
     routers = replica_floor(p.router_replicas_per_gpu, gpus, cpus)
     media = replica_floor(p.media_replicas_per_gpu, gpus, cpus)
@@ -87,6 +97,10 @@ def deployment_options(cfg: AppConfig, gpus: int, cpus: float) -> tuple[dict[str
                 "ray_actor_options": {"num_gpus": pl.llm_num_gpus, "num_cpus": p.num_cpus},
                 "request_router_config": llm_request_router()},
     }
+    if p.llm_tensor_parallel > 1:  # one bundle per rank, on one node; the replica itself takes the first
+        bundle = {"CPU": p.num_cpus} | ({"GPU": 1} if gpus > 0 else {})
+        opts["LLM"] |= {"placement_group_bundles": [bundle] * p.llm_tensor_parallel,
+                        "placement_group_strategy": "STRICT_PACK"}
     if pl.fused:
         opts["VisionEncoder"] = dormant_encoder(opts["VisionEncoder"])
     return opts, pl
@@ -118,7 +132,7 @@ def build_app(args: dict):
         raise ValueError(f"invalid application config:\n{e}") from None
     resolve_model(cfg.model, cfg.cache_dir)  # fail fast, and build an embedded checkpoint once, here
     gpus, cpus = cluster_resources()
-    opts, pl = deployment_options(cfg, gpus, cpus)
+    opts, pl = deployment_options(cfg, gpus, cpus, node_gpus())
     log.info("placement on %d GPUs: %s", gpus, pl.describe())
     config = cfg.model_dump()
     llm_config = cfg.model_copy(update={"llm": cfg.llm.model_copy(update={

@@ -29,7 +29,13 @@ class LLM:
     def __init__(self, config: dict, fused: bool = False):
         route_app_logs()
         cfg = AppConfig(**config)
-        self.fused, self.streams = build_generation(cfg, str(resolve_model(cfg.model, cfg.cache_dir)), fused)
+        checkpoint = str(resolve_model(cfg.model, cfg.cache_dir))
+        engine_kw, self.followers = {}, []
+        if cfg.placement.llm_tensor_parallel > 1:  # this replica is rank 0 of a group spanning several GPUs
+            from .tensor_parallel import start_group
+
+            engine_kw, self.followers = start_group(cfg, checkpoint)
+        self.fused, self.streams = build_generation(cfg, checkpoint, fused, **engine_kw)
         self.engine = self.streams.engine
         if self.fused is not None:
             self.encoder_metrics = EncoderMetrics(self.fused.encoder.stats)
@@ -57,6 +63,14 @@ class LLM:
             raise RuntimeError("encoder_stats needs the fused placement (this replica has no tower)")
         return {**self.fused.encoder.stats(), "replica": serve.get_replica_context().replica_id.unique_id,
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def check_health(self) -> None:
+        """Serve replaces a replica whose check raises: a tensor-parallel replica with a follower gone
+        (its collectives would wait forever) is replaced whole, followers and all."""
+        if self.followers:
+            from .tensor_parallel import followers_alive
+
+            followers_alive(self.followers)
 
     # ------------------------------------------------------------ routing and autoscaling
     def replica_load(self) -> dict:

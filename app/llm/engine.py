@@ -39,6 +39,7 @@ from ..errors import ClientError, Overloaded
 from .block_manager import BlockManager
 from .grammar import Grammars
 from .loader import load_checkpoint, load_in_memory, resolve_dtype, vision_token_ids
+from .lockstep import Channel, Tick, describe, rebuild
 from .model_runner import LaunchedStep, ModelRunner
 from .mrope import Rope
 from .parallel import SINGLE, TensorParallel
@@ -58,10 +59,12 @@ class Engine:
     """`Engine(path, device, config)` loads a checkpoint; `Engine.from_model(hf_model, tokenizer, device)`
     takes a transformers model in memory. Keyword overrides set LLMConfig fields, e.g.
     `Engine(path, "cuda", max_num_seqs=64)`. `tp`: this process's rank of a tensor-parallel group
-    (parallel.py); the engine of rank 0 drives the others' runners."""
+    (parallel.py); with `lockstep` (lockstep.py) rank 0 takes requests and the other ranks follow
+    its steps."""
 
     def __init__(self, path: str | None = None, device: str = "cpu", config: LLMConfig | None = None, *,
-                 model=None, tokenizer=None, tp: TensorParallel = SINGLE, **overrides):
+                 model=None, tokenizer=None, tp: TensorParallel = SINGLE, lockstep: Channel | None = None,
+                 **overrides):
         cfg = (config or LLMConfig()).model_copy(update=overrides)
         self.cfg = cfg
         self.device = torch.device(device)
@@ -102,7 +105,12 @@ class Engine:
         self._inbox: list[Sequence] = []
         self._cv = threading.Condition()
         self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
+        self.lockstep = lockstep
+        follower = lockstep is not None and not lockstep.leader
+        if follower:
+            self.emit = _discard
+        self._thread = threading.Thread(target=self._follow if follower else self._loop, name="llm-engine",
+                                        daemon=True)
         self._thread.start()
 
     @classmethod
@@ -144,15 +152,13 @@ class Engine:
         if any(len(v.deepstack) != layers for v in req.vision):  # the step graphs hold exactly this many
             raise ValueError(f"the vision encoder gave {[len(v.deepstack) for v in req.vision]} deepstack layers "
                              f"per item; the text model takes {layers}")
-        capacity = self.check_admission(length, n)
-        first = Sequence(req, rope=self.rope, vision_ids=self.vision_ids, max_model_len=min(self.max_model_len, capacity),
-                         block_size=self.blocks.block_size, device=self.device, dtype=self.dtype)
-        self._fit_rope(first)
+        self.check_admission(length, n)
+        first = self._sequence(req)
         seed = req.params.seed
-        seqs = [first] + [first.fork(None if seed is None else seed + i) for i in range(1, n)]
-        if req.params.grammar is not None:
-            for seq in seqs:
-                seq.matcher = self.grammars.matcher(req.params.grammar)
+        seqs = [first] + [self._fork(first, None if seed is None else seed + i) for i in range(1, n)]
+        if self.lockstep is not None:  # what the followers must queue alike (lockstep.py)
+            for i, seq in enumerate(seqs):
+                seq.lockstep_new = describe(seq, req, None) if i == 0 else describe(seq, None, first)
         for seq, sink in zip(seqs, sinks):
             if sink is None:
                 reader = ThreadReader(OutputStream(self.tokenizer, req.params, length, _rows(req)), seq.cancel)
@@ -169,6 +175,22 @@ class Engine:
             self._inbox.extend(seqs)
             self._cv.notify()
         return seqs
+
+    def _sequence(self, req: GenerationRequest) -> Sequence:
+        """A request's first choice, fitted to the cache and the rotary tables, with its grammar's matcher."""
+        capacity = self.blocks.usable_blocks * self.blocks.block_size
+        seq = Sequence(req, rope=self.rope, vision_ids=self.vision_ids, max_model_len=min(self.max_model_len, capacity),
+                       block_size=self.blocks.block_size, device=self.device, dtype=self.dtype)
+        self._fit_rope(seq)
+        if req.params.grammar is not None:
+            seq.matcher = self.grammars.matcher(req.params.grammar)
+        return seq
+
+    def _fork(self, first: Sequence, seed: int | None) -> Sequence:
+        seq = first.fork(seed)
+        if first.matcher is not None:
+            seq.matcher = self.grammars.matcher(first.params.grammar)
+        return seq
 
     def _fit_rope(self, seq: Sequence) -> None:
         """Positions must stay inside the rotary tables (an index past them is a device-side assert on a
@@ -268,34 +290,79 @@ class Engine:
                 while not self._stop and not self._inbox and not self.scheduler.has_work() and self._inflight is None:
                     self._cv.wait()
                 if self._stop:
+                    if self.lockstep is not None:
+                        self.lockstep.send(Tick(stop=True), {})
                     return
                 inbox, self._inbox = self._inbox, []
+            cancelled = self._tick(inbox) if self.lockstep is not None else None
             for seq in inbox:
                 self.scheduler.add(seq)
-            try:
-                self._step()
-            except Exception as e:  # never let the loop die; what was running fails, cleanly
-                log.exception("engine step failed")
-                self._inflight = None  # its tokens are lost: whoever waits for one fails too
-                try:
-                    failed = list(self.scheduler.running) + [
-                        s for s in self.scheduler.waiting if s.token_ids and s.token_ids[-1] < 0]
-                    if not failed and self.scheduler.waiting:
-                        # nothing was running: admitting the head of the queue broke the step, and would
-                        # again at every step, so it fails alone and the queue behind it moves on
-                        failed = [self.scheduler.waiting[0]]
-                    self._fail(failed, e)
-                except Exception:  # noqa: BLE001 - the loop must go on serving the others
-                    log.exception("failing the step's requests failed too")
-                    time.sleep(0.01)  # an error that recurs every step must not spin a core
+            self._guarded_step(cancelled)
 
-    def _step(self) -> None:
+    def _tick(self, inbox: list[Sequence]) -> set[Sequence]:
+        """Leader: tell the followers what this turn's step starts from; the cancellations it takes."""
+        sched = self.scheduler
+        cancelled = {s for s in itertools.chain(sched.running, sched.waiting, inbox) if s.cancelled}
+        self.lockstep.send(Tick([s.lockstep_new for s in inbox], [s.id for s in cancelled]), {s.id: s for s in inbox})
+        for s in inbox:
+            s.lockstep_new = None
+        return cancelled
+
+    def _follow(self) -> None:
+        """A follower's loop: each tick's new sequences and cancellations, then the same step as the leader."""
+        torch.set_grad_enabled(False)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        mine: dict[int, Sequence] = {}  # the leader's ids -> this rank's sequences
+        for turn in itertools.count():
+            tick, tensors = self.lockstep.receive()
+            if tick.stop:
+                return
+            now = time.perf_counter()
+            for new in tick.new:
+                if new.parent is None:
+                    seq = self._sequence(rebuild(new, *tensors.get(new.id, (None, None))))
+                else:
+                    seq = self._fork(mine[new.parent], new.seed)
+                seq.seed, seq.sink, seq.queued_time = new.seed, _discard, now
+                if seq.matcher is not None:
+                    self.grammars.live += 1
+                mine[new.id] = seq
+                self.scheduler.add(seq)
+            cancelled = {mine[i] for i in tick.cancelled if i in mine}
+            for seq in cancelled:
+                seq.cancel()
+            self._guarded_step(cancelled)
+            if turn % 256 == 255:
+                mine = {i: s for i, s in mine.items() if s.status is not Status.FINISHED}
+
+    def _guarded_step(self, cancelled: set[Sequence] | None) -> None:
+        try:
+            self._step(cancelled)
+        except Exception as e:  # never let the loop die; what was running fails, cleanly
+            log.exception("engine step failed")
+            self._inflight = None  # its tokens are lost: whoever waits for one fails too
+            try:
+                failed = list(self.scheduler.running) + [
+                    s for s in self.scheduler.waiting if s.token_ids and s.token_ids[-1] < 0]
+                if not failed and self.scheduler.waiting:
+                    # nothing was running: admitting the head of the queue broke the step, and would
+                    # again at every step, so it fails alone and the queue behind it moves on
+                    failed = [self.scheduler.waiting[0]]
+                self._fail(failed, e)
+            except Exception:  # noqa: BLE001 - the loop must go on serving the others
+                log.exception("failing the step's requests failed too")
+                time.sleep(0.01)  # an error that recurs every step must not spin a core
+
+    def _step(self, cancelled: set[Sequence] | None = None) -> None:
+        """One turn: complete, plan, launch. `cancelled`: under lockstep, the cancellations this turn
+        takes (the same on every rank); else every sequence cancelled by now."""
         t0 = time.perf_counter()
         if self.grammars.live and self._inflight is not None and any(
                 s.matcher is not None for s in self.scheduler.running):  # a mask needs the previous token
             self._complete(self._inflight)
             self._inflight = None
-        self._drop_cancelled()
+        self._drop_cancelled(cancelled)
         plan = self.scheduler.schedule()
         for seq in self.scheduler.preempted:
             self.runner.release_row(seq)
@@ -397,9 +464,12 @@ class Engine:
             self._finish(seq)
         self.emit([(seq, TokenDelta([], error=error)) for seq in failed])
 
-    def _drop_cancelled(self) -> None:
-        gone = [s for s in self.scheduler.running if s.cancelled]
-        gone += [s for s in self.scheduler.waiting if s.cancelled]
+    def _drop_cancelled(self, only: set[Sequence] | None = None) -> None:
+        def gone_now(s):
+            return s in only if only is not None else s.cancelled
+
+        gone = [s for s in self.scheduler.running if gone_now(s)]
+        gone += [s for s in self.scheduler.waiting if gone_now(s)]
         if gone:
             for seq in gone:
                 self._finish(seq)
@@ -418,6 +488,10 @@ class Engine:
     def _emit_each(outputs: list[tuple[Sequence, TokenDelta]]) -> None:
         for seq, delta in outputs:
             seq.sink(delta)
+
+
+def _discard(*_) -> None:
+    """A follower's sink and emit: only the leader's outputs reach clients."""
 
 
 def _rows(req: GenerationRequest) -> int:

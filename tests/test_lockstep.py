@@ -1,0 +1,109 @@
+"""A tensor-parallel engine pair in lockstep (CPU, gloo): rank 0 takes requests, rank 1 follows its steps.
+Their answers equal one engine holding the whole model: greedy and seeded sampling, images with
+deepstack features, several choices of one request, a prompt longer than a step's token budget; a
+request cancelled mid-stream ends alone; the follower stops with the leader."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from helpers import make_request
+
+KW = dict(max_num_batched_tokens=32, block_size=4, overlap_steps=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _answers(engine, reqs) -> list[list[list[int]]]:
+    """Per request, per choice, the tokens (all requests queued at once, then read)."""
+    seqs = [engine.submit_choices(r, [None] * r.params.n) for r in reqs]
+    out = []
+    for choices in seqs:
+        per = []
+        for seq in choices:
+            toks = []
+            while True:
+                c = seq.next_chunk(timeout=120)
+                toks += c.token_ids
+                if c.finish_reason:
+                    break
+            per.append(toks)
+        out.append(per)
+    return out
+
+
+def _rank(rank: int, port: int, path: str, reqs_file: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from app.llm.engine import Engine
+    from app.llm.lockstep import Channel
+    from app.llm.parallel import TensorParallel
+    from app.llm.stream import Cancelled
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group = dist.new_group(backend="gloo")
+    try:
+        tp = TensorParallel(rank, 2)
+        spec_hidden = 64  # the tiny preset's
+        channel = Channel(rank, group, None, torch.device("cpu"), spec_hidden, torch.float32)
+        engine = Engine(path, "cpu", tp=tp, lockstep=channel, **KW)
+        if rank == 0:
+            with open(reqs_file, "rb") as f:
+                reqs, cancel_me = pickle.load(f)
+            answers = _answers(engine, reqs)
+            seq = engine.submit(cancel_me)
+            first = seq.next_chunk(timeout=120)
+            seq.cancel()
+            reason = None
+            try:
+                while not reason:
+                    reason = seq.next_chunk(timeout=120).finish_reason
+            except Cancelled:  # how a reader learns that its request was cancelled
+                reason = "cancelled"
+            after = _answers(engine, reqs[:1])  # the pair still serves after a cancellation
+            torch.save({"answers": answers, "after": after, "cancel": (first.token_ids, reason)}, out)
+            engine.shutdown()  # sends the followers the word to stop
+        else:
+            engine._thread.join(timeout=300)
+            assert not engine._thread.is_alive(), "the follower did not stop with the leader"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def requests(world):
+    reqs = [make_request(world, [])[0],
+            make_request(world, ["image"], data_seed=1, words=3, temperature=0.8, seed=7)[0],
+            make_request(world, ["image", "image"], data_seed=2, words=30, max_tokens=6)[0],  # 2 chunks
+            make_request(world, [], data_seed=3, words=2, temperature=1.0, seed=3, n=3)[0]]
+    cancel_me = make_request(world, ["image"], data_seed=4, max_tokens=200, ignore_eos=True)[0]
+    return reqs, cancel_me
+
+
+def test_a_lockstep_pair_answers_as_one_engine(tiny_checkpoint, requests, tmp_path):
+    from app.llm.engine import Engine
+
+    reqs, cancel_me = requests
+    single = Engine(str(tiny_checkpoint), "cpu", **KW)
+    want = _answers(single, reqs)
+    single.shutdown()
+    reqs_file, out = str(tmp_path / "reqs.pkl"), str(tmp_path / "out.pt")
+    with open(reqs_file, "wb") as f:
+        pickle.dump((reqs, cancel_me), f)
+    mp.spawn(_rank, args=(_free_port(), str(tiny_checkpoint), reqs_file, out), nprocs=2, join=True)
+    got = torch.load(out)
+    assert got["answers"] == want
+    assert len(got["answers"][3]) == 3 and len(set(map(tuple, got["answers"][3]))) > 1  # three different draws
+    assert got["after"] == want[:1]
+    first_tokens, reason = got["cancel"]
+    assert first_tokens and reason == "cancelled"
