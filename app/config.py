@@ -277,6 +277,10 @@ class AppConfig(_Strict):
                                          "itself on this port, shared by a node's Routers (SO_REUSEPORT): no proxy hop "
                                          "(app/api/shared_port.py); None = only Ray Serve's proxy")
     router_http_host: str = Field("0.0.0.0", description="the address router_http_port binds")
+    warmup: bool | None = Field(None, description="before a replica reports ready, it sends itself real requests "
+                                "through the real path (app/warmup.py: the LLM replica every sampling, log-probability, "
+                                "structured-output and, under fused, media path; a media replica each codec), so its "
+                                "first users meet compiled kernels; None: on with CUDA, off on the CPU")
 
     @property
     def model_name(self) -> str:

@@ -132,6 +132,8 @@ def build_app(args: dict):
         raise ValueError(f"invalid application config:\n{e}") from None
     resolve_model(cfg.model, cfg.cache_dir)  # fail fast, and build an embedded checkpoint once, here
     gpus, cpus = cluster_resources()
+    if cfg.warmup is None:  # on where there are GPUs to warm (app/warmup.py)
+        cfg = cfg.model_copy(update={"warmup": gpus > 0})
     opts, pl = deployment_options(cfg, gpus, cpus, node_gpus())
     log.info("placement on %d GPUs: %s", gpus, pl.describe())
     config = cfg.model_dump()

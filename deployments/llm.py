@@ -23,6 +23,17 @@ from .metrics import EncoderMetrics, LLMMetrics
 from .payload import resolve_payload
 
 
+class TextOnly:
+    """A replica without a tower (split and colocate placements) warms its text path only."""
+
+    def __init__(self, streams):
+        self.streams = streams
+
+    async def stream(self, gen: dict, payload: list):
+        async for chunk in self.streams.generate(GenerationRequest.from_router(gen, [])):
+            yield asdict(chunk)
+
+
 # answers in flight finish when the replica is stopped (deployments/router.py, ANSWER_GRACE_S)
 @serve.deployment(name="LLM", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=60)
 class LLM:
@@ -36,6 +47,11 @@ class LLM:
 
             engine_kw, self.followers = start_group(cfg, checkpoint)
         self.fused, self.streams = build_generation(cfg, checkpoint, fused, **engine_kw)
+        self.warmup = None
+        if cfg.warmup if cfg.warmup is not None else self.streams.engine.device.type == "cuda":
+            from app.warmup import warm_llm_replica
+
+            self.warmup = warm_llm_replica(cfg, checkpoint, self.fused or TextOnly(self.streams), fused)
         self.engine = self.streams.engine
         if self.fused is not None:
             self.encoder_metrics = EncoderMetrics(self.fused.encoder.stats)

@@ -32,6 +32,10 @@ class MediaPreprocessor:
         pool = ThreadPoolExecutor(max_workers=cfg.media.worker_threads, thread_name_prefix="media")
         self.pipeline = MediaPipeline(cfg.media, spec, pool)
         self.slots = SharedSlots(pool)
+        if cfg.warmup:  # the builder resolves None: on where the cluster has GPUs
+            from app.warmup import warm_media
+
+            warm_media(self.pipeline)
 
     async def prepare(self, ref: MediaRef, request_key: str | None = None) -> PreparedItem:
         """A ClientError (bad, hostile or oversized media) reaches the caller inside Ray's RayTaskError."""

@@ -1,0 +1,79 @@
+"""Ready means ready: a replica warms every path a request can take before it reports ready
+(app/warmup.py). On the CPU with the tiny model: the warm-up's requests all succeed, reach the engine's
+every kind of step (chunked prefill, batched decodes, sampling filters, log-probabilities, a grammar,
+several choices, a stream, images and a video through the tower), and leave the engine serving
+answers equal to a cold engine's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def fused_chat(tiny_checkpoint):
+    from app.config import AppConfig
+    from app.fused import FusedBackend
+
+    cfg = AppConfig(model=str(tiny_checkpoint), llm={"max_num_batched_tokens": 64},
+                    encoder={"min_budget": 64, "max_budget": 1024})
+    return cfg, FusedBackend.build(cfg, str(tiny_checkpoint))
+
+
+def test_the_warm_up_runs_every_path_and_every_request_succeeds(fused_chat, tiny_checkpoint):
+    from app.warmup import warm_llm_replica, warmup_bodies
+
+    cfg, backend = fused_chat
+    engine = backend.engine
+    steps0 = engine.steps
+    report = warm_llm_replica(cfg, str(tiny_checkpoint), backend, media=True)
+    bodies = warmup_bodies(64, True)
+    assert report.errors == [] and report.requests == 2 * len(bodies)
+    assert engine.steps > steps0
+    batches = {seqs for seqs, *_ in engine.step_log}
+    assert max(batches) >= 8  # decodes batched together
+    tokens = [t for _, t, *_ in engine.step_log]
+    assert max(tokens) == 64  # the long prompt was prefilled in chunks of the step's budget
+    assert engine.grammars._tokenizer is not None  # the grammar compiler's vocabulary is built
+    stats = backend.encoder.stats()
+    assert stats["batches"] >= 4  # the tower ran (two image sizes, a video, two images)
+
+
+def test_a_warmed_replica_answers_as_a_cold_one(fused_chat, tiny_checkpoint):
+    from helpers import local_chat
+
+    cfg, backend = fused_chat
+    cold = local_chat(cfg, tiny_checkpoint)
+    warm = local_chat(cfg, tiny_checkpoint, backend=backend)
+    body = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 8, "temperature": 0}
+
+    async def answer(chat):
+        return (await chat.complete(*(await chat.prepare(body))))["choices"][0]["message"]["content"]
+
+    assert asyncio.run(answer(warm)) == asyncio.run(answer(cold))
+
+
+def test_media_warm_up_prepares_each_kind(tiny_checkpoint):
+    from app.config import AppConfig
+    from app.media.pipeline import MediaPipeline
+    from app.media.preprocess import PatchSpec
+    from app.warmup import warm_media
+
+    cfg = AppConfig(model=str(tiny_checkpoint))
+    assert warm_media(MediaPipeline(cfg.media, PatchSpec.from_checkpoint(tiny_checkpoint))) > 0
+
+
+def test_the_builder_turns_warm_up_on_only_with_gpus(monkeypatch):
+    import deployments.app as builder
+
+    seen = {}
+    monkeypatch.setattr(builder, "resolve_model", lambda *a: None)
+    monkeypatch.setattr(builder, "node_gpus", lambda: [])
+    for gpus in (0, 2):
+        monkeypatch.setattr(builder, "cluster_resources", lambda g=gpus: (g, 16.0))
+        monkeypatch.setattr(builder, "deployment_options",
+                            lambda cfg, *a, g=gpus: (seen.__setitem__(g, cfg.warmup), ({}, None))[1])
+        with pytest.raises((KeyError, AttributeError)):  # stops right after the options: nothing is built
+            builder.build_app({})
+    assert seen == {0: False, 2: True}
