@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .model_builder import chatml_template
+from .checkpoint_tokenizer import chatml_template
 
 # MiniCPM-V's placeholder and boundary tokens, after ChatML's.
 MINICPMV_TOKENS = ["<unk>", "<image>", "</image>", "<slice>", "</slice>", "<image_id>", "</image_id>",
@@ -85,7 +85,7 @@ def write_minicpmv(tmp: Path, spec: dict, preset: str, seed: int, with_weights: 
     import torch
     from safetensors.torch import save_file
 
-    from .model_builder import SPECIAL_TOKENS, build_tokenizer
+    from .checkpoint_tokenizer import SPECIAL_TOKENS, build_tokenizer
 
     tokenizer = build_tokenizer(template=MINICPMV_CHAT_TEMPLATE, specials=SPECIAL_TOKENS + MINICPMV_TOKENS)
     tokenizer.unk_token = "<unk>"

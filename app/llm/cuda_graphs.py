@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..capture import collection_paused
 from .step_inputs import decode_buckets, step_buckets
-
-if TYPE_CHECKING:
-    from .model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +38,7 @@ def _capture(fn, device: torch.device, pool) -> torch.cuda.CUDAGraph:
 
 
 @torch.inference_mode()
-def capture_all(runner: ModelRunner, step_graphs: bool = True) -> None:
+def capture_all(runner, step_graphs: bool = True) -> None:
     """Decode graphs, then step graphs, in one pool; then block 0, which the captures wrote, is zeroed."""
     pool = torch.cuda.graph_pool_handle()
     capture_decode_graphs(runner, pool)
@@ -53,7 +49,7 @@ def capture_all(runner: ModelRunner, step_graphs: bool = True) -> None:
     runner.kv[:, :, :runner.block_size].zero_()
 
 
-def capture_decode_graphs(runner: ModelRunner, pool) -> None:
+def capture_decode_graphs(runner, pool) -> None:
     t0, dev = time.perf_counter(), runner.device
     runner.graph_buckets = decode_buckets(runner.max_num_seqs)
     top = runner.graph_buckets[-1]
@@ -70,7 +66,7 @@ def capture_decode_graphs(runner: ModelRunner, pool) -> None:
              time.perf_counter() - t0)
 
 
-def capture_step_graphs(runner: ModelRunner, pool) -> None:
+def capture_step_graphs(runner, pool) -> None:
     t0, dev = time.perf_counter(), runner.device
     runner.step_buckets = step_buckets(runner.max_tokens)
     runner.step_hidden = torch.empty(runner.max_tokens, runner.model.spec.hidden, dtype=runner.dtype, device=dev)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from .tensors import checkpoint_files, read_tensors  # noqa: F401 - read_tensors re-exported
+
 _PREFIXES = ("model.visual.", "visual.")
 QWEN_FAMILIES = ("qwen3_vl", "qwen2_5_vl")
 
@@ -50,26 +52,6 @@ def _axial_inv_freq(cfg) -> torch.Tensor:
     theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     dim = cfg.hidden_size // cfg.num_heads // 2
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-
-
-def checkpoint_files(path: Path) -> list[str]:
-    index = path / "model.safetensors.index.json"
-    return sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-        else ["model.safetensors"]
-
-
-def read_tensors(path: str | Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Tensors whose names start with one of `prefixes`, keyed by the rest of the name."""
-    from safetensors import safe_open
-
-    path, state = Path(path), {}
-    for name in checkpoint_files(path):
-        with safe_open(str(path / name), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                for prefix in prefixes:
-                    if key.startswith(prefix):
-                        state[key[len(prefix):]] = f.get_tensor(key)
-    return state
 
 
 def checkpoint_family(path: str | Path) -> str:

@@ -119,7 +119,7 @@ class MiniCPMVision(nn.Module):
 def load_minicpmv_vision(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> MiniCPMVision:
     """The vision path of a MiniCPM-V checkpoint, its `vpm.*` and `resampler.*` tensors loaded by name.
     A dropped last SigLIP layer's tensors, if the checkpoint has them, are ignored."""
-    from .loading import read_tensors
+    from .tensors import read_tensors
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
