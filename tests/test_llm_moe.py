@@ -152,3 +152,34 @@ def test_moe_on_gpu_in_graphs_equals_transformers_generate(moe_world):
         assert got == [t for t in want if t not in eng.eos_ids], kinds
     assert eng.graph_steps > 0 and eng.step_graph_steps > 0
     eng.shutdown()
+
+
+def test_a_config_only_checkpoint_serves_with_dummy_weights(tmp_path):
+    """`load_format: dummy`: a folder with config, tokenizer and processor files and no weights (as the
+    30B and 235B shapes are built) serves an image request end to end: tower and LLM made on the device."""
+    import asyncio
+
+    from app.config import AppConfig
+    from app.fused import FusedBackend
+    from app.media.synthetic import image_bytes
+    from app.model_builder import build_checkpoint
+    from helpers import local_chat
+
+    path = build_checkpoint(tmp_path / "moe", "tiny-qwen3-vl-moe", with_weights=False)
+    assert not list(path.glob("*.safetensors"))
+    cfg = AppConfig(model=str(path), llm={"load_format": "dummy", "max_num_batched_tokens": 64},
+                    encoder={"min_budget": 64, "max_budget": 1024})
+    chat = local_chat(cfg, path, backend=FusedBackend.build(cfg, str(path)))
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(image_bytes(96, 128, 5, "PNG")).decode()
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "What is this?"}]}],
+            "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+
+    async def go():
+        return await chat.complete(*(await chat.prepare(body)))
+
+    answer = asyncio.run(go())
+    assert answer["usage"]["completion_tokens"] == 5
+    assert answer["usage"]["prompt_tokens_details"]["image_tokens"] > 0

@@ -59,12 +59,18 @@ def checkpoint_family(path: str | Path) -> str:
     return json.loads((Path(path) / "config.json").read_text()).get("model_type", "")
 
 
-def load_vision_model(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu"):
-    """transformers' Qwen3-VL / Qwen2.5-VL vision tower with the checkpoint's `model.visual.*` weights."""
+def load_vision_model(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
+                      random_weights: bool = False):
+    """transformers' Qwen3-VL / Qwen2.5-VL vision tower with the checkpoint's `model.visual.*` weights, or
+    (`random_weights`, `load_format: dummy`) random ones made on the device: a config-only folder serves."""
     from transformers import AutoConfig
 
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
+    if random_weights:
+        model = vision_model_from_config(config.vision_config, dtype, device)
+        _set_inv_freq(model, config.vision_config)
+        return model
     model = vision_model_from_config(config.vision_config, dtype, "meta")
     state = read_tensors(path, _PREFIXES)
     if not state:
@@ -73,23 +79,29 @@ def load_vision_model(path: str | Path, dtype: torch.dtype, device: str | torch.
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if "inv_freq" not in k]:
         raise ValueError(f"vision weights in {path} do not match the config: missing {missing}, unexpected {unexpected}")
-    inv_freq = _axial_inv_freq(config.vision_config)
-    model.rotary_pos_emb.inv_freq.copy_(inv_freq)
-    if hasattr(model.rotary_pos_emb, "original_inv_freq"):
-        model.rotary_pos_emb.original_inv_freq.copy_(inv_freq)
+    _set_inv_freq(model, config.vision_config)
     return model.to(dtype).eval()
 
 
+def _set_inv_freq(model, vision_config) -> None:
+    inv_freq = _axial_inv_freq(vision_config).to(model.rotary_pos_emb.inv_freq.device)
+    model.rotary_pos_emb.inv_freq.copy_(inv_freq)
+    if hasattr(model.rotary_pos_emb, "original_inv_freq"):
+        model.rotary_pos_emb.original_inv_freq.copy_(inv_freq)
+
+
 def build_tower(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-                pixel_norm: tuple | None = None, fused: bool | None = None):
+                pixel_norm: tuple | None = None, fused: bool | None = None, random_weights: bool = False):
     """The graph-friendly tower for a checkpoint of any supported family; `fused` as the towers take it
     (default: the fused body on CUDA with Triton)."""
     family = checkpoint_family(path)
     if family == "minicpmv":
         from .minicpmv_tower import MiniCPMVTower, load_minicpmv_vision
 
+        if random_weights:
+            raise ValueError("load_format 'dummy' makes Qwen-family towers only, not MiniCPM-V's")
         return MiniCPMVTower(load_minicpmv_vision(path, dtype, device), pixel_norm, fused)
-    visual = load_vision_model(path, dtype, device)
+    visual = load_vision_model(path, dtype, device, random_weights)
     if family == "qwen2_5_vl":
         from .qwen25_tower import Qwen25Tower
 

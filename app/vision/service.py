@@ -49,7 +49,8 @@ class EncoderService:
         # The router sends raw uint8 patch rows (a quarter of float32's bytes through Ray and to the GPU);
         # the tower normalises them with the checkpoint's processor settings.
         # (the checkpoint's family picks the tower: Qwen3-VL, Qwen2.5-VL or MiniCPM-V; loading.build_tower)
-        tower = build_tower(checkpoint, dtype, device, pixel_norm=PatchSpec.from_checkpoint(checkpoint).column_norm())
+        tower = build_tower(checkpoint, dtype, device, pixel_norm=PatchSpec.from_checkpoint(checkpoint).column_norm(),
+                            random_weights=cfg.llm.load_format == "dummy")
         tower.use_dense_attention(enc.dense_attention if enc.cuda_graphs else "sdpa")  # FA4 runs only in graphs
         budgets = enc.token_budgets or GraphSettings.power_of_two_budgets(enc.min_budget, enc.max_budget,
                                                                                 enc.budget_steps_per_octave)
