@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	@($(PIP) show -q vlm-serve >/dev/null 2>&1 && \
-	  $(PYTHON) -c "import ray, av, fastapi, transformers, pytest, hypothesis, orjson, psutil, openai, matplotlib, llguidance" 2>/dev/null) || $(PIP) install -q -e ".[dev]"
+	  $(PYTHON) -c "import ray, av, fastapi, transformers, pytest, hypothesis, orjson, psutil, openai, matplotlib, llguidance, mkdocs, material" 2>/dev/null) || $(PIP) install -q -e ".[dev]"
 
 # Ray Serve's low-overhead mode for the Ray this starts (deployments/ray_env.py; a variable already set wins).
 serve: install

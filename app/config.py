@@ -19,17 +19,20 @@ class MediaConfig(_Strict):
     """Decoding, sampling and per-request limits for images and videos."""
 
     video_fps: float = Field(2.0, gt=0, description="frames sampled per second of video")
-    video_min_frames: int = Field(4, ge=2)
-    video_max_frames: int = Field(64, ge=2)
+    video_min_frames: int = Field(4, ge=2, description="fewest frames sampled from one video (short clips too)")
+    video_max_frames: int = Field(64, ge=2, description="most frames sampled from one video; a long video is "
+                                  "sampled more sparsely than video_fps")
     image_min_pixels: int = Field(64 * 32 * 32, gt=0, description="smart-resize lower bound")
     image_max_pixels: int = Field(1024 * 1024, gt=0, description="smart-resize upper bound")
     video_min_pixels: int = Field(64 * 32 * 32, gt=0, description="per-frame lower bound")
     video_max_pixels: int = Field(256 * 32 * 32, gt=0, description="per-frame upper bound")
-    max_items_per_request: int = Field(16, ge=1)
+    max_items_per_request: int = Field(16, ge=1, description="images + videos per request; more is a 400")
     max_frames_per_request: int = Field(256, ge=2, description="sampled video frames over all of a request's videos")
     max_input_pixels: int = Field(64_000_000, gt=0, description="decoded image size above which a request is refused")
-    max_video_duration_s: float = Field(3600.0, gt=0)
-    max_media_bytes: int = Field(256 * 1024 * 1024, gt=0)
+    max_video_duration_s: float = Field(3600.0, gt=0, description="longest accepted video, checked from its "
+                                        "headers before decoding")
+    max_media_bytes: int = Field(256 * 1024 * 1024, gt=0, description="largest accepted media payload; a "
+                                 "larger declared Content-Length is refused before the body (413)")
     fetch_timeout_s: float = Field(15.0, gt=0, description="total deadline of one http(s) fetch, redirects and "
                                    "body included")
     max_redirects: int = Field(3, ge=0, le=10, description="redirect hops followed; each is checked again")
@@ -86,12 +89,14 @@ class MediaConfig(_Strict):
 class EncoderConfig(_Strict):
     """Vision encoder: CUDA-graph budgets and per-batch limits (see app/vision/graphs.py)."""
 
-    cuda_graphs: bool = True
+    cuda_graphs: bool = Field(True, description="capture CUDA graphs per token budget (ignored without CUDA); "
+                              "false runs every batch eagerly")
     token_budgets: list[int] | None = Field(None, description="explicit budgets (patch tokens); else powers of two")
-    min_budget: int = Field(256, ge=4)
-    max_budget: int = Field(8192, ge=4)
+    min_budget: int = Field(256, ge=4, description="smallest generated budget, in patch tokens")
+    max_budget: int = Field(8192, ge=4, description="largest generated budget (included); larger batches "
+                            "run eagerly or are cut into chunks that fit")
     budget_steps_per_octave: int = Field(4, ge=1, le=16, description="generated budgets between powers of two")
-    max_items_per_batch: int = Field(16, ge=1)
+    max_items_per_batch: int = Field(16, ge=1, description="items per encoder batch that a graph accepts")
     max_frames_per_batch: int = Field(32, ge=1, description="attention sequences (images + temporal groups)")
     autotune: bool = Field(True, description="drop graphs that are not faster than eager")
     uniform_graph_shapes: list[tuple[int, int]] = Field(
@@ -125,7 +130,8 @@ class EncoderConfig(_Strict):
         "stream, between its steps; 'own' = on a CUDA stream of their own, beside the steps, and a request "
         "reaches the engine once its embeddings are made (app/vision/service.py). On an H200 'own' gave +3% "
         "at 1024^2 and concurrency 64, -3% at 128, and 1-11 ms more TTFT at concurrency 1 (benchmarks/RESULTS.md)")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="the tower's dtype; auto: bfloat16 on CUDA, float32 on the CPU")
     dense_attention: Literal["sdpa", "flash4"] = Field(
         "sdpa", description="kernel of the graphs' attention over equal-length sequences (a 1024^2 image, equal "
         "slices): 'sdpa' = PyTorch's SDPA (cuDNN first in graphs), 'flash4' = FlashAttention-4 (the optional "
@@ -149,7 +155,7 @@ class LLMConfig(_Strict):
     """Text generation (app/llm/): a paged KV cache, chunked prefill inside decode steps, prefix caching."""
 
     max_model_len: int = Field(8192, ge=16, description="prompt + completion limit per request")
-    default_max_tokens: int = Field(256, ge=1)
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none")
     max_num_seqs: int | None = Field(None, ge=1, description="requests decoded together; default 256 on a GPU, "
                                      "8 on the CPU. Costs no memory: the KV cache is a shared pool of blocks")
     max_num_batched_tokens: int = Field(2048, ge=16, description="tokens per engine step (decodes + prefill "
@@ -179,11 +185,13 @@ class LLMConfig(_Strict):
                                              "its process (sys.setswitchinterval; Python's default is 5 ms): how long "
                                              "the engine thread and the replica's event loop wait for each other's "
                                              "turn; None leaves the interpreter's")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="the text model's dtype; auto: bfloat16 on CUDA, float32 on the CPU")
     load_format: Literal["auto", "dummy"] = Field("auto", description="auto: the checkpoint's safetensors; dummy: "
-                                                  "random weights made on the device (benchmarks of shapes whose "
-                                                  "checkpoints cannot be written to disk; config and tokenizer are "
-                                                  "still read from the checkpoint folder)")
+                                                  "random weights made on the device, for the LLM and the vision "
+                                                  "tower (benchmarks of shapes whose checkpoints cannot be written "
+                                                  "to disk: a folder built with --config-only serves; config, "
+                                                  "tokenizer and processor files are still read from it)")
     moe_parallel: Literal["tp", "ep"] = Field("tp", description="under tensor parallelism, how MoE layers split: "
                                               "every expert's units over the ranks (tp) or whole experts per rank "
                                               "(ep)")
@@ -198,10 +206,13 @@ class PlacementConfig(_Strict):
     Policies: `colocate` puts one encoder and one LLM replica on every GPU; `fused` puts one LLM
     replica on every GPU with the vision tower inside it (the embeddings never leave the GPU; no
     VisionEncoder replicas run); `split` gives the encoder `encoder_gpus` GPUs and the LLM the others;
-    `auto` picks (README, "Placement"). Without GPUs every replica runs on the CPU, one of each unless
+    `auto` picks (docs/concepts/placement.md). Without GPUs every replica runs on the CPU, one of each unless
     autoscaling says otherwise (`fused` is kept there: one LLM replica that also encodes)."""
 
-    policy: Literal["auto", "colocate", "fused", "split"] = "auto"
+    policy: Literal["auto", "colocate", "fused", "split"] = Field(
+        "auto", description="fused: the tower inside each LLM replica; colocate: an encoder and an LLM replica "
+        "on every GPU; split: GPUs divided between the two; auto: fused on GPUs, colocate when encoder_replicas "
+        "or encoder_num_gpus is set")
     encoder_gpus: int | Literal["auto"] = Field("auto", description="split: GPUs for the encoder (auto: 1)")
     llm_gpus: int | Literal["auto"] = Field("auto", description="split: GPUs for the LLM (auto: the rest)")
     encoder_replicas: int | Literal["auto"] = Field("auto", description="auto: none under fused, one per encoder "
@@ -261,14 +272,19 @@ class AppConfig(_Strict):
     """Arguments of `deployments.app:build_app` (the `args:` block of serve_config.yaml)."""
 
     model: str = Field("embedded:tiny", description="'embedded:<preset>' or a path to a Qwen3-VL checkpoint")
-    served_model_name: str | None = None
+    served_model_name: str | None = Field(None, description="the model id in responses and /v1/models; None: "
+                                          "the preset's or the checkpoint folder's name")
     cache_dir: str | None = Field(None, description="where embedded checkpoints are built; default ~/.cache/vlm-serve")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    media: MediaConfig = MediaConfig()
-    encoder: EncoderConfig = EncoderConfig()
-    llm: LLMConfig = LLMConfig()
-    placement: PlacementConfig = PlacementConfig()
-    retry: RetryConfig = RetryConfig()
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when the replica has a GPU, "
+                                                   "else cpu")
+    media: MediaConfig = Field(MediaConfig(), description="decoding, sampling and limits for images and videos")
+    encoder: EncoderConfig = Field(EncoderConfig(), description="the vision encoder: CUDA-graph budgets, "
+                                   "batching, embedding cache")
+    llm: LLMConfig = Field(LLMConfig(), description="the LLM engine: KV cache, step budget, CUDA graphs")
+    placement: PlacementConfig = Field(PlacementConfig(), description="where replicas go and what they "
+                                       "reserve; the Routers' and media replicas' autoscaling floors")
+    retry: RetryConfig = Field(RetryConfig(), description="retries of requests whose replica died before "
+                               "their first token")
     api_key: SecretStr | None = Field(None, description="required as 'Authorization: Bearer <key>' on every path "
                                       "but /health; None = the env var VLM_API_KEY, if set. Never printed")
     max_request_bytes: int = Field(384 * 1024 * 1024, gt=0, description="largest accepted request body (base64 "
@@ -277,6 +293,15 @@ class AppConfig(_Strict):
                                          "itself on this port, shared by a node's Routers (SO_REUSEPORT): no proxy hop "
                                          "(app/api/shared_port.py); None = only Ray Serve's proxy")
     router_http_host: str = Field("0.0.0.0", description="the address router_http_port binds")
+    sampling_defaults: Literal["checkpoint", "openai"] = Field(
+        "checkpoint", description="what sampling parameters a request omits take: 'checkpoint' = the values of "
+        "the checkpoint's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; "
+        "max_new_tokens caps llm.default_max_tokens), as vLLM's default --generation-config auto; 'openai' = "
+        "OpenAI's (temperature 1, no top-p or top-k), as vLLM's --generation-config vllm. /v1/models lists them")
+    reject_unknown_parameters: bool = Field(
+        False, description="a request parameter this server does not know (nor a chat_template_kwargs name its "
+        "chat template reads) is a 400 unsupported_parameter; false: it is ignored, logged once per name and "
+        "counted in vlm_unknown_parameters_total")
     warmup: bool | None = Field(None, description="before a replica reports ready, it sends itself real requests "
                                 "through the real path (app/warmup.py: the LLM replica every sampling, log-probability, "
                                 "structured-output and, under fused, media path; a media replica each codec), so its "

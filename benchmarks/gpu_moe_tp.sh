@@ -3,7 +3,8 @@
 # MoE kernel, the MoE engine and tensor parallelism, the kernel benchmark, then decode speed per shape.
 # Run from the repository root on the GPU machine, with .gpu-deps carried:
 #   STAGES="tests kernel moe30b" bash benchmarks/gpu_moe_tp.sh          (results under $OUT)
-# Stages: tests, tptest (the multi-GPU test alone), kernel, moe30b, dense8b, dense32b_tp, moe30b_tp, moe235b_tp4 (reduced to LAYERS_235B layers).
+# Stages: tests, tptest (the multi-GPU test alone), kernel, moe30b, dense8b, dense32b_tp, moe30b_tp, moe235b_tp4 (reduced to
+# LAYERS_235B layers); served over HTTP (not run yet): serve_8b, serve_moe30b, serve_moe30b_tp2, serve_moe235b_tp4.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source .gpu-deps/activate
@@ -25,6 +26,14 @@ for s in $STAGES; do case $s in
                run dense32b_tp2 timeout 240 python3 benchmarks/decode.py --preset qwen3-vl-32b --tp 2 --out "$OUT/dense32b_tp2.json" ;;
   moe30b_tp) run moe30b_tp2 timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --tp 2 --moe tp --out "$OUT/moe30b_tp2.json"
              run moe30b_ep2 timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --tp 2 --moe ep --out "$OUT/moe30b_ep2.json" ;;
+  serve_8b|serve_moe30b|serve_moe30b_tp2|serve_moe235b_tp4)
+      # served end to end from a config-only folder (tower and LLM made on the GPU), 448² images, closed loop
+      case $s in serve_8b) P=qwen3-vl-8b; L=""; TP=1 ;; serve_moe30b) P=qwen3-vl-30b-a3b; L=""; TP=1 ;;
+                 serve_moe30b_tp2) P=qwen3-vl-30b-a3b; L=""; TP=2 ;; serve_moe235b_tp4) P=qwen3-vl-235b-a22b; L=${LAYERS_235B:-24}; TP=4 ;; esac
+      CK=$(python3 -c "from pathlib import Path; from benchmarks.decode import checkpoint_folder; print(checkpoint_folder('$P', ${L:-None}, Path('/tmp/vlm-serve-decode')))")
+      run $s timeout 540 python3 benchmarks/serve.py --start --serve-config configs/qwen3-vl-8b-gpu.yaml --model "$CK" \
+        --app-args "{\"llm\": {\"load_format\": \"dummy\", \"gpu_memory_utilization\": 0.8}, \"placement\": {\"llm_tensor_parallel\": $TP}}" \
+        --num-gpus $TP --concurrency ${SERVE_C:-256} --num-requests ${SERVE_N:-2048} --warmup 64 --out-dir "$OUT/$s" ;;
   moe235b_tp4) run moe235b_tp4 timeout 500 python3 benchmarks/decode.py --preset qwen3-vl-235b-a22b \
                  --layers "${LAYERS_235B:-24}" --tp 4 --out "$OUT/moe235b_tp4.json" ;;
 esac; done

@@ -21,14 +21,14 @@ class PoolConfig(_Strict):
     `min_size` is removed. An actor that cannot be placed yet stays pending, which is what asks a Ray
     autoscaler for another node."""
 
-    min_size: int = Field(1, ge=1)
-    max_size: int = Field(1, ge=1)
-    num_cpus: float = Field(0.5, ge=0)
+    min_size: int = Field(1, ge=1, description="actors started with the job and kept while it runs")
+    max_size: int = Field(1, ge=1, description="most actors the pool grows to while rows wait for a slot")
+    num_cpus: float = Field(0.5, ge=0, description="CPUs each actor reserves in Ray")
     num_gpus: float | None = Field(None, ge=0, description="None on a GPU cluster: LLM actors take a whole GPU "
                                    "each, encoder actors share them (colocated, pinned in turn); 0 without GPUs")
     max_in_flight: int = Field(8, ge=1, description="rows each actor holds at once (a chunk of more rows takes "
                                "a whole idle actor)")
-    idle_s: float = Field(30.0, gt=0)
+    idle_s: float = Field(30.0, gt=0, description="an actor idle this long above min_size is removed")
 
     @model_validator(mode="after")
     def _check(self) -> PoolConfig:
@@ -60,10 +60,16 @@ BATCH_ENCODER_DEFAULTS = {"batch_wait_ms": 20.0, "batch_wait_when_idle": True}
 
 
 class BatchConfig(_Strict):
-    app: AppConfig = AppConfig(encoder=BATCH_ENCODER_DEFAULTS)
-    media_pool: PoolConfig = Field(default_factory=_media_pool)
-    encoder_pool: PoolConfig = Field(default_factory=_encoder_pool)
-    llm_pool: PoolConfig = Field(default_factory=_llm_pool)
+    app: AppConfig = Field(AppConfig(encoder=BATCH_ENCODER_DEFAULTS), description="the serving config whole "
+                           "(serve_config.yaml's args:), so a job answers as the server does; here "
+                           "encoder.batch_wait_ms defaults to 20 and encoder.batch_wait_when_idle to true "
+                           "(full batches, not early first tokens)")
+    media_pool: PoolConfig = Field(default_factory=_media_pool, description="CPU actors that fetch, decode and "
+                                   "patchify each row's media and build its prompt")
+    encoder_pool: PoolConfig = Field(default_factory=_encoder_pool, description="vision encoder actors (none "
+                                     "under the fused placement, where the LLM actors encode)")
+    llm_pool: PoolConfig = Field(default_factory=_llm_pool, description="LLM engine actors; max_in_flight is "
+                                 "raised to the engine's max_num_seqs plus its queue")
     shard_rows: int = Field(1000, ge=1, description="rows per output shard")
     chunk_rows: int = Field(16, ge=1, description="rows per call to a stage's actor: one Ray call costs the "
                             "driver about 2 ms of its one thread, which capped row-by-row jobs near 490 rows/s. "
@@ -74,7 +80,7 @@ class BatchConfig(_Strict):
     file_root: str | None = Field(None, description="directory that file paths and file:// URLs may read from; "
                                   "None refuses file media")
     max_retries: int = Field(3, ge=0, description="per chunk for a dead actor, per row for an overloaded engine")
-    progress_interval_s: float = Field(5.0, gt=0)
+    progress_interval_s: float = Field(5.0, gt=0, description="seconds between progress lines on the driver's log")
 
     @classmethod
     def load(cls, path: str | None, **overrides) -> BatchConfig:
