@@ -171,3 +171,33 @@ def test_two_gpus_over_nccl_give_one_gpus_logits(model_cache, tmp_path):
         want = _prefill_logits_cuda(model).float().cpu()
         err = (got[(preset, moe)] - want).norm() / want.norm()
         assert err < 2e-2, (preset, moe, float(err))
+
+
+def test_each_rank_reads_only_its_share_of_the_checkpoint(model_cache):
+    """Safetensors slices: no rank of two reads a whole attention, MLP, expert or vocabulary tensor."""
+    from app.llm.model import TextModel
+    from app.llm.parallel import TensorParallel
+    from app.llm.spec import TextSpec
+    from app.llm.weights import TensorSource, checkpoint_sources, load_weights
+    from app.model_builder import ensure_embedded
+
+    path = ensure_embedded("tiny-qwen3-vl-moe", model_cache)
+    spec = TextSpec.from_config(__import__("json").loads((path / "config.json").read_text()))
+    read: dict[str, tuple[int, int]] = {}  # name -> (elements read, elements in the tensor)
+
+    def recording(sources):
+        for src in sources:
+            def read_part(idx, src=src):
+                part = src.read(idx)
+                n = read.get(src.name, (0, 0))[0]
+                read[src.name] = (n + part.numel(), int(np.prod(src.shape)))
+                return part
+            yield TensorSource(src.name, src.shape, read_part)
+
+    model = TextModel(spec, torch.float32, torch.device("cpu"), 64, TensorParallel(1, 2))
+    load_weights(model, recording(checkpoint_sources(path, torch.device("cpu"), (*spec.prefixes, spec.head_name))))
+    split = [n for n in read if any(k in n for k in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                      "down_proj", "experts.", "embed_tokens", "lm_head"))]
+    assert split and all(read[n][0] * 2 == read[n][1] for n in split), {n: read[n] for n in split}
+    norms = [n for n in read if n.endswith("norm.weight") or n.endswith("mlp.gate.weight")]
+    assert norms and all(read[n][0] == read[n][1] for n in norms)  # replicated: read whole
