@@ -10,8 +10,8 @@ whole) and sampling noise is a function of (seed, position, token), so every ran
 tokens and plans the same next step, and their collectives meet. Nothing but the queue's changes
 crosses between ranks per step; only the leader's outputs reach clients.
 
-Ticks travel over a CPU (gloo) group as pickles; the embeddings over the device group (NCCL on
-GPUs). Cancellation is sampled once per turn on the leader and applied from the tick on every
+Ticks travel over a CPU (gloo) group as pickles (an empty one, most decode steps, is one small
+broadcast); the embeddings over the device group (NCCL on GPUs). Cancellation is sampled once per turn on the leader and applied from the tick on every
 rank (a cancel arriving mid-step waits for the next turn), so no rank drops a request alone.
 """
 
@@ -79,11 +79,37 @@ class Channel:
     def leader(self) -> bool:
         return self.rank == 0
 
+    def _send_tick(self, tick: Tick) -> None:
+        """The tick's pickle after its length; an empty tick (most decode steps) is the length 0 alone:
+        one small broadcast per step."""
+        import pickle
+
+        import torch.distributed as dist
+
+        empty = not (tick.new or tick.cancelled or tick.stop)
+        data = b"" if empty else pickle.dumps(tick)
+        dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=0, group=self.cpu_group)
+        if data:
+            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=self.cpu_group)
+
+    def _receive_tick(self) -> Tick:
+        import pickle
+
+        import torch.distributed as dist
+
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.cpu_group)
+        if not int(size):
+            return Tick()
+        data = torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(data, src=0, group=self.cpu_group)
+        return pickle.loads(data.numpy().tobytes())
+
     def send(self, tick: Tick, seqs: dict[int, Sequence]) -> None:
         """Leader: the tick, then each new first choice's embeddings in order (`seqs` by id)."""
         import torch.distributed as dist
 
-        dist.broadcast_object_list([tick], src=0, group=self.cpu_group)
+        self._send_tick(tick)
         for new in tick.new:
             seq = seqs[new.id]
             if new.parent is None and new.items:
@@ -96,9 +122,7 @@ class Channel:
         """Follower: the tick and, per new first choice with media, its (main, deepstack)."""
         import torch.distributed as dist
 
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
-        tick: Tick = box[0]
+        tick = self._receive_tick()
         tensors = {}
         for new in tick.new:
             if new.parent is None and new.items:
