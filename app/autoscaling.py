@@ -1,24 +1,12 @@
 """Autoscaling policies: the LLM deployment's (requests in flight, and KV-cache use) and the Router's
 (requests in flight, counting those that came in on the Routers' own port).
 
-Ray Serve's default policy sizes a deployment by requests in flight per replica
-(`target_ongoing_requests`). An LLM replica can be full well before that: a few long prompts fill
-its KV cache, and the next requests wait or preempt. Replicas therefore also report `kv_usage`
-(`record_autoscaling_stats` in deployments/llm.py), and this policy asks for enough replicas that
-both hold:
-
-    replicas >= requests in flight / target_ongoing_requests
-    replicas >= sum of the replicas' KV use / target_kv_usage
-
-Ray applies min/max_replicas, upscale/downscale delays and scaling factors around it (custom
-policies are wrapped in the same rules as the default one). Reference it from an
-`autoscaling_config` as `policy: {policy_function: app.autoscaling:LLMAutoscalingPolicy}`.
+Ray Serve's default policy sizes a deployment by requests in flight per replica, which misses two
+loads: an LLM replica whose KV cache a few long prompts have filled, and a Router's requests on its
+shared port, which never pass through Ray Serve. Reference a policy from an `autoscaling_config` as
+`policy: {policy_function: app.autoscaling:LLMAutoscalingPolicy}` (or `RouterAutoscalingPolicy`); Ray
+applies min/max_replicas, upscale/downscale delays and scaling factors around it, as around its own.
 Ray pickles this module by value into its controller, so it imports nothing from the project.
-
-The Router's shared port (`router_http_port`, app/api/shared_port.py) takes requests that never pass
-through Ray Serve, so Serve's count of a Router's requests misses them. Each Router reports them as
-`direct_ongoing`, and RouterAutoscalingPolicy sizes the Routers on both counts together, with the same
-`target_ongoing_requests`. Reference it as `policy: {policy_function: app.autoscaling:RouterAutoscalingPolicy}`.
 """
 
 from __future__ import annotations
@@ -35,7 +23,16 @@ def desired_replicas(total_requests: float, target_requests: float, kv_usages: I
 
 
 class LLMAutoscalingPolicy:
-    """A class policy: Ray builds it once with `policy_kwargs` and calls it every control-loop tick."""
+    """A class policy: Ray builds it once with `policy_kwargs` and calls it every control-loop tick.
+
+    An LLM replica can be full well before Ray's `target_ongoing_requests`: a few long prompts fill its
+    KV cache, and the next requests wait or preempt. Replicas therefore also report `kv_usage`
+    (`record_autoscaling_stats` in deployments/llm.py), and this policy asks for enough replicas that
+    both hold:
+
+        replicas >= requests in flight / target_ongoing_requests
+        replicas >= sum of the replicas' KV use / target_kv_usage
+    """
 
     def __init__(self, target_kv_usage: float = 0.8):
         if not 0 < target_kv_usage <= 1:
@@ -58,7 +55,12 @@ def router_desired_replicas(serve_requests: float, direct_requests: Iterable[flo
 
 
 class RouterAutoscalingPolicy:
-    """Ray Serve's request-count rule over all of a Router's requests, its shared port's included."""
+    """Ray Serve's request-count rule over all of a Router's requests, its shared port's included.
+
+    The shared port (`router_http_port`, app/api/shared_port.py) takes requests that never pass through
+    Ray Serve, so Serve's count of a Router's requests misses them. Each Router reports them as
+    `direct_ongoing`, and this policy sizes the Routers on both counts together, with the same
+    `target_ongoing_requests`."""
 
     def __call__(self, ctx) -> tuple[float, dict]:
         if ctx.current_num_replicas == 0:

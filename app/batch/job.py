@@ -1,16 +1,14 @@
 """The batch driver: rows in, stages on actor pools, answers out.
 
-Rows travel in chunks of `chunk_rows` (workers.py says why). Per chunk: a media actor parses the
-rows and prepares their media and prompts (the patch rows stay in the object store); an encoder
-actor turns the rows into embeddings, which go straight to an LLM actor as an object reference (under
-serving's `fused` placement, the default on GPUs, the LLM actor encodes them itself and there is no
-encoder stage); the answers come back to this driver, which writes shards. The driver keeps enough
-rows in flight to fill every pool's slots, reading the input lazily, so memory does not grow with the
-input.
-
-Retries: a chunk whose actor died (a lost node, a preempted instance), or a row whose engine was
-full (503), is tried again, up to `max_retries`; anything else unexpected becomes the row's
-`server_error` object. Client errors are answered at once. Nothing a row does stops the job.
+Rows travel in chunks of `chunk_rows` (workers.py says why). Per chunk a media actor parses the rows
+and prepares their media and prompts (the patch rows stay in the object store); an encoder actor turns
+them into embeddings, which go straight to an LLM actor as an object reference (under serving's
+`fused` placement, the default on GPUs, the LLM actor encodes them itself: no encoder stage); the
+answers come back to this driver, which writes shards. It keeps enough rows in flight to fill every
+pool's slots, reading the input lazily, so memory does not grow with the input. A chunk whose actor
+died (a lost node, a preempted instance) or a row whose engine was full (503) is tried again, up to
+`max_retries`; anything else unexpected becomes the row's `server_error` object, client errors are
+answered at once, and nothing a row does stops the job.
 """
 
 from __future__ import annotations

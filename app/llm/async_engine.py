@@ -1,17 +1,14 @@
 """The engine for an asyncio program (the LLM replica): requests as async generators of chunks.
 
 The engine thread hands each step's token ids, for every request at once, to the event loop in one
-`call_soon_threadsafe`. There they are only appended to each request's pending list; a request's
-generator is woken for its first token (time to first token), for its last, and otherwise by one
-timer per `stream_interval_s` that wakes every request with something pending. It then makes text
-of all of it at once (detokenizer, stop strings: never on the step path) and yields one chunk. So a
-stream sends a bounded number of messages however fast it decodes, and the loop's work per step
-does not grow with wake-ups of every stream: the engine thread, which shares the GIL with this
-loop, keeps its steps short.
-
-The loop shares the GIL with the engine thread: the engine shortens the GIL switch interval
-(`llm.switch_interval_ms`), else the loop waits up to 5 ms for each turn and, with 64 or more streams,
-falls hundreds of milliseconds behind the engine (benchmarks/llm_load.py, RESULTS.md).
+`call_soon_threadsafe`, where they are only appended to each request's pending list. A generator
+wakes for its request's first token (time to first token), its last, and otherwise on one timer per
+`stream_interval_s` shared by every request with something pending; it then makes text of all of it
+at once (detokenizer, stop strings: never on the step path) and yields one chunk. So a stream sends a
+bounded number of messages however fast it decodes, and the loop's work per step does not grow with
+its streams: it shares the GIL with the engine thread, whose steps stay short. The engine shortens
+the switch interval (`llm.switch_interval_ms`), else each turn of the loop waits up to Python's
+default 5 ms and the loop falls far behind (benchmarks/results/2026-11-23-llm-replica-at-serving-load.md).
 """
 
 from __future__ import annotations
@@ -76,7 +73,7 @@ class AsyncEngine:
         that went away) cancels the request; the engine frees its blocks at its next step.
         `on_submit` sees each of the engine's sequences."""
         self.loop = asyncio.get_running_loop()
-        if req.params.grammar is not None:  # compiled off the loop (up to ~1 s the first time); then cached
+        if req.params.grammar is not None:  # compiled off the loop (a first compile can be slow); then cached
             await asyncio.to_thread(self.engine.grammars.compile, req.params.grammar)
         n, event = req.params.n, asyncio.Event()
         streams = [self.engine.output_stream(req) for _ in range(n)]

@@ -1,19 +1,13 @@
-"""Attention over the paged KV cache, for every kind of step: decodes, prefill chunks, and prompts
-whose first blocks came from the prefix cache, all in one call.
+"""Attention over the paged KV cache for every kind of step (decodes, prefill chunks, prompts whose
+first blocks came from the prefix cache), all in one call.
 
-Each sequence of the step brings `n` new query tokens at the end of its `L` cached-plus-new keys
-(its new keys are already in the cache: `kernels.qk_norm_rope_store` wrote them), and query `i`
-sees keys `0 .. L - n + i`. Decode is n = 1; a whole prompt is n = L; a chunk after earlier chunks
-or a prefix hit is anything between.
-
-On CUDA it is one Triton kernel. A program takes `BLOCK_Q` queries of one sequence for one KV head
-and all the query heads that share it (GQA), so each key tile is loaded once for the group; it
-walks the sequence's block table tile by tile up to its causal limit, with an online softmax: first
-the tiles every query of the block sees whole, without masks, then the few that cross the diagonal
-(10-15% faster for a 1074-token prompt on an H200, benchmarks/llm_attention.py). The
-programs are listed in a small table built on the host (sequence, first query), so a step mixing
-decodes and long chunks launches exactly the work it has; a CUDA-graph decode step lists one
-program per batch row. The CPU (and any shape the kernel does not take) uses per-sequence SDPA.
+Each sequence brings `n` new queries at the end of its `L` keys (the new keys are already in the
+cache: `kernels.qk_norm_rope_store` wrote them), and query `i` sees keys `0 .. L - n + i`: decode is
+n = 1, a whole prompt n = L, a chunk anything between. On CUDA one Triton kernel runs the programs of
+a small host-built table (sequence, first query), so a step mixing decodes and long chunks launches
+exactly the work it has; a program takes one KV head and all the query heads sharing it (GQA), so
+each key tile is loaded once for the group. The CPU, and any shape the kernel does not take, uses
+per-sequence SDPA. Timings: benchmarks/results/2026-11-23-1024-one-h200-gpu-time-pinned-copies.md.
 """
 
 from __future__ import annotations
@@ -50,7 +44,8 @@ class AttentionMetadata:
 
 
 def work_table(query_lens: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndarray]:
-    """Programs for a step: (sequence index, first query offset) per block of `block_q` queries."""
+    """Programs for a step: (sequence index, first query offset) per block of `block_q` queries. A
+    CUDA-graph decode step lists one program per batch row."""
     per_seq = -(-query_lens // block_q)
     seq = np.repeat(np.arange(len(query_lens), dtype=np.int32), per_seq)
     starts = np.concatenate([[0], np.cumsum(per_seq)[:-1]]) if len(per_seq) else np.zeros(0, dtype=np.int64)
@@ -59,12 +54,10 @@ def work_table(query_lens: np.ndarray, block_q: int) -> tuple[np.ndarray, np.nda
 
 
 def decode_block_n(rows: int) -> int:
-    """Keys per tile in a decode step of `rows` sequences. Decode reads the whole cache once and is
-    bound by memory bandwidth: with few programs (8 per sequence, one per KV head), longer tiles keep
-    more bytes in flight; from 64 sequences the GPU is full either way and shorter tiles win. On an
-    H200 at 1090 keys a sequence (benchmarks/llm_attention.py, µs a layer, 128 against 64 keys):
-    8 sequences 20.2 against 27.3, 32: 40.7 against 47.2, 64: 84.5 against 74.2, 256: 281.9 against
-    274.3."""
+    """Keys per tile in a decode step of `rows` sequences. Decode reads the whole cache once, bound by
+    memory bandwidth: with few programs (one per sequence and KV head) longer tiles keep more bytes in
+    flight; with many the GPU is full either way and shorter tiles win. The sweep that set 32:
+    benchmarks/results/2026-11-23-1024-one-h200-gpu-time-pinned-copies.md."""
     return 128 if rows <= 32 else 64
 
 
@@ -129,8 +122,10 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DP], tl.float32)
-        # keys up to ctx + q0 are visible to every query of the block: whole tiles below that need no
-        # causal or length mask; only the tiles that cross the diagonal (or the end) do
+        # An online softmax over the block table, tile by tile up to the causal limit. Keys up to
+        # ctx + q0 are visible to every query of the block: whole tiles below that need no causal or
+        # length mask; only the tiles that cross the diagonal (or the end) do (the split's gain:
+        # benchmarks/results/2026-11-23-1024-one-h200-gpu-time-pinned-copies.md)
         open_end = (ctx + q0 + 1) // BLOCK_N * BLOCK_N if SPLIT else 0
         for start in range(0, open_end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)

@@ -1,20 +1,13 @@
 """The paged KV cache's bookkeeping: which blocks are free, which sequences use which, and which
 blocks hold a known prefix.
 
-The cache is a pool of fixed-size blocks; a sequence owns a list of them (its block table), so no
-memory is reserved for tokens a request may never produce. Prefix caching: once a full block of a
-prompt has been computed, it is registered under a hash chained over every block before it (a
-block's KV depends on the whole prefix). A later prompt that starts with the same blocks, same
-text and same media content, takes them by reference instead of recomputing them. Freed blocks keep
-their contents and registration until the pool hands them out again, least recently freed first.
-
-Prompts that share a prefix and arrive together would each compute it: a block is registered only once
-the step computing it is launched. So the blocks an admitted prompt is about to compute are noted as
-being computed (`computing`), and a waiting prompt whose next uncached block is among them waits
-(`computed_by`) until they are registered, then takes them (several choices of one request, rollouts
-sent as separate requests, many questions about one image).
-
-Block 0 is never handed out: padded rows of a CUDA-graph batch write their keys and values there.
+The cache is a pool of fixed-size blocks and a sequence owns a list of them (its block table), so no
+memory is reserved for tokens a request may never produce. Prefix caching: a computed full prompt
+block is registered under a hash chained over every block before it (a block's KV depends on the
+whole prefix), and a later prompt that starts with the same blocks, same text and same media
+content, takes them by reference instead of recomputing them. Freed blocks keep their contents and
+registration until the pool hands them out again, least recently freed first. Block 0 is never
+handed out: padded rows of a CUDA-graph batch write their keys and values there.
 """
 
 from __future__ import annotations
@@ -87,9 +80,15 @@ class BlockManager:
 
     def computed_by(self, seq: Sequence) -> Sequence | None:
         """The admitted sequence about to compute the next blocks `seq` could take from the cache (past
-        the blocks already there), or None. `seq` waits for it rather than compute them too, when they
-        hold at least WAIT_MIN_TOKENS: waiting costs a step, not worth it for a shared chat-template
-        head on a cold cache."""
+        the blocks already there), or None.
+
+        A block is registered only once the step computing it is launched, so prompts that share a
+        prefix and arrive together would each compute it. `allocate` therefore notes the blocks an
+        admitted prompt is about to compute (`computing`), and a waiting prompt whose next uncached
+        block is among them waits until they are registered, then takes them (several choices of one
+        request, rollouts sent as separate requests, many questions about one image). It waits only
+        when they hold at least WAIT_MIN_TOKENS: waiting costs a step, not worth it for a shared
+        chat-template head on a cold cache."""
         if not self.computing:
             seq.waits_on = None
             return None

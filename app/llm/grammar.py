@@ -1,19 +1,9 @@
 """Structured output: OpenAI's `response_format` (`json_object`, `json_schema`) as a token mask.
 
 The grammar engine is llguidance (one small wheel, no dependencies): a JSON schema becomes a grammar,
-and a matcher per sequence says, at each step, which tokens may come next.
-
-- The API layer turns `response_format` into a grammar string (`grammar_for`), checked there, so a
-  bad schema is a 400 before anything runs. It travels in `SamplingParams.grammar`.
-- The engine gives each constrained sequence a matcher at submit (`Grammars.matcher`; the choices of
-  one request start from copies of one). The sampler reads a copy of the step's logits in which the
-  rows of constrained sequences are masked (`Grammars.masked`): disallowed tokens' logits are -inf, so
-  every sampler setting (greedy, temperature, top-k/p, seeds) draws from the allowed ones.
-  Log-probabilities come from the raw logits, the model's own distribution, as without a format. Each
-  sampled token is then fed to its matcher (`Grammars.accept`); when the grammar is complete, the
-  sequence stops ("stop").
-- A mask needs the sequence's previous token on the host, so while constrained sequences run the
-  engine does not overlap steps (engine.py).
+and a matcher per sequence says, at each step, which tokens may come next. The API layer turns
+`response_format` into a grammar string (`grammar_for`), checked there, so a bad schema is a 400
+before anything runs; it travels in `SamplingParams.grammar`, and the engine's side is `Grammars`.
 
 JSON is generated compact (no whitespace between tokens): with flexible whitespace a weak or unlucky
 model can spend its whole budget on spaces. A schema's own `x-guidance` options override this.
@@ -138,6 +128,15 @@ def _bad(message: str, param: str = "response_format") -> ClientError:
 class Grammars:
     """The engine's side: matchers for its tokenizer, and the masks of a step's constrained rows.
 
+    The engine gives each constrained sequence a matcher at submit (`matcher`; the choices of one
+    request start from copies of one). The sampler reads a copy of the step's logits in which the
+    rows of constrained sequences are masked (`masked`): disallowed tokens' logits are -inf, so every
+    sampler setting (greedy, temperature, top-k/p, seeds) draws from the allowed ones, while
+    log-probabilities come from the raw logits, the model's own distribution, as without a format.
+    Each sampled token is then fed to its matcher (`accept`); when the grammar is complete, the
+    sequence stops ("stop"). A mask needs the sequence's previous token on the host, so while
+    constrained sequences run the engine does not overlap steps (engine.py).
+
     Compiled grammars are kept (the most recently used CACHED), each as a matcher in its start state
     that new sequences copy: a batch job or a client sending one schema with every request compiles it
     once. `compile` may run on any thread (the LLM replica runs it off its event loop)."""
@@ -147,7 +146,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab: int):
         self.hf_tokenizer, self.vocab = tokenizer, vocab
         self.live = 0  # the engine's sequences with a matcher (while any, steps do not overlap)
-        self._tokenizer = None  # llguidance's view of the vocabulary, built at the first grammar (~ms to 1 s)
+        self._tokenizer = None  # llguidance's view of the vocabulary, built at the first grammar
         self._compiled: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()
         self._executor = None  # llguidance's thread pool for the masks of several rows

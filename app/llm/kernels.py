@@ -1,16 +1,13 @@
 """Fused elementwise kernels for the text model on CUDA (Triton), with torch versions for the CPU.
 
-A decode step at batch 1 moves the weights once (about 0.85 ms for the 2B shape on an H200) but
-launches a few hundred kernels; transformers' layer runs about forty of them, most tiny, and each
-costs microseconds even inside a CUDA graph. Three kernels take most of them away:
-
-- `add_rmsnorm`: the residual add and the next RMSNorm, one pass;
-- `qk_norm_rope_store`: q/k RMSNorm (Qwen3), the rotary embedding, and the new keys and values
-  written into their KV-cache slots, straight from the fused qkv GEMM's output;
-- `silu_mul`: SwiGLU's activation.
-
-All three round where transformers' modules round (bf16 storage, float32 arithmetic inside one
-op), so the torch versions below are the reference the GPU tests hold them to.
+A decode step at batch 1 moves the weights once but would launch a few hundred kernels: transformers'
+layer runs about forty, most tiny, each costing microseconds even inside a CUDA graph
+(benchmarks/results/2026-11-21-llm-engine.md). Three kernels take most of them away: `add_rmsnorm`
+(the residual add and the next RMSNorm, one pass), `qk_norm_rope_store` (q/k RMSNorm for Qwen3, the
+rotary embedding, and the new keys and values written into their KV-cache slots, straight from the
+fused qkv GEMM's output) and `silu_mul` (SwiGLU's activation). All three round where transformers'
+modules round (bf16 storage, float32 arithmetic inside one op), so the torch versions below are the
+reference the GPU tests hold them to.
 """
 
 from __future__ import annotations
@@ -112,7 +109,8 @@ if triton is not None:
                                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
                                    HAS_NORM: tl.constexpr):
         # One program per (token, q or k/v): every head of the token in one tile. A program per head
-        # (one warp moving 256 bytes) ran at a fifth of the memory bandwidth on a 1,600-token prefill.
+        # (one warp moving 256 bytes) left most of the memory bandwidth unused
+        # (benchmarks/results/2026-11-23-overlapped-engine-steps.md).
         t = tl.program_id(0)
         row = qkv_ptr + t * (H + 2 * KV) * D
         j = tl.arange(0, HALF)[None, :]

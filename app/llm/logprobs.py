@@ -1,18 +1,14 @@
 """Log-probabilities of a step's rows: the chosen token's and the k most likely tokens', packed for one
 copy to the host.
 
-They come from the logits as the model gives them (log-softmax of the raw logits), before penalties,
-temperature, top-k and top-p, as vLLM returns them by default: they describe the model, whatever the
-sampling settings.
-
-Over a 151,936-token vocabulary PyTorch's `logsumexp` and `topk` run one block per row, and at 64
-rows took 108 and 140 µs of a 4.4 ms decode step on an H200 (benchmarks/RESULTS.md), to read 19 MB.
-On CUDA two Triton kernels do it instead:
-1. one program per (row, chunk of 4096 logits): the chunk's max, its sum of exp(x - max), and its k
-   largest logits with their ids (k passes of max-and-remove, in registers);
-2. one program per row: the logsumexp from the chunks' (max, sum), the top k of the chunks' candidates,
-   and the chosen token's logit, each minus the logsumexp.
-k is a runtime loop bound: one compiled kernel serves every `top_logprobs`.
+They come from the raw logits (log-softmax, before penalties, temperature, top-k and top-p), as vLLM
+returns them by default: they describe the model, whatever the sampling settings. PyTorch's
+`logsumexp` and `topk` run one block per row over the whole vocabulary, too slow for a decode step
+(benchmarks/results/2026-11-25-logprobs-cost.md), so on CUDA two Triton kernels do it: one program per
+(row, chunk of 4096 logits) finds the chunk's max, its sum of exp(x - max) and its k largest logits
+with their ids (k passes of max-and-remove, in registers); one per row then takes the logsumexp from
+the chunks' (max, sum), the top k of their candidates and the chosen token's logit, each minus the
+logsumexp. k is a runtime loop bound: one compiled kernel serves every `top_logprobs`.
 """
 
 from __future__ import annotations

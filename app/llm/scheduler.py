@@ -1,19 +1,11 @@
 """What runs in the next step: continuous batching with chunked prefill under a token budget.
 
-Each step has a budget of `max_num_batched_tokens` tokens, filled in this order:
-1. every running request that is decoding (one token each), growing its block table by a block
-   when it crosses a block boundary;
-2. running requests still prefilling, one chunk each (what is left of the prompt, or what fits);
-3. waiting requests, first come first served, while the budget, `max_num_seqs` and free KV blocks
-   last. A request's blocks, past a cached prefix, are taken when it is admitted. A request whose
-   prompt continues with blocks that an admitted one is about to compute (another choice of the same
-   request, the same prompt sent twice) is passed over until they are in the cache, and then takes
-   them instead of computing them again; the requests behind it go ahead.
-
-So a long prompt is prefilled in chunks over several steps while everyone else keeps decoding. When
-a decode needs a block and none is free, the most recently admitted request is preempted: its blocks
-are freed and it goes back to the head of the queue, to be recomputed (its prompt's blocks usually
-come back from the prefix cache). Nothing it produced is lost: its tokens stay in the sequence.
+Each step has a budget of `max_num_batched_tokens` tokens, filled by decodes first, then prefill
+chunks of admitted requests, then new requests (`Scheduler.schedule` gives the order). So a long
+prompt is prefilled in chunks over several steps while everyone else keeps decoding. When a decode
+needs a block and none is free, the most recently admitted request is preempted: its blocks are
+freed and it goes back to the head of the queue, to be recomputed (its prompt's blocks usually come
+back from the prefix cache). Nothing it produced is lost: its tokens stay in the sequence.
 """
 
 from __future__ import annotations
@@ -57,6 +49,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
+        """The next step, its token budget filled in this order:
+        1. every running request that is decoding (one token each), growing its block table by a
+           block when it crosses a block boundary;
+        2. running requests still prefilling, one chunk each (what is left of the prompt, or what fits);
+        3. waiting requests, first come first served, while the budget, `max_num_seqs` and free KV
+           blocks last. A request's blocks, past a cached prefix, are taken when it is admitted. A
+           request whose prompt continues with blocks that an admitted one is about to compute
+           (another choice of the same request, the same prompt sent twice) is passed over until they
+           are in the cache, and then takes them instead of computing them again; the requests behind
+           it go ahead."""
         plan, budget = StepPlan(), self.max_num_batched_tokens
         blocks, bs = self.blocks, self.blocks.block_size
         running = Status.RUNNING

@@ -1,23 +1,13 @@
 """The Router's media source: its own threads while it is nearly idle, MediaPreprocessor replicas under load.
 
-A request's first token waits for its media. Sending a small inline image to a MediaPreprocessor replica
-and reading the item back costs two Ray hops: on an H200 host the Router's trace put about 8 ms between
-its handler and the replica's call and 11 ms in the call, for an image that takes 2-3 ms to decode,
-patchify and hash (benchmarks/RESULTS.md). At concurrency 1 those hops are most of what a request spends
-outside the GPU. Under load the replicas are what keeps decoding off the Router's GIL (issue 12).
-
-So a request whose media are all inline (`data:`) images within `router_local_bytes` is prepared in this
-process when fewer than `router_local_below` requests are preparing media here (0: never) and a worker
-of its pool is free; any other request goes to the replicas. The second condition matters because a
-request's jobs can outlive it (a failed sibling item, a client gone, a deadline: the job already handed
-to a thread runs to its end); without it, requests that fail at once could pile decoding work onto the
-Router's threads while it looks idle. "Nearly idle" is about media only: a Router streaming many
-answers still prepares the next image itself when none other is preparing media; at saturation the
-replicas take nearly every request (benchmarks/RESULTS.md: no loss at c=256).
-
-Items prepared here carry their rows to the encoder in the call's arguments (Ray puts them in the
-object store on each call, so a retry after a replica failure sends them again); the rest are
-object-store references as before (app/media/remote.py). Both give the same items.
+A request's first token waits for its media. Sending a small inline image to a MediaPreprocessor
+replica and reading the item back costs two Ray hops, several times the image's own decode, patchify
+and hash; at concurrency 1 those hops are most of what a request spends outside the GPU
+(benchmarks/results/2026-11-25-router-prepares-small-images.md). Under load the replicas are what
+keeps decoding off the Router's GIL (issue 12). So a request whose media are all small inline images
+is prepared in this process while few others are preparing media here (`AdaptiveMedia`), and
+any other request goes to the replicas; at saturation they take nearly every request, and nothing is
+lost there. Both give the same items.
 """
 
 from __future__ import annotations
@@ -61,7 +51,19 @@ class CountingPool(ThreadPoolExecutor):
 
 
 class AdaptiveMedia:
-    """Same interface as MediaPipeline and RemoteMedia (`spec`, `prepare_all`)."""
+    """Same interface as MediaPipeline and RemoteMedia (`spec`, `prepare_all`).
+
+    A request whose media are all inline (`data:`) images within `router_local_bytes` is prepared here
+    when fewer than `router_local_below` requests are preparing media in this Router (0: never) and a
+    worker of its pool is free. The second condition matters because a request's jobs can outlive it
+    (a failed sibling item, a client gone, a deadline: the job already handed to a thread runs to its
+    end); without it, requests that fail at once could pile decoding work onto the Router's threads
+    while it looks idle. "Nearly idle" is about media only: a Router streaming many answers still
+    prepares the next image itself when none other is preparing media.
+
+    Items prepared here carry their rows to the encoder in the call's arguments (Ray puts them in the
+    object store on each call, so a retry after a replica failure sends them again); the rest are
+    object-store references as before (app/media/remote.py)."""
 
     def __init__(self, remote: RemoteMedia, local: MediaPipeline, below: int, max_bytes: int,
                  on_choice: Callable[[str], None] | None = None):

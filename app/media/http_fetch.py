@@ -1,17 +1,11 @@
 """http(s) media fetching that cannot be turned against the server's own network.
 
-- The address check (app/media/netpolicy.py) runs inside the connection pool's network backend, on the
-  addresses the name resolved to, and the socket is opened to one of exactly those addresses. The URL
-  keeps its hostname, so the Host header, TLS SNI and certificate checks use the name as usual, while a
-  DNS answer that changes between a check and the connect (rebinding) cannot reach a second address:
-  there is no second lookup. Pooled connections are keyed by hostname and were checked when opened.
-- Redirects are followed here, not by httpx, so every hop's URL is checked (scheme, domain allowlist)
-  and every new connection's address too; at most `max_redirects` hops.
-- The body streams with a running byte cap; a `Content-Length` over the cap is refused before any
-  body byte is read. `Accept-Encoding: identity` and raw reads: a gzip body could otherwise inflate
-  past the cap inside a single chunk. One deadline covers the lookups, every hop and the body.
-- One pooled client per policy, per event loop and process, created on first use and reused. No
-  proxies from the environment (a proxy would make the connection the check never sees).
+The address check (app/media/netpolicy.py) runs inside the connection pool's network backend, on the
+addresses the name resolved to, and the socket is opened to one of exactly those addresses
+(`PinnedBackend`). Redirects are followed here, every hop checked (`HttpFetcher._follow`); the body
+streams under a running byte cap (`HttpFetcher._body`); one deadline covers the lookups, every hop
+and the body. One pooled client per policy, per event loop and process, created on first use and
+reused. No proxies from the environment (a proxy would make the connection the check never sees).
 """
 
 from __future__ import annotations
@@ -43,7 +37,12 @@ async def system_resolver(host: str, port: int) -> list[str]:
 
 
 class PinnedBackend(httpcore.AsyncNetworkBackend):
-    """Resolves, checks every answer against the policy, then connects to a checked address."""
+    """Resolves, checks every answer against the policy, then connects to a checked address.
+
+    The URL keeps its hostname, so the Host header, TLS SNI and certificate checks use the name as
+    usual, while a DNS answer that changes between a check and the connect (rebinding) cannot reach a
+    second address: there is no second lookup. Pooled connections are keyed by hostname and were
+    checked when opened."""
 
     def __init__(self, policy: FetchPolicy, resolver: Resolver = system_resolver,
                  inner: httpcore.AsyncNetworkBackend | None = None):
@@ -142,6 +141,8 @@ class HttpFetcher:
                               code="media_fetch_failed") from None
 
     async def _follow(self, target: httpx.URL, max_bytes: int, param: str, timeout_s: float) -> bytes:
+        """Redirects are followed here, not by httpx, so every hop's URL is checked (scheme, domain
+        allowlist) and every new connection's address too; at most `max_redirects` hops."""
         transport, url, timeout = self.transport(), target, httpx.Timeout(timeout_s).as_dict()
         for _ in range(self.policy.max_redirects + 1):
             if target.scheme not in ("http", "https") or not target.host:
@@ -166,6 +167,9 @@ class HttpFetcher:
 
     @staticmethod
     async def _body(resp: httpx.Response, max_bytes: int, param: str) -> bytes:
+        """The body under a running byte cap; a `Content-Length` over the cap is refused before any
+        body byte is read. `Accept-Encoding: identity` and raw reads: a gzip body could otherwise
+        inflate past the cap inside a single chunk."""
         def too_large(n: str) -> ClientError:
             return ClientError(f"media payload of {n} bytes exceeds the limit of {max_bytes}", param=param,
                                code="media_too_large", status=413)

@@ -1,20 +1,13 @@
 """Block-diagonal (variable-length) attention for the tower, in Triton.
 
 Inside a budget graph the batch is padded: `max_seqlen` must be the budget and there are
-`max_frames_per_batch + 1` sequence slots, mostly empty. FlashAttention-2's varlen kernel launches
-a program for every (slot, query block of `max_seqlen`, head), and its time nearly doubles (784
-real tokens in an 896 budget: 28 -> 46 us per layer, 8B shape; `benchmarks/kernels.py`). Here the
-work is listed instead: a small table built on the host from the real sequence lengths holds one
-row per query block, (first query row, sequence start, sequence end), and the grid is that table's
-static length, its unused rows returning at once.
-
-Qwen3-VL's vision heads are 72 wide (8B). Library kernels round that up (FlashAttention-2 to 96;
-cuDNN takes as long as at 128), so the head is split into a 64-wide part and a 16-wide remainder
-(8 real columns, 8 masked): the work of an 80-wide head. Heads of 64 or fewer (power of two) take
-a single part.
-
-Padding tokens are a sequence of their own (see metadata.cu_seqlens): their rows come out finite
-and never mix with real rows.
+`max_frames_per_batch + 1` sequence slots, mostly empty. FlashAttention-2's varlen kernel launches a
+program for every (slot, query block of `max_seqlen`, head), so the padding nearly doubles its time
+(benchmarks/results/2026-11-21-vision-encoder-qwen3-vl.md). Here the work is listed instead: a small
+host-built table holds one row per query block (first query row, sequence start, sequence end), and
+the grid is that table's static length, its unused rows returning at once. 72-wide heads are split
+in two parts (`split` says why). Padding tokens are a sequence of their own (see
+metadata.cu_seqlens): their rows come out finite and never mix with real rows.
 """
 
 from __future__ import annotations
@@ -42,9 +35,9 @@ except ImportError:  # pragma: no cover - older torch
 
 DENSE_MIN_LENGTH = 512  # equal-length sequences at least this long take one dense attention call
 
-# Query rows per program -> (key block, warps, pipeline stages). From the sweep in
-# benchmarks/kernels.py (H200): 128 rows suit long sequences and mixed batches (budget graphs),
-# 64 rows short ones (a 224^2 video's 196-token frames: 8.8 vs 11.7 us per layer).
+# Query rows per program -> (key block, warps, pipeline stages), from the sweep in benchmarks/kernels.py:
+# 128 rows suit long sequences and mixed batches (budget graphs), 64 rows short ones (a 224^2 video's
+# 196-token frames; benchmarks/results/2026-11-21-vision-encoder-qwen3-vl.md).
 CONFIGS = {128: (64, 4, 3), 64: (64, 4, 3)}
 BLOCK_M = 128
 SHORT = 256  # equal-length sequences up to this long use 64-row blocks
@@ -55,7 +48,12 @@ def block_m_for(uniform_length: int | None) -> int:
 
 
 def split(head_dim: int) -> tuple[int, int] | None:
-    """(main part, remainder part) widths for a head size, or None where this kernel does not apply."""
+    """(main part, remainder part) widths for a head size, or None where this kernel does not apply.
+
+    Qwen3-VL's vision heads are 72 wide (8B). Library kernels round that up (FlashAttention-2 to 96;
+    cuDNN takes as long as at 128), so the head is split into a 64-wide part and a 16-wide remainder
+    (8 real columns, 8 masked): the work of an 80-wide head. Heads of 64 or fewer (power of two) take
+    a single part."""
     if head_dim <= 64 and head_dim >= 16 and head_dim & (head_dim - 1) == 0:
         return head_dim, 0
     if 64 < head_dim <= 80 and head_dim % 8 == 0:
@@ -111,7 +109,8 @@ if triton is not None:
         if q0 >= s1:
             return
         # Head offsets as h * D with D a compile-time constant: the compiler then knows they are
-        # 16-byte aligned and vectorises the loads (a runtime head stride of 72 costs 1.6x).
+        # 16-byte aligned and vectorises the loads (a runtime head stride of 72 was markedly slower:
+        # benchmarks/results/2026-11-21-vision-encoder-qwen3-vl.md).
         rows = q0 + tl.arange(0, BM)
         rm = rows < s1
         da = tl.arange(0, DA)
@@ -199,8 +198,9 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     - with a block `table` (CUDA, our Triton kernel): `varlen_attention`;
     - CUDA bf16/fp16 without one: PyTorch's varlen FlashAttention;
     - CPU: one SDPA call per sequence (no graph to keep static; a mask over the whole padded batch
-      costs (sum of lengths)^2 instead of the sum of squares: 7 images of 784 tokens took 2.5 s instead
-      of 0.08 s on 2 cores. 4-D inputs take torch's CPU flash kernel; 3-D ones the math path, 9x slower);
+      costs (sum of lengths)^2 instead of the sum of squares, see
+      benchmarks/results/2026-11-21-serving-under-load-graphs-on-off.md. 4-D inputs take torch's CPU
+      flash kernel; 3-D ones the much slower math path);
     - otherwise (CUDA fp32): SDPA with a block-diagonal mask built on the device (graph-safe).
     """
     n, heads, d = q.shape

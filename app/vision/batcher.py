@@ -1,21 +1,13 @@
 """Cross-request batching in front of one encoder replica.
 
-Concurrent `submit` calls (one per request) put their items, long videos already cut into
-chunks that fit a graph, on one queue. A loop waits at most `wait_ms` after the oldest queued
-piece (less if the queue already fills the largest budget), packs the whole queue with
-`packing.pack`, runs the batches and scatters the results back. Each round drains the queue, so no
-piece waits more than one round. A cancelled request's pieces are dropped before they run.
-
-An idle encoder (no batch ended within the last `wait_ms`) does not wait: with nothing else in
-flight there is nothing to batch with, and the wait would only add to time to first token. Under
-load batches end back to back, so the wait applies, and pieces arriving during a batch join the next.
-A batch job wants full batches, not first tokens: with `wait_when_idle` the wait applies always.
-
-Under the `fused` placement the tower shares its GPU with the engine. While the engine has requests
-waiting for a sequence slot or KV blocks (`backlog()`), a piece encoded now would wait there anyway, so the batcher may wait
-longer (`backlog_wait_ms`) for a fuller batch, which costs the GPU less per item. Why: with arrivals
-spread out in time, as real traffic arrives, a 2 ms wait gathered about two images per batch on four
-H100s, against 5-8 from a closed loop's bursts (benchmarks/RESULTS.md, twenty-fourth session).
+Concurrent `submit` calls (one per request) put their items, long videos already cut into chunks
+that fit a graph, on one queue. A loop waits at most `wait_ms` after the oldest queued piece (less if
+the queue already fills the largest budget), packs the whole queue with `packing.pack`, runs the
+batches and scatters the results back. Each round drains the queue, so no piece waits more than one
+round; a cancelled request's pieces are dropped before they run. An idle encoder (no batch ended
+within the last `wait_ms`) does not wait: with nothing else in flight there is nothing to batch with,
+and the wait would only add to time to first token. Under load batches end back to back, so the wait
+applies, and pieces arriving during a batch join the next. When to wait longer: `EncodeBatcher.__init__`.
 """
 
 from __future__ import annotations
@@ -103,7 +95,14 @@ class EncodeBatcher:
         `on_idle()` is called whenever the queue drains; it returns deferred work (graph captures)
         to run in a worker thread, or None when there is none. `backlog()` (may be set later, by the
         fused replica once its engine exists) says whether the consumer of the embeddings has work
-        queued; while it has, the wait is `backlog_wait_ms` when that is the longer one."""
+        queued; while it has, the wait is `backlog_wait_ms` when that is the longer one.
+
+        A batch job wants full batches, not first tokens: with `wait_when_idle` the wait applies
+        always. Under the `fused` placement the tower shares its GPU with the engine: while the engine
+        has requests waiting for a sequence slot or KV blocks, a piece encoded now would wait there
+        anyway, so the batcher may wait longer for a fuller batch, which costs the GPU less per item.
+        Why it matters: arrivals spread out in time, as real traffic arrives, make small batches under
+        the short wait (benchmarks/results/2026-11-26-routing-ab-four-h100s-poisson.md)."""
         self.run_batch, self.limits, self.wait_s = run_batch, limits, wait_ms / 1000
         self.wait_when_idle = wait_when_idle
         self.backlog_wait_s, self.backlog = backlog_wait_ms / 1000, backlog

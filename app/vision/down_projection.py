@@ -1,20 +1,14 @@
 """The towers' MLP down projection (fc2 / down_proj), run the fastest of up to three ways per row count.
 
-Its bias is applied later, in float32, by the fused residual add, so the GEMM itself has none. The MLP
-width is padded with zero units (`kernels.pad_mlp`), and no single way to run the GEMM wins everywhere.
-On an H200 (`benchmarks/kernels.py residual_gemms`, µs per GEMM):
-
-- Qwen2.5-VL's width 3420 (rows of 6840 bytes, not 16-byte aligned): 53.2 unpadded, 16.7 padded to 3456,
-  at 784 rows; 195 against 49 at 4096;
-- SigLIP's 4304 (MiniCPM-V, and Qwen3-VL-8B): at 1024 rows 25.1 unpadded through cuBLAS, 17.9 padded
-  through cuBLASLt (PyTorch sends an addmm with a vector bias there, so a zero bias picks it); at 4096
-  rows the unpadded cuBLAS GEMM is the fastest (54.5 against 60.5 padded);
-- Qwen3-VL-2B's 4096 (no padding): cuBLAS 11.9, cuBLASLt 16.8 at 784 rows.
-
-So each tower times the ways once per row count on its own device (`tune`, which the graph manager calls
-for every budget and uniform shape before it captures them) and keeps the winner; a batch of another
-row count (an eager batch) takes the choice of the nearest tuned count above it. All ways compute the
-same products: the padded units and the zero bias add exact zeros.
+The GEMM has no bias (the fused residual add applies it later, in float32), and the MLP width is
+padded with zero units (`kernels.pad_mlp`): a width such as Qwen2.5-VL's 3420 makes rows that are not
+16-byte aligned, and cuBLAS then falls back to slow kernels. Beyond that no way wins everywhere, and
+the winner moves with the row count (unpadded through cuBLAS, padded through cuBLAS, padded through
+cuBLASLt, which PyTorch picks for an addmm with a vector bias, hence a zero bias;
+benchmarks/results/2026-11-23-mlp-down-projection-padded-tuned.md). So `tune` times the ways once per
+row count on the tower's own device and keeps the winner; a batch of another row count (an eager
+batch) takes the choice of the nearest tuned count above it. All ways compute the same products: the
+padded units and the zero bias add exact zeros.
 """
 
 from __future__ import annotations
@@ -68,13 +62,13 @@ class DownProjection:
 
     def tune(self, rows_list: list[int], weights: list[torch.Tensor], runs: int = 5) -> None:
         """Time every way at each new row count and keep the fastest. Not during graph capture; a no-op
-        off CUDA.
+        off CUDA. The graph manager calls it for every budget and uniform shape before capturing them.
 
         Each way is timed as the tower's graphs run it: replayed from a CUDA graph (timing.graph_us) of
         one call per layer weight in `weights` (distinct weights, read from memory as the tower reads
-        them, not from L2), so the choice follows GPU time only. Timed eagerly, a ~20 µs GEMM measures
-        the host's launch time instead: on a slow host that picked a way 5 µs slower per layer
-        (MiniCPM-V at 1024 rows, 2026-11-25)."""
+        them, not from L2), so the choice follows GPU time only. Timed eagerly, a GEMM this short
+        measures the host's launch time instead, and a slow host picked a slower way
+        (benchmarks/results/2026-11-25-minicpm-v-down-projection-patch-gemm-resampler.md)."""
         if not weights[0].is_cuda or torch.cuda.is_current_stream_capturing():
             return
         for rows in sorted(set(rows_list) - set(self.choice)):

@@ -1,19 +1,15 @@
 """FlashAttention-4's forward for the towers' dense attention inside CUDA graphs, where the optional
-package is installed and the config asks for it (`encoder.dense_attention: flash4`).
+package is installed and the config asks for it (`encoder.dense_attention: flash4`; Hopper or
+Blackwell, bf16/fp16). Numbers: benchmarks/results/2026-11-24-flashattention-4-dense-attention.md.
 
 Why: equal-length sequences (a 1024^2 image is one of 4096 tokens) take one dense attention call per
-layer, cuDNN's Hopper kernel by default. FlashAttention-4's SM90/SM100 forward (`flash_attn.cute`,
-written in NVIDIA's CuTe DSL) is faster where cuDNN pads the head: 72-wide heads (the 8B tower) cost
-cuDNN as much as 128-wide ones. On an H200 the 8B tower's graphs ran 3-6% faster with it (1x1024^2
-14.0 -> 13.2 ms). At 64-wide heads (the 2B tower) the kernel gained only 3-5%, and the fused replica
-served 1024^2 no faster, so it is not the default (benchmarks/RESULTS.md, tenth session).
-
-Why only in graphs: each call goes through the DSL's Python launcher. With it in eager batches as well,
-the fused replica served a 448^2 load 14-22% slower; inside a graph the launcher runs once, at capture.
-Eager batches keep PyTorch's SDPA.
-
-Why optional: `flash-attn-4` is a beta package, and its compiler (nvidia-cutlass-dsl) is a ~90 MB wheel
-that compiles each kernel variant at its first call (1-2.5 s on an H200). Hopper or Blackwell, bf16/fp16.
+layer, cuDNN's Hopper kernel by default, and cuDNN pads the head: 72-wide heads (the 8B tower) cost it
+as much as 128-wide ones; FlashAttention-4's SM90/SM100 forward (`flash_attn.cute`, in NVIDIA's CuTe
+DSL) is faster there. Only in graphs: each call goes through the DSL's Python launcher, which slowed
+serving when eager batches used it too; in a graph it runs once, at capture (eager batches keep
+PyTorch's SDPA). Off by default: `flash-attn-4` is a beta package whose compiler (nvidia-cutlass-dsl)
+is a large wheel that compiles each kernel variant at its first call, and at the 2B tower's 64-wide
+heads it served no faster.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """CUDA-graph manager for the vision tower: capture per token budget, replay with padding.
 
-One set of max-size static input buffers is shared by every graph (each reads a prefix slice),
-and all graphs share one memory pool. Two kinds of graph:
-
-- Budget graphs, one per token budget: any batch (images and videos mixed) replays the smallest
-  budget that holds it, padded; attention is variable-length (attention.py).
-- Uniform graphs, one per (sequences, length): batches whose attention sequences are all equally
-  long (one image, one video's frames, same-size images) replay a graph of their exact shape, with
-  no padding (and cuDNN's dense attention for long sequences). Listed shapes are captured at
-  start-up; optionally, a shape seen `uniform_capture_after` times is captured when the replica is idle
-  (`capture_pending`).
-
-What fits no graph (too many tokens, attention sequences or items) runs eagerly through the same
-tower code and is counted. Every graph is timed against eager when captured and dropped if it is
-not faster; while serving, dispatch corrects those timings with the batch times it observes
-(observed.py). Without CUDA (or with graphs off) the same padded static-shape path runs without
-capture, so the padding logic is exercised on the CPU too.
+One set of max-size static input buffers is shared by every graph (each reads a prefix slice), and
+all graphs share one memory pool. Budget graphs replay any batch padded to the smallest budget that
+holds it; uniform graphs replay equal-length batches at their exact shape (`GraphManager`). What fits
+no graph runs eagerly through the same tower code and is counted. Every graph is timed against eager
+when captured and dropped if it is not faster; while serving, dispatch corrects those timings with
+the batch times it observes (observed.py). Without CUDA (or with graphs off) the same padded
+static-shape path runs without capture, so the padding logic is exercised on the CPU too.
 """
 
 from __future__ import annotations
@@ -66,7 +57,8 @@ class GraphSettings:
     autotune: bool = True
     uniform_shapes: list[tuple[int, int]] = field(default_factory=list)  # (sequences, length) at start-up
     # Sightings of a new equal-length shape before it is captured while serving; 0 = never. Off by
-    # default: a capture stalls the replica's queue (~0.25 s each for the 2B shape on an H200 under load).
+    # default: a capture stalls the replica's queue
+    # (benchmarks/results/2026-11-21-serving-under-load-graphs-on-off.md).
     uniform_capture_after: int = 0
     max_uniform_graphs: int = 16
     # Items carry raw uint8 patch rows and the tower normalises them (VisionTower's pixel_norm): a
@@ -74,8 +66,8 @@ class GraphSettings:
     uint8_pixels: bool = False
     # A batch that fits a graph runs eagerly only when the tuned eager estimate, raised by this
     # fraction, still beats the graph: eager is launch-bound, so its time (and its tail) is the host
-    # CPU's, while a replay's is not. Near a tie the graph wins (an 8B mixed batch tuned 7.3 ms eager
-    # vs 7.6 ms graph ran 8.4 ms eager with a p99 of 25 ms).
+    # CPU's, while a replay's is not. Near a tie the graph wins (the case that set it:
+    # benchmarks/results/2026-11-21-vision-encoder-qwen3-vl.md).
     eager_margin: float = 0.1
     # Correct the auto-tune's estimates with the times of the batches served, and time the path not
     # taken now and then near a tie (observed.py); the margin then applies only until a path is known.
@@ -150,7 +142,17 @@ class EncoderStats:
 
 
 class GraphManager:
-    """Owns static buffers, captured graphs and the eager fallback for one tower (one GPU)."""
+    """Owns static buffers, captured graphs and the eager fallback for one tower (one GPU).
+
+    - Budget graphs, one per token budget: any batch (images and videos mixed) replays the smallest
+      budget that holds it, padded; attention is variable-length (attention.py).
+    - Uniform graphs, one per (sequences, length): batches whose attention sequences are all equally
+      long (one image, one video's frames, same-size images) replay a graph of their exact shape, with
+      no padding (and cuDNN's dense attention for long sequences). Listed shapes are captured at
+      start-up; optionally, a shape seen `uniform_capture_after` times is captured when the replica
+      is idle (`capture_pending`).
+
+    What fits no graph (too many tokens, attention sequences or items) runs eagerly."""
 
     def __init__(self, tower: GraphTower, settings: GraphSettings):
         if not settings.budgets:

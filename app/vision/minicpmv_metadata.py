@@ -2,17 +2,7 @@
 
 Each item is one slice of an image (the router cuts images into a thumbnail and up to 9 slices),
 with its patches in row-major order. What the published model computes per slice with Python loops
-and `.tolist()` becomes tensors here, outside any graph:
-
-- `pos` [N]: SigLIP's bucketed position ids. The learned table covers a `side x side` grid
-  (image_size / patch = 70 for MiniCPM-V 4.5); a slice of h x w patches takes, per axis, the bucket
-  of each patch's fractional coordinate k / h among the boundaries 1/side, 2/side, ...;
-- `rc` [N, 2] float32: (row, col) of each patch in its slice, for the resampler's 2-D sin-cos keys;
-- `kseg` [N]: the slice slot of each patch (padding tokens: the number of slots, matching no slot);
-- `dead` [slots]: slots holding no slice (in the resampler's masked attention their queries attend to
-  every key, so that their unused rows stay finite);
-- `cu`: slice boundaries (padding one sequence of its own): the SigLIP self-attention's, and the keys'
-  of the resampler's variable-length attention (where empty slots get zero rows).
+and `.tolist()` becomes tensors here (`minicpmv_metadata` lists them), built outside any graph.
 """
 
 from __future__ import annotations
@@ -57,7 +47,17 @@ def row_cols(h: int, w: int) -> torch.Tensor:
 
 def minicpmv_metadata(lay: BatchLayout, side: int, budget: int | None, slots: int | None) -> dict[str, torch.Tensor]:
     """pos, rc, kseg, dead, cu for a batch of slices; padded to `budget` tokens and `slots` slice slots
-    when given (a graph's static shapes), exact otherwise (one slot per slice)."""
+    when given (a graph's static shapes), exact otherwise (one slot per slice).
+
+    - `pos` [N]: SigLIP's bucketed position ids. The learned table covers a `side x side` grid
+      (image_size / patch = 70 for MiniCPM-V 4.5); a slice of h x w patches takes, per axis, the bucket
+      of each patch's fractional coordinate k / h among the boundaries 1/side, 2/side, ...;
+    - `rc` [N, 2] float32: (row, col) of each patch in its slice, for the resampler's 2-D sin-cos keys;
+    - `kseg` [N]: the slice slot of each patch (padding tokens: the number of slots, matching no slot);
+    - `dead` [slots]: slots holding no slice (in the resampler's masked attention their queries attend
+      to every key, so that their unused rows stay finite);
+    - `cu`: slice boundaries (padding one sequence of its own): the SigLIP self-attention's, and the
+      keys' of the resampler's variable-length attention (where empty slots get zero rows)."""
     n, count = lay.num_tokens, lay.num_items
     slots = count if slots is None else slots
     if count > slots:

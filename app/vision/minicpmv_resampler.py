@@ -1,24 +1,13 @@
 """MiniCPM-V's resampler attention, with its key and value projections folded into the learned queries.
 
 The resampler's queries do not depend on the input, so the attention's linear maps can be
-re-associated around them. With x = ln_kv(kv_proj(feats)) (N keys, E wide), keys = x + pos, H heads of
-d = E / H, Q queries per head and q_h the projected queries (scale 1/sqrt(d) included):
-
-    scores_h = q_h (W_k,h keys + b_k,h)^T = (q_h W_k,h) keys^T + const      (one row per query)
-    out_h    = P_h (x W_v,h^T + b_v,h)    = (P_h x) W_v,h^T + b_v,h         (rows of P_h sum to 1)
-
-`const` (q_h . b_k,h) is the same for every key of a query, so softmax drops it. The published forward
-projects every key and value through E x E weights: 2 N E^2 multiply-adds. Folded, the scores are one
-GEMM against `Qk` = [q_h W_k,h for each head] (H Q = E / 2 rows, built once at load) and the values one
-GEMM of the probabilities against x, then a small per-head GEMM: N E (H Q) + (H Q) N E + H Q E d, half the
-work for one 448^2 slice (1024 keys, E = 4096), and no [N, E] key or value tensor.
-
-Equal-size slices only (`uniform` batches): each slice's probabilities multiply its own keys, a loop
-over the batch's (static) slice count. Slices of unequal sizes keep the projected path
-(minicpmv_tower.py), where a block-diagonal probability matrix would cost slices x keys.
-
-`normed_keys` computes x and keys in one pass (LayerNorm, then the 2-D sin-cos position of each key
-added), in place of a LayerNorm and eight elementwise kernels.
+re-associated around them (`folded_attention` derives it): the scores become one GEMM against the
+queries folded through the key projection (built once at load), the values one GEMM of the
+probabilities against the normed inputs, half the work of the published forward for one 448^2 slice
+and no [N, E] key or value tensor. Equal-size slices only (`uniform` batches); slices of unequal
+sizes keep the projected path (minicpmv_tower.py). `normed_keys` computes the normed inputs and the
+keys in one pass (LayerNorm, then the 2-D sin-cos position of each key added), in place of a
+LayerNorm and eight elementwise kernels.
 """
 
 from __future__ import annotations
@@ -167,7 +156,21 @@ def _scores(qk: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def folded_attention(qk: torch.Tensor, x: torch.Tensor, keys: torch.Tensor, value_weight: torch.Tensor,
                      value_bias: torch.Tensor, heads: int, uniform: tuple[int, int]) -> torch.Tensor:
     """Each of `uniform` = (slices, length) slices' H Q queries against its own keys -> [slices, Q, E]
-    (the published attention's output before out_proj). x, keys [slices * length, E]."""
+    (the published attention's output before out_proj). x, keys [slices * length, E].
+
+    With x = ln_kv(kv_proj(feats)) (N keys, E wide), keys = x + pos, H heads of d = E / H, Q queries
+    per head and q_h the projected queries (scale 1/sqrt(d) included):
+
+        scores_h = q_h (W_k,h keys + b_k,h)^T = (q_h W_k,h) keys^T + const      (one row per query)
+        out_h    = P_h (x W_v,h^T + b_v,h)    = (P_h x) W_v,h^T + b_v,h         (rows of P_h sum to 1)
+
+    `const` (q_h . b_k,h) is the same for every key of a query, so softmax drops it. The published
+    forward projects every key and value through E x E weights: 2 N E^2 multiply-adds. Folded, the
+    scores are one GEMM against `Qk` = [q_h W_k,h for each head] (H Q = E / 2 rows, `fold_queries`,
+    built once at load) and the values one GEMM of the probabilities against x, then a small per-head
+    GEMM: N E (H Q) + (H Q) N E + H Q E d, half the work for one 448^2 slice (1024 keys, E = 4096).
+    Each slice's probabilities multiply its own keys, a loop over the batch's (static) slice count;
+    for slices of unequal sizes a block-diagonal probability matrix would cost slices x keys."""
     slices, length = uniform
     e = x.shape[1]
     d = e // heads

@@ -2,27 +2,11 @@
 
 MiniCPM-V is remote code on the Hub, not in transformers. The modules here are written from its
 published architecture, with its parameter names, so an HF-format checkpoint (`vpm.*`, `resampler.*`)
-loads by name:
-
-- `vpm`: SigLIP (so400m: 27 layers, 1152 wide, 16 heads of 72) over variable-resolution slices. The
-  patch embedding is a Conv2d whose kernel equals its stride (a matmul over (C, P, P) patch rows);
-  learned positions are looked up at bucketed ids (minicpmv_metadata.py); pre-LN layers with
-  GELU-tanh MLPs; `post_layernorm`. `drop_vision_last_layer` drops the last layer.
-- `resampler`: `query_num` learned queries (64) cross-attend to each slice's patches with one
-  `nn.MultiheadAttention` (heads = embed_dim // 128): keys are ln_kv(kv_proj(x)) plus a 2-D sin-cos
-  embedding of each patch's (row, col) (the first half encodes the column, the second the row; each
-  half is [sin, cos] of the coordinate times 1 / 10000^(k / (E/4))), values ln_kv(kv_proj(x)); then
-  ln_post and `proj`. MiniCPM-V 4.5's temporal embedding (for frames of a video grouped into one
-  resampler call) is not implemented: images only.
-
-The static body never synchronises with the host: SigLIP's attention is one block-diagonal call over
-the packed slices (attention.packed_attention). The resampler's queries, which do not depend on the
-input, are projected once when the tower is built. Equal-size slices (a uniform graph, an image without
-slices) take the attention with the key and value projections folded into those queries
-(minicpmv_resampler.py: half the work). Otherwise the keys and values are projected and the attention
-is, on CUDA in bf16/fp16 (Ampere or newer), one variable-length call (each slot's queries against its
-own slice's keys), on CUDA in float32 all slots' queries against all keys under a mask of slot ids,
-and on the CPU one small attention per slice.
+loads by name (`MiniCPMVision` describes them). The graph-friendly body (`MiniCPMVTower`) never
+synchronises with the host: SigLIP's attention is one block-diagonal call over the packed slices
+(attention.packed_attention), the resampler's input-independent queries are projected once when the
+tower is built, and equal-size slices take the resampler attention folded into those queries
+(minicpmv_resampler.py). Images only: MiniCPM-V 4.5's temporal embedding for video is not implemented.
 """
 
 from __future__ import annotations
@@ -107,7 +91,18 @@ class Resampler(nn.Module):
 
 
 class MiniCPMVision(nn.Module):
-    """vpm + resampler, built from a MiniCPM-V config.json (a dict)."""
+    """vpm + resampler, built from a MiniCPM-V config.json (a dict).
+
+    - `vpm`: SigLIP (so400m: 27 layers, 1152 wide, 16 heads of 72) over variable-resolution slices. The
+      patch embedding is a Conv2d whose kernel equals its stride (a matmul over (C, P, P) patch rows);
+      learned positions are looked up at bucketed ids (minicpmv_metadata.py); pre-LN layers with
+      GELU-tanh MLPs; `post_layernorm`. `drop_vision_last_layer` drops the last layer.
+    - `resampler`: `query_num` learned queries (64) cross-attend to each slice's patches with one
+      `nn.MultiheadAttention` (heads = embed_dim // 128): keys are ln_kv(kv_proj(x)) plus a 2-D sin-cos
+      embedding of each patch's (row, col) (the first half encodes the column, the second the row; each
+      half is [sin, cos] of the coordinate times 1 / 10000^(k / (E/4))), values ln_kv(kv_proj(x)); then
+      ln_post and `proj`. MiniCPM-V 4.5's temporal embedding (for frames of a video grouped into one
+      resampler call) is not implemented: images only."""
 
     def __init__(self, config: dict):
         super().__init__()
@@ -140,7 +135,14 @@ def load_minicpmv_vision(path: str | Path, dtype: torch.dtype, device: str | tor
 
 # ---------------------------------------------------------------------------- the graph-friendly tower
 class MiniCPMVTower(GraphTower):
-    """`forward(TowerBatch)` -> (resampled embeddings [slots x query_num, embed_dim], []): slot order."""
+    """`forward(TowerBatch)` -> (resampled embeddings [slots x query_num, embed_dim], []): slot order.
+
+    Equal-size slices (a uniform graph, an image without slices) take the resampler attention with the
+    key and value projections folded into the queries (minicpmv_resampler.py: half the work).
+    Otherwise the keys and values are projected and the attention is, on CUDA in bf16/fp16 (Ampere or
+    newer), one variable-length call (each slot's queries against its own slice's keys), on CUDA in
+    float32 all slots' queries against all keys under a mask of slot ids, and on the CPU one small
+    attention per slice."""
 
     budget_unit = 1
 
@@ -187,10 +189,11 @@ class MiniCPMVTower(GraphTower):
     def _resampler_queries(self) -> torch.Tensor:
         """The resampler's projected queries [heads, query_num, head_dim]: they depend on its weights
         only (ln_q of the learned queries, then the attention's query projection), so they are computed
-        once here rather than in every forward (a 64-row GEMM and a LayerNorm, 20 µs of each 448^2 graph
-        replay on an H200). A copy: unlike the fused qkv weights (views of the modules' parameters), it
-        would not follow weights loaded into the model after the tower is built; towers are built from
-        loaded weights (loading.build_tower)."""
+        once here rather than in every forward (a 64-row GEMM and a LayerNorm in every graph replay:
+        benchmarks/results/2026-11-25-minicpm-v-down-projection-patch-gemm-resampler.md). A copy: unlike
+        the fused qkv weights (views of the modules' parameters), it would not follow weights loaded
+        into the model after the tower is built; towers are built from loaded weights
+        (loading.build_tower)."""
         res, e = self.model.resampler, self.embed_dim
         w, b = res.attn.in_proj_weight, res.attn.in_proj_bias
         q = F.linear(res.ln_q(res.query), w[:e], b[:e])
@@ -199,9 +202,10 @@ class MiniCPMVTower(GraphTower):
     def _pad_patch_embedding(self) -> None:
         """On CUDA, the patch embedding as a GEMM over rows padded with zero columns to a multiple of 8
         (3 x 14 x 14 = 588 values make rows of 1176 bytes, not 16-byte aligned, and cuBLAS falls back to
-        an old kernel: 20 µs for a 448^2 image's 1024 rows on an H200, where the padded GEMM and its pad
-        take a few). Exact: the padded columns multiply zeros. The Conv2d's weight becomes a view of the
-        padded matrix (no memory added; the module keeps its published name and values)."""
+        a much slower old kernel, while the padded GEMM and its pad take little:
+        benchmarks/results/2026-11-25-minicpm-v-down-projection-patch-gemm-resampler.md). Exact: the
+        padded columns multiply zeros. The Conv2d's weight becomes a view of the padded matrix (no
+        memory added; the module keeps its published name and values)."""
         conv = self.model.vpm.embeddings.patch_embedding
         w = conv.weight.data
         rows = w[0].numel()
@@ -353,8 +357,8 @@ class MiniCPMVTower(GraphTower):
         if attention.uses_torch_varlen(q.device, q.dtype):
             # each slot's queries against its own slice's keys (graph-safe: bounds on the device, static
             # maxima). An empty slot gets zeros, the padding slot the padding's keys: unused rows, finite.
-            # Its cost is the keys' count, where the masked call below costs slots x keys (0.5 ms of a
-            # 1024^2 image's 7 slices on an H200).
+            # Its cost is the keys' count, where the masked call below costs slots x keys
+            # (benchmarks/results/2026-11-25-minicpm-v-down-projection-patch-gemm-resampler.md).
             cu_q = torch.arange(0, (slots + 1) * nq, nq, dtype=torch.int32, device=q.device)
             out = attention.varlen_attn(q.transpose(0, 1).repeat(slots, 1, 1), k.transpose(0, 1), v.transpose(0, 1),
                                         cu_q, meta["cu"], nq, batch.max_seqlen)

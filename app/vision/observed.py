@@ -1,28 +1,13 @@
 """Batch times seen while serving, correcting the auto-tune's estimates that dispatch compares.
 
-The auto-tune (graphs.py) times one synthetic batch per budget on an idle GPU; dispatch then compares
-the eager time estimated at a batch's real size with its budget graph's time. Real batches can differ
-from those runs in ways that decide the choice:
-- cuBLASLt picks its GEMM kernels by row count. The tuning batch fills the budget exactly, so for the
-  MiniCPM-V tower its eager fc1 ran at 7168 rows (16.7 ns a row) while a real 7108-token batch's ran at
-  15.4: the estimate overstated eager, and a graph 4-5% slower than eager was kept for that batch.
-- A loaded host stretches eager's launch-bound time, and its tail, which an idle tuning run cannot see;
-  the fixed `eager_margin` is only a guess at that.
-
-So every batch that had the choice is timed: CUDA events bracket it on its stream and are read on a
-later batch, once they have passed, so nothing waits. The ratio observed / predicted is kept for each
-(budget, path) over the last `window` batches, and dispatch multiplies a path's prediction by the
-median of its ratios: the path with the lower median time under the host's real load wins. (A higher
-quantile, to weigh tails, kept that MiniCPM-V graph: eager's times there spread wider, p99 17.9 ms
-against a median of 16.3, so its 75th percentile hid a median 4% lower.) Equal-length batches and
-the others are kept apart within a budget: their estimates come from different tuned columns, and
-dense attention makes their costs differ. Until a path has `min_samples` observations in a budget
-its tuned time stands (eager's raised by the margin).
-
-A path that dispatch stopped choosing would never be timed again. So while the two estimates for a
-budget are within `explore_band` of each other, every `explore_every`-th batch there takes the other
-path (every `explore_every_unknown`-th while that path has too few observations to count): at most
-the band's cost on one batch in that many.
+The auto-tune (graphs.py) times one synthetic batch per budget on an idle GPU, and dispatch compares
+the eager time estimated at a batch's real size with its budget graph's. Real batches can differ in
+ways that decide the choice: cuBLASLt picks its GEMM kernels by row count and a tuning batch fills
+its budget exactly, so for MiniCPM-V's sliced images the estimate overstated eager and a graph slower
+than eager was kept; a loaded host stretches eager's launch-bound time and its tail, which an idle
+run cannot see and the fixed `eager_margin` only guesses at. So every batch that had the choice is
+timed, and dispatch corrects each path's prediction by what it observed (`ObservedTimes`; numbers:
+benchmarks/results/2026-11-25-observed-dispatch.md).
 """
 
 from __future__ import annotations
@@ -42,7 +27,7 @@ EAGER, GRAPH = "eager", "graph"
 class ObservedSettings:
     window: int = 32  # ratios kept per (bucket, path): recent batches, so a change of load shows soon
     min_samples: int = 4  # before this many, the tuned estimate stands
-    quantile: float = 0.5  # of the ratios: the median (see above)
+    quantile: float = 0.5  # of the ratios: the median (ObservedTimes says why)
     explore_band: float = 0.2  # estimates this close (relative) make the other path worth timing now and then
     explore_every: int = 16  # one batch in this many near a tie takes the other path
     explore_every_unknown: int = 4  # ... while that path has fewer than min_samples observations there
@@ -60,7 +45,21 @@ def quantile(values: list[float], q: float) -> float:
 
 class ObservedTimes:
     """Per (bucket, path): the last `window` ratios of a batch's observed time to its prediction. A
-    bucket is what dispatch tells apart: a budget, equal-length batches on their own (graphs.py)."""
+    bucket is what dispatch tells apart: a budget, equal-length batches on their own (graphs.py).
+
+    CUDA events bracket each batch on its stream and are read on a later batch, once they have passed,
+    so nothing waits. Dispatch multiplies a path's prediction by the median of its ratios: the path
+    with the lower median time under the host's real load wins. (A higher quantile, to weigh tails,
+    kept MiniCPM-V's slower graph for sliced images: eager's times there spread wider, so its 75th
+    percentile hid a lower median.) Equal-length batches and the others are kept apart within a
+    budget: their estimates come from different tuned columns, and dense attention makes their costs
+    differ. Until a path has `min_samples` observations in a bucket its tuned time stands (eager's
+    raised by the margin).
+
+    A path that dispatch stopped choosing would never be timed again. So while the two estimates for
+    a bucket are within `explore_band` of each other, every `explore_every`-th batch there takes the
+    other path (every `explore_every_unknown`-th while that path has too few observations to count):
+    at most the band's cost on one batch in that many."""
 
     def __init__(self, settings: ObservedSettings | None = None, cuda: bool = True):
         self.settings = settings or ObservedSettings()

@@ -4,17 +4,9 @@ Qwen2.5-VL's tower attends within windows of `window_size` pixels (112 px = 8 x 
 merge units) in most layers and over whole frames in the `fullatt_block_indexes` layers. The
 reference reorders the patches so that every window is contiguous (`window_index`, in merge units),
 runs all blocks in that order, and restores the processor's order after the merger. Everything that
-depends on the grids is computed here, outside any graph:
-
-- `perm` [N]: patch rows in window order (a gather of the processor-ordered rows);
-- `rot` [N, 2]: rotary (row, col) of each patch, already in window order;
-- `unperm` [N / unit]: the merger's output rows back in the processor's order;
-- `cu` / `cu_win`: frame (full attention) and window boundaries, in window order.
-
-Windows never cross a frame, so frames stay contiguous in window order and one `cu` serves the
-full-attention layers. Padding (a padded budget) keeps the identity order at the end, forms one
-sequence of its own for the full layers and windows of its own (at most a window's size each, so
-that padding costs window-sized attention, not padding^2) for the window layers.
+depends on the grids is computed here, outside any graph (`qwen25_metadata` lists it). Windows never
+cross a frame, so frames stay contiguous in window order and one `cu` serves the full-attention
+layers.
 """
 
 from __future__ import annotations
@@ -98,7 +90,16 @@ def window_slots(budget: int, geo: WindowGeometry) -> int:
 
 def qwen25_metadata(lay: BatchLayout, geo: WindowGeometry, budget: int | None,
                     seq_slots: int) -> dict[str, torch.Tensor]:
-    """perm, rot, unperm, cu (frames) and cu_win (windows); padded to `budget` when given."""
+    """perm, rot, unperm, cu (frames) and cu_win (windows); padded to `budget` when given.
+
+    - `perm` [N]: patch rows in window order (a gather of the processor-ordered rows);
+    - `rot` [N, 2]: rotary (row, col) of each patch, already in window order;
+    - `unperm` [N / unit]: the merger's output rows back in the processor's order;
+    - `cu` / `cu_win`: frame (full attention) and window boundaries, in window order.
+
+    Padding (a padded budget) keeps the identity order at the end, forms one sequence of its own for
+    the full layers and windows of its own (at most a window's size each, so that padding costs
+    window-sized attention, not padding^2) for the window layers."""
     perm, rot, unperm = window_metadata(lay.grids, geo)
     windows = window_sizes(lay.grids, geo)
     n = lay.num_tokens

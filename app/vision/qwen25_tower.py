@@ -1,17 +1,14 @@
 """Qwen2.5-VL vision tower with a static-shape body that CUDA graphs can capture.
 
 It runs on the parameters of transformers' `Qwen2_5_VisionTransformerPretrainedModel` (the same
-modules, no copy of the weights). The reference derives, inside its forward and with host code, the
-window permutation (`window_index`), the window and frame `cu_seqlens` and the rotary position ids
-from `grid_thw`; here they come in as tensors (qwen25_metadata.py), built outside any graph:
-
-    pixels --perm--> patch embed (a matmul) -> blocks (window attention, full attention at
-    fullatt_block_indexes; RMSNorm, SwiGLU, 2-D rotary) -> merger --unperm--> embeddings
-
-Attention over a packed batch is one block-diagonal call per layer (attention.packed_attention):
-windows (at most 64 patches) in the window layers, frames in the full-attention layers. On CUDA the
-layers are fused (kernels.py): float32 residual stream, add+RMSNorm in one pass, one gate/up GEMM
-with SiLU*mul, rotary straight from the qkv GEMM. The CPU keeps the reference's op-for-op math.
+modules, no copy of the weights). The reference derives the window permutation, the window and frame
+`cu_seqlens` and the rotary position ids from `grid_thw` with host code inside its forward; here they
+come in as tensors built outside any graph (qwen25_metadata.py): pixels --perm--> patch embed (a
+matmul) -> blocks (window attention, full attention at fullatt_block_indexes; RMSNorm, SwiGLU, 2-D
+rotary) -> merger --unperm--> embeddings. Attention is one block-diagonal call per layer
+(attention.packed_attention) over windows (at most 64 patches) or frames. On CUDA the layers are
+fused (`_forward_fused`, kernels.py: float32 residual stream, rotary straight from the qkv GEMM); the
+CPU keeps the reference's op-for-op math.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """Pixel rows to the GPU through pinned host buffers and a copy stream of their own
 (`encoder.pinned_pixel_copy`).
 
-The rows arrive as pageable memory (numpy views of Ray's object store). CUDA synchronises the stream
-before a copy from pageable memory. Under the `fused` placement the tower shares the stream with the
-LLM engine, so every batch's copy first waits for the engine's queued step, and the tower's kernels
-then start on an empty GPU queue. A 1024^2 image's rows took 0.57-0.66 ms of copy on an H200, from
-pageable memory (benchmarks/RESULTS.md). Staged in pinned memory, the copy is queued and the host goes
-on.
-
-The copy runs on a stream of its own, so it does not wait for the engine's step either: it waits
-only for the last reader of its destination (`ready`, an event the caller recorded after the graph
-replay that read the static pixel buffer), and the compute stream waits for the copy. Destinations
-made here (`to_device`) are allocated on the copy stream and marked as used by the compute stream.
-
-Two buffers are used in turn. An event recorded after each copy says when its buffer may be written
-again: normally long before, since the batch after next needs it. A batch larger than a buffer or
-smaller than `min_rows`, or rows already on the device, are copied as before. Small batches stay
-direct because on an H200 a single 448^2 image staged cost 4-6 ms of TTFT at concurrency 1 in the
-fused replica (cause not found), while at concurrency 64 staging gave 2-10% more requests per
-second at 448^2 and 1024^2 (benchmarks/RESULTS.md, eighth session).
+The rows arrive as pageable memory (numpy views of Ray's object store), and CUDA synchronises the
+stream before a copy from pageable memory. Under the `fused` placement the tower shares the stream
+with the LLM engine, so every batch's copy first waits for the engine's queued step, and the tower's
+kernels then start on an empty GPU queue (what a 1024^2 image's copy costs:
+benchmarks/results/2026-11-23-one-h200-gpu-ceiling-host-path.md). Staged in pinned memory, the copy
+is queued and the host goes on; on a stream of its own it does not wait for the engine's step either.
 """
 
 from __future__ import annotations
@@ -36,6 +24,18 @@ def copy_rows(parts: list[torch.Tensor], out: torch.Tensor) -> None:
 
 
 class PinnedStaging:
+    """Two buffers (by default) used in turn, and a copy stream.
+
+    The copy waits only for the last reader of its destination (`ready`, an event the caller recorded
+    after the graph replay that read the static pixel buffer), and the compute stream waits for the
+    copy. Destinations made here (`to_device`) are allocated on the copy stream and marked as used by
+    the compute stream. An event recorded after each copy says when its buffer may be written again:
+    normally long before, since the batch after next needs it. A batch larger than a buffer or smaller
+    than `min_rows`, or rows already on the device, are copied as before. Small batches stay direct
+    because a single small image staged lost time to first token at low load (cause not found),
+    while under load staging served more requests per second
+    (benchmarks/results/2026-11-23-1024-one-h200-gpu-time-pinned-copies.md)."""
+
     def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device, buffers: int = 2,
                  pin: bool = True, min_rows: int = 0):
         """`rows` x `cols` per buffer (the largest batch that goes this way); batches under `min_rows` go

@@ -2,20 +2,10 @@
 
 The graph manager (graphs.py) knows nothing about any model. It owns token budgets, static input
 buffers, CUDA graphs, padding, auto-tune and the eager fallback; a tower supplies the rest through
-`GraphTower`:
-
-- `layout(grids)`: how a batch of items splits into patch tokens, attention sequences and output rows;
-- `metadata(layout, budget, uniform, seq_slots)`: every data-dependent tensor the body needs (position
-  ids, permutations, `cu_seqlens`, attention tables), built on the host from the grids, padded to a
-  budget's static shapes when a budget is given;
-- `metadata_buffers` / `metadata_rows`: the static buffers those tensors are copied into (allocated once
-  at the largest budget) and how many rows of each one budget reads;
-- `forward(TowerBatch)`: the static-shape body, free of host synchronisation when `batch.static`.
-
-Padding rules every tower follows, so that a padded batch gives its real rows exactly the eager
-result: padding tokens are zero pixel rows that form an attention sequence of their own (never mixed
-with real tokens, always finite), unused sequence slots have zero length, and `cu_seqlens` stays
-monotonic. Real output rows come first, in item order.
+`GraphTower` (its docstring lists what). Padding rules every tower follows, so that a padded batch
+gives its real rows exactly the eager result: padding tokens are zero pixel rows that form an
+attention sequence of their own (never mixed with real tokens, always finite), unused sequence slots
+have zero length, and `cu_seqlens` stays monotonic. Real output rows come first, in item order.
 """
 
 from __future__ import annotations
@@ -44,7 +34,17 @@ class TowerBatch:
 
 
 class GraphTower(nn.Module):
-    """Base class of the towers the graph manager runs. Subclasses implement the methods that raise."""
+    """Base class of the towers the graph manager runs. Subclasses implement the methods that raise,
+    chiefly:
+
+    - `layout(grids)`: how a batch of items splits into patch tokens, attention sequences and output
+      rows;
+    - `metadata(layout, budget, uniform, seq_slots)`: every data-dependent tensor the body needs
+      (position ids, permutations, `cu_seqlens`, attention tables), built on the host from the grids,
+      padded to a budget's static shapes when a budget is given;
+    - `metadata_buffers` / `metadata_rows`: the static buffers those tensors are copied into (allocated
+      once at the largest budget) and how many rows of each one budget reads;
+    - `forward(TowerBatch)`: the static-shape body, free of host synchronisation when `batch.static`."""
 
     #: budgets (patch tokens) must be multiples of this; an item's tokens always are
     budget_unit: int = 1
