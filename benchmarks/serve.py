@@ -443,15 +443,11 @@ def deep_merge(base: dict, change: dict) -> dict:
     return out
 
 
-def start_app(args: dict, port: int, serve_config: str | None = None, num_gpus: int | None = None) -> None:
-    """Start Ray and the application on this machine. With `serve_config`, deploy that file as
-    `serve run FILE` does (its `deployments:` options apply), its args deep-merged with `args`;
-    otherwise build from Python with `args`. `num_gpus` limits Ray (and CUDA_VISIBLE_DEVICES) to the
-    first N GPUs."""
+def init_ray(num_gpus: int | None = None) -> None:
+    """Start Ray here as start_app does (once): `num_gpus` limits it, and CUDA_VISIBLE_DEVICES, to the first N."""
     import os
 
     import ray
-    from ray import serve
 
     from deployments.ray_env import apply_serve_env
 
@@ -460,6 +456,18 @@ def start_app(args: dict, port: int, serve_config: str | None = None, num_gpus: 
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(num_gpus))
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False, num_gpus=num_gpus)
+
+
+def start_app(args: dict, port: int, serve_config: str | None = None, num_gpus: int | None = None,
+              wait: bool = True) -> None:
+    """Start Ray and the application on this machine. With `serve_config`, deploy that file as
+    `serve run FILE` does (its `deployments:` options apply), its args deep-merged with `args`;
+    otherwise build from Python with `args`. `num_gpus` limits Ray (and CUDA_VISIBLE_DEVICES) to the
+    first N GPUs. `wait=False` returns once the deployment is submitted, before the application runs
+    (benchmarks/goodput.py's cold start polls the HTTP endpoints instead)."""
+    from ray import serve
+
+    init_ray(num_gpus)
     if serve_config:
         import yaml
         from ray.serve._private import api as serve_api
@@ -471,12 +479,15 @@ def start_app(args: dict, port: int, serve_config: str | None = None, num_gpus: 
         app["args"] = deep_merge(app.get("args") or {}, args)
         client = serve_api.serve_start(http_options=conf["http_options"])
         client.deploy_apps(ServeDeploySchema.model_validate(conf), _blocking=False)
-        wait_running(app["name"])
+        if wait:
+            wait_running(app["name"])
         return
+    from ray.serve.api import _run
+
     from deployments.app import build_app
 
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(args), name="vlm", route_prefix="/")
+    _run(build_app(args), _blocking=wait, name="vlm", route_prefix="/")  # serve.run is _run(_blocking=True)
 
 
 def entry_points(a, app_args: dict) -> tuple[int, str]:

@@ -1,0 +1,980 @@
+"""Goodput: the highest offered rate of open-loop traffic that the server serves within its latency
+bound, measured on one warm app, with warm-up, ramp and drain kept out of the figures (issue 45).
+
+One invocation, one app (`--start`: Ray and the application started here, as benchmarks/serve.py
+--start does; or `--url` of a running server):
+1. `--closed-loop C N` (optional): serve.py's closed loop at concurrency C for N requests, per workload:
+   the saturation throughput S.
+2. Per workload (`--workload image image@1024 video mix`; `mix` is benchmarks/workloads.py's realistic
+   mix): a declared warm-up (`--warmup-s` at `--warmup-rate`, default the first rate of the search;
+   reported under "warmup", never in the results), then the goodput search. Each point sends an
+   open-loop schedule (`--arrival poisson`, or `gamma --cv 2` for bursts; seeded by `--seed` and the
+   point's index) lasting `--ramp-s` + `--window-s`. Only the steady window [ramp, ramp + window) counts:
+   - offered req/s = arrivals scheduled in the window / window; served req/s = completions (any
+     request's) inside the window / window. The 98% rule reads served over the arrivals of the window
+     moved back by the median E2E (at most the ramp), so that the requests in flight at the window's
+     edges do not count as noise (`analyse`);
+   - TTFT p50/p99, time per output token (TPOT = (e2e - TTFT) / (tokens - 1)) p50/p99 and E2E over
+     the requests that arrived in the window; errors by status (HTTP code, stream error, client
+     exception, `unfinished` for those still running `--drain-s` after the last arrival) over all of
+     the point's requests;
+   - server side over the window: encoder counters' change (/v1/encoder/stats), the LLM queue
+     sampled each second (/v1/llm/load), GPU time per request where the server reports cumulative
+     counters named `*gpu_ms_total` (none does yet: NVML's "busy" is reported but it says a kernel ran,
+     not how much work was done), and benchmarks/monitor.py's GPU utilisation and CPU per process.
+   Between points the server settles (the LLM's running and waiting at 0). A point passes when
+   served >= `--min-served` (0.98) x offered, TTFT p99 <= the workload's bound and nothing failed.
+   The search: the coarse rates (`--rates`, or `--fractions` of S), in order, until one fails (all
+   passing: x1.25 until one fails), then bisection between the last pass and the first fail until the
+   bracket is under `--resolution` of the rate, at most `--max-points` points in all. Goodput is the
+   last passing rate (0 if none passed), with the failing rate above it.
+   TTFT p99 bounds: `--ttft-p99-ms` (images, 200), `--ttft-p99-ms-video` (500), `--ttft-p99-ms-mix`
+   (1000): a 32-frame video or three 1,600 px images with a 512-word prompt is several thousand
+   prompt tokens, so the bounds for video and the mix are stated separately.
+3. `--cold-start 0.5 0.9`: per fraction f, the app is deleted and deployed again (Ray stays up), the
+   bodies and load processes having been made ready before; /health and /v1/models are polled every
+   0.1 s and the first moment both answer 200 starts the clock of a `--cold-s`-second schedule at
+   f x the first workload's goodput (or `--cold-rate`). Per second of arrival: requests, errors, TTFT
+   p50/p99, completions. Then, on the now warm app, the same rate as a normal point: warm TTFT p99, and
+   each second's ratio to it. (Replicas warm themselves before they report ready when the cluster has
+   GPUs: app/warmup.py, config `warmup`.) `--cold-first R` makes the first deploy itself a cold start at
+   R req/s (Ray started just before it): one deploy less.
+4. `--crosscheck guidellm`: our point and GuideLLM's Poisson profile at the goodput (or
+   `--crosscheck-rate`), same request shape, GuideLLM's per-request timings read through `analyse`.
+Everything goes to `--out-dir`: goodput.json (rewritten after every point: a run cut short keeps what it
+measured), goodput.md (the table), goodput.png (served rate and TTFT p99 against offered rate, per
+workload), cold_start.png. `--deadline-s` starts no point or cold start that would end after it.
+
+    python benchmarks/goodput.py --start --serve-config configs/qwen3-vl-2b-gpu.yaml --num-gpus 1 \\
+        --workload image mix --closed-loop 512 2048 --cold-start 0.5 0.9 --load-processes 2 \\
+        --out-dir benchmarks/serve_results/goodput_1gpu
+    python benchmarks/goodput.py --url http://127.0.0.1:8000 --workload image --rates 50 100 150 200
+benchmarks/gpu_goodput.sh runs the whole set on a GPU host in one device call; docs/guides/goodput.md
+tells how to read the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.serve import (  # noqa: E402
+    READY_TIMEOUT_S,
+    Result,
+    Workload,
+    _from_each,
+    build_bodies,
+    deep_merge,
+    encoder_delta,
+    entry_points,
+    init_ray,
+    one_request,
+    run_load,
+    start_app,
+    stop_app,
+)
+from benchmarks.stats import pct  # noqa: E402
+from benchmarks.workloads import ARRIVALS, MixWorkload, arrival_times  # noqa: E402
+
+TTFT_BOUNDS_MS = {"image": 200.0, "video": 500.0, "mix": 1000.0}
+
+
+# ---------------------------------------------------------------------------- sending
+@dataclass
+class Sent:
+    """One request of a schedule; times in seconds from the schedule's t0."""
+    idx: int
+    sched_s: float  # when it was due
+    start_s: float  # when it was sent
+    done_s: float  # when its response ended (inf: unfinished)
+    ok: bool
+    status: str  # "ok", "HTTP 503", "stream error", a client exception's name, "unfinished"
+    ttft_s: float | None = None
+    completion_tokens: int = 0
+
+
+def status_of(r: Result) -> str:
+    if r.ok:
+        return "ok"
+    if r.error.startswith("HTTP "):
+        return r.error.split(":")[0]
+    head = r.error.split(":")[0]
+    return head if head.isidentifier() and head[0].isupper() else "stream error"
+
+
+def _session(url: str, timeout_s: float) -> aiohttp.ClientSession:
+    """No connection limit: an open loop must never queue in the client (serve.py's rate mode caps
+    connections at 64, which a few hundred req/s of streamed responses reach)."""
+    timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s)
+    return aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
+
+
+async def send_schedule(client: aiohttp.ClientSession, items: list[tuple[int, float, bytes]], t0: float, tag: str,
+                        drain_s: float) -> list[Sent]:
+    """Send each (index, due time, body) at t0 + due time (at once when behind: the lag is recorded), then
+    wait at most `drain_s` after the last send; requests still running then are cancelled (`unfinished`)."""
+    started: dict[int, tuple[float, float]] = {}
+
+    async def one(idx: int, at: float, body: bytes) -> Sent:
+        start = time.perf_counter() - t0
+        started[idx] = (at, start)
+        r = await one_request(client, body, f"{tag}-{idx}")
+        return Sent(idx, at, start, start + r.e2e_s, r.ok, status_of(r), r.ttft_s if r.ok else None,
+                    r.completion_tokens)
+
+    tasks = []
+    for idx, at, body in items:
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(idx, at, body)))
+    if tasks:
+        await asyncio.wait(tasks, timeout=drain_s)
+    out = []
+    for (idx, at, _), task in zip(items, tasks):
+        if task.done() and not task.cancelled() and task.exception() is None:
+            out.append(task.result())
+            continue
+        task.cancel()
+        at, start = started.get(idx, (at, math.inf))
+        out.append(Sent(idx, at, start, math.inf, False, "unfinished"))
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return out
+
+
+def _worker(k: int, url: str, items: list, tag: str, timeout_s: float, drain_s: float, go, t0, out) -> None:
+    """One spawned load process: its share of the schedule, sent from its own event loop."""
+    async def load() -> list[Sent]:
+        async with _session(url, timeout_s) as client:
+            out.put((k, "ready", None))
+            if not go.wait(4 * READY_TIMEOUT_S):  # the main process may deploy an app meanwhile
+                raise TimeoutError("the main process never started the schedule")
+            return await send_schedule(client, items, t0.value, tag, drain_s)
+
+    try:
+        out.put((k, "results", asyncio.run(load())))
+    except BaseException as e:
+        out.put((k, "error", f"{type(e).__name__}: {e}"))
+
+
+async def send(url: str, items: list[tuple[int, float, bytes]], tag: str, processes: int = 1,
+               timeout_s: float = 120.0, drain_s: float = 30.0, before_go=None, watch=None) -> tuple[list[Sent], dict]:
+    """Send a schedule from this process or from `processes` spawned ones (items dealt round-robin: each
+    process sends its share at the schedule's own times). `before_go`: awaited once everything is ready
+    to send (the cold start deploys the app and waits for it here); it may return a dict, kept in the
+    answer under "before_go". The clock t0 starts right after it. `watch(t0)`: a coroutine run beside
+    the load (server stats over the window); its answer is kept under "watch"."""
+    extra: dict = {}
+    if processes <= 1:
+        async with _session(url, timeout_s) as client:
+            if before_go is not None:
+                extra["before_go"] = await before_go()
+            t0 = time.perf_counter() + 0.02
+            watcher = asyncio.create_task(watch(t0)) if watch else None
+            sent = await send_schedule(client, items, t0, tag, drain_s)
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        out, go, shared_t0 = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
+        procs = [ctx.Process(target=_worker, args=(k, url, items[k::processes], tag, timeout_s, drain_s, go,
+                                                   shared_t0, out), name=f"goodput-load-{k}", daemon=True)
+                 for k in range(processes)]
+        watcher = None
+        try:
+            for p in procs:
+                p.start()
+            await asyncio.to_thread(_from_each, out, procs, "ready", READY_TIMEOUT_S)
+            if before_go is not None:
+                extra["before_go"] = await before_go()
+            t0 = time.perf_counter() + 0.1  # every process wakes, then sleeps until t0
+            shared_t0.value = t0
+            go.set()
+            watcher = asyncio.create_task(watch(t0)) if watch else None
+            got = await asyncio.to_thread(_from_each, out, procs, "results", None)
+            for p in procs:
+                p.join(timeout=10)
+        finally:
+            for p in procs:
+                if p.pid is not None and p.is_alive():
+                    p.terminate()
+                    p.join()
+        sent = sorted((s for rs in got.values() for s in rs), key=lambda s: s.idx)
+    if watcher is not None:
+        extra["watch"] = await watcher
+    return sent, extra
+
+
+# ---------------------------------------------------------------------------- arithmetic
+def _ms(xs: list[float]) -> dict:
+    ms = [1e3 * x for x in xs]
+    return {"p50": pct(ms, 0.5), "p99": pct(ms, 0.99), "mean": sum(ms) / len(ms) if ms else float("nan"), "n": len(ms)}
+
+
+def tpot_s(s: Sent) -> float | None:
+    """Time per output token after the first."""
+    if not s.ok or s.ttft_s is None or s.completion_tokens < 2:
+        return None
+    return (s.done_s - s.start_s - s.ttft_s) / (s.completion_tokens - 1)
+
+
+def analyse(sent: list[Sent], lo: float, hi: float) -> dict:
+    """The steady window [lo, hi) of a schedule's outcome (module doc): offered and served req/s, their
+    ratio, latencies of the requests that arrived in the window, errors of all of them.
+
+    The ratio compares the completions in the window with the arrivals of the window moved back by the
+    median E2E (at most `lo`): the requests a server that keeps up completes in the window. Against the
+    window's own arrivals it would carry the difference between the requests in flight at its two
+    edges, about sqrt(2 x rate x E2E) requests: 2% of a 12 s window at 50 req/s with 2 s answers."""
+    window = hi - lo
+    arrived = [s for s in sent if lo <= s.sched_s < hi]
+    completed = [s for s in sent if s.ok and lo <= s.done_s < hi]
+    ok = [s for s in arrived if s.ok]
+    shift = min(lo, pct([s.done_s - s.sched_s for s in arrived if s.ok], 0.5)) if ok else 0.0
+    expected = sum(1 for s in sent if lo - shift <= s.sched_s < hi - shift)
+    offered, served = len(arrived) / window, len(completed) / window
+    finished = [s.done_s for s in sent if math.isfinite(s.done_s)]
+    last_due = max((s.sched_s for s in sent), default=0.0)
+    lag = [s.start_s - s.sched_s for s in sent if math.isfinite(s.start_s)]
+    return {
+        "window_s": window, "requests": len(sent), "window_arrivals": len(arrived), "window_completions": len(completed),
+        "offered_rps": offered, "served_rps": served, "ratio_shift_s": shift,
+        "served_ratio": len(completed) / expected if expected else float("nan"),
+        "ttft_ms": _ms([s.ttft_s for s in ok]), "tpot_ms": _ms([t for t in map(tpot_s, ok) if t is not None]),
+        "e2e_ms": _ms([s.done_s - s.start_s for s in ok]),
+        "errors": dict(Counter(s.status for s in sent if not s.ok)),
+        "errors_in_window": dict(Counter(s.status for s in arrived if not s.ok)),
+        "drain_s": max(finished) - last_due if finished else float("nan"),
+        "send_lag_ms": {"p50": 1e3 * pct(lag, 0.5), "p99": 1e3 * pct(lag, 0.99), "max": 1e3 * max(lag, default=0.0)},
+    }
+
+
+def verdict(point: dict, ttft_p99_ms: float, min_served: float = 0.98) -> tuple[bool, list[str]]:
+    """Whether a point is within goodput, and why not."""
+    why = []
+    if not point["served_ratio"] >= min_served:
+        why.append(f"served {point['served_rps']:.2f} of {point['offered_rps']:.2f} req/s offered "
+                   f"({100 * point['served_ratio']:.1f}% < {100 * min_served:.0f}%)")
+    if not point["ttft_ms"]["p99"] <= ttft_p99_ms:
+        why.append(f"TTFT p99 {point['ttft_ms']['p99']:.0f} ms > {ttft_p99_ms:.0f} ms")
+    if point["errors"]:
+        why.append("errors " + ", ".join(f"{k} x{v}" for k, v in sorted(point["errors"].items())))
+    if why and point["window_arrivals"] < 250 and not point["served_ratio"] >= min_served:
+        why.append(f"(only {point['window_arrivals']} arrivals in the window: one request is "
+                   f"{100 / max(1, point['window_arrivals']):.1f}%; lengthen --window-s)")
+    return not why, why
+
+
+def search_goodput(measure: Callable[[float], dict | None], ok: Callable[[dict], bool], coarse: list[float],
+                   max_points: int = 8, resolution: float = 0.05, grow: float = 1.25) -> dict:
+    """Goodput over rates: the coarse rates in order until one fails (all passing: x`grow` until one
+    fails), then bisection between the last passing and the first failing rate until their gap is
+    under `resolution` of the failing rate; at most `max_points` measurements. `measure(rate)` returns
+    the point (None: stop, e.g. out of time). Returns {"goodput", "fails_at", "points", "complete"}."""
+    points: list[dict] = []
+    last_pass, first_fail = 0.0, None
+
+    def step(rate: float) -> bool | None:
+        point = measure(rate)
+        if point is None:
+            return None
+        point["passes"] = ok(point)
+        points.append(point)
+        return point["passes"]
+
+    stopped = False
+    for rate in sorted(coarse):
+        if len(points) >= max_points:
+            break
+        good = step(rate)
+        if good is None:
+            stopped = True
+            break
+        if good:
+            last_pass = rate
+        else:
+            first_fail = rate
+            break
+    rate = max(coarse)
+    while not stopped and first_fail is None and len(points) < max_points:
+        rate = round(rate * grow, 2)
+        good = step(rate)
+        if good is None:
+            stopped = True
+        elif good:
+            last_pass = rate
+        else:
+            first_fail = rate
+    while (not stopped and first_fail is not None and len(points) < max_points
+           and first_fail - last_pass > resolution * first_fail):
+        mid = round((last_pass + first_fail) / 2, 2)
+        good = step(mid)
+        if good is None:
+            stopped = True
+        elif good:
+            last_pass = mid
+        else:
+            first_fail = mid
+    complete = not stopped and first_fail is not None and first_fail - last_pass <= resolution * first_fail
+    return {"goodput": last_pass, "fails_at": first_fail, "points": points, "complete": complete}
+
+
+# ---------------------------------------------------------------------------- server side
+async def _get_json(client: aiohttp.ClientSession, path: str) -> dict | None:
+    try:
+        async with client.get(path) as resp:
+            return await resp.json() if resp.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+
+
+def gpu_counters(stats: dict | None) -> dict[str, float]:
+    """Cumulative GPU-time counters (`*gpu_ms_total`) of a stats answer, summed over its replicas."""
+    if not stats:
+        return {}
+    sources = stats.get("replicas") or [stats]
+    out: dict[str, float] = {}
+    for r in sources:
+        for k, v in r.items():
+            if k.endswith("gpu_ms_total") and isinstance(v, (int, float)):
+                out[k] = out.get(k, 0.0) + float(v)
+    return out
+
+
+GPU_TIME_NOTE = ("the server reports no GPU time (no '*gpu_ms_total' counter in /v1/encoder/stats or /v1/llm/load); "
+                 "NVML utilisation only says a kernel ran")
+
+
+async def watch_window(url: str, t0: float, lo: float, hi: float, monitor: bool) -> dict:
+    """Server stats at the window's edges and the LLM queue each second inside it; the monitor
+    (benchmarks/monitor.py) over the window."""
+    async def until(t: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
+
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(base_url=url, timeout=timeout) as client:
+        await until(lo)
+        enc0, llm0 = await _get_json(client, "/v1/encoder/stats"), await _get_json(client, "/v1/llm/load")
+        mon = None
+        if monitor:
+            from benchmarks.monitor import Monitor
+
+            mon = await asyncio.to_thread(Monitor().__enter__)
+        loads = []
+        while time.perf_counter() < t0 + hi - 0.5:
+            load = await _get_json(client, "/v1/llm/load")
+            if load is not None:
+                loads.append(load)
+            await asyncio.sleep(min(1.0, max(0.0, t0 + hi - time.perf_counter())))
+        await until(hi)
+        if mon is not None:
+            await asyncio.to_thread(mon.__exit__, None, None, None)
+        enc1, llm1 = await _get_json(client, "/v1/encoder/stats"), await _get_json(client, "/v1/llm/load")
+    out: dict = {}
+    if enc0 is not None and enc1 is not None:
+        out["encoder"] = encoder_delta(enc0, enc1)
+    if loads:
+        out["llm_load"] = {
+            "samples": len(loads), "replicas": loads[-1].get("num_replicas"),
+            "running_mean": sum(x.get("running", 0) for x in loads) / len(loads),
+            "waiting_mean": sum(x.get("waiting", 0) for x in loads) / len(loads),
+            "waiting_max": max(x.get("waiting", 0) for x in loads),
+            "kv_usage_max": max(float(x.get("kv_usage_max", x.get("kv_usage", 0.0))) for x in loads)}
+    g0 = {**gpu_counters(enc0), **gpu_counters(llm0)}
+    g1 = {**gpu_counters(enc1), **gpu_counters(llm1)}
+    out["gpu_ms"] = {k: g1[k] - g0.get(k, 0.0) for k in g1}
+    if mon is not None:
+        s = asdict(mon.summary())
+        out["resources"] = {k: s[k] for k in ("duration_s", "gpu_source", "gpu_indices", "gpu_mean", "host_cores",
+                                              "host_busy", "groups", "verdict")}
+    return out
+
+
+async def settle(url: str, timeout_s: float = 30.0) -> float:
+    """Wait until the LLM replicas run and queue nothing (twice in a row); seconds waited. A server
+    without /v1/llm/load is taken as settled."""
+    t = time.perf_counter()
+    calm = 0
+    async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=10)) as client:
+        while time.perf_counter() - t < timeout_s:
+            load = await _get_json(client, "/v1/llm/load")
+            if load is None:
+                break
+            calm = calm + 1 if load.get("running", 0) == 0 and load.get("waiting", 0) == 0 else 0
+            if calm >= 2:
+                break
+            await asyncio.sleep(0.25)
+    return time.perf_counter() - t
+
+
+async def poll_ready(url: str, timeout_s: float, interval_s: float = 0.1) -> float:
+    """Seconds until /health and /v1/models both answer 200."""
+    t = time.perf_counter()
+    async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=5)) as client:
+        while time.perf_counter() - t < timeout_s:
+            try:
+                async with client.get("/health") as a, client.get("/v1/models") as b:
+                    if a.status == 200 and b.status == 200:
+                        return time.perf_counter() - t
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(interval_s)
+    raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s")
+
+
+# ---------------------------------------------------------------------------- cold start
+def per_second(sent: list[Sent], seconds: int) -> list[dict]:
+    """Per second of arrival: requests, errors, TTFT p50/p99 of those that succeeded, completions."""
+    rows = []
+    for k in range(seconds):
+        arrived = [s for s in sent if k <= s.sched_s < k + 1]
+        ttft = [1e3 * s.ttft_s for s in arrived if s.ok]
+        rows.append({"second": k, "requests": len(arrived), "errors": dict(Counter(s.status for s in arrived if not s.ok)),
+                     "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
+                     "completions": sum(1 for s in sent if s.ok and k <= s.done_s < k + 1)})
+    return rows
+
+
+def cold_summary(rows: list[dict], warm_p99_ms: float) -> dict:
+    """Each second's TTFT p99 over the warm app's at the same rate, and the issue's two tests: within
+    1.5x from the first second, and within 2x after 10 s (both with no errors)."""
+    for r in rows:
+        r["p99_ratio"] = r["ttft_p99_ms"] / warm_p99_ms if warm_p99_ms > 0 else float("nan")
+
+    def worst(rs: list[dict]) -> float:
+        vals = [r["p99_ratio"] for r in rs if not math.isnan(r["p99_ratio"])]
+        return max(vals, default=float("nan"))
+
+    def errors(rs: list[dict]) -> int:
+        return sum(sum(r["errors"].values()) for r in rs)
+
+    within_from = None  # the first second from which every second is within 1.5x with no errors
+    for k in range(len(rows)):  # (a second without a request passes)
+        if all(not r["p99_ratio"] > 1.5 and not r["errors"] for r in rows[k:]):
+            within_from = k
+            break
+    return {"warm_ttft_p99_ms": warm_p99_ms, "errors": errors(rows), "p99_ratio_max": worst(rows),
+            "p99_ratio_max_after_10s": worst(rows[10:]), "errors_after_10s": errors(rows[10:]),
+            "within_1_5x_from_first_second": errors(rows) == 0 and worst(rows) <= 1.5,
+            "within_2x_after_10s": errors(rows[10:]) == 0 and worst(rows[10:]) <= 2.0,
+            "within_1_5x_from_second": within_from}
+
+
+# ---------------------------------------------------------------------------- cross-check
+GUIDELLM_EXTRAS = {"body": {"stream_options": {"continuous_usage_stats": False}}}  # the server refuses True
+
+
+def guidellm_sent(report: dict) -> tuple[list[Sent], dict]:
+    """GuideLLM's JSON report (`--output kind=json`) as this module's per-request records, times from its
+    benchmark's start (due = its scheduler's targeted start), and its own summary figures."""
+    b = report["benchmarks"][0]
+    t0 = b["start_time"]
+    sent = []
+    for status, records in b["requests"].items():
+        if status == "total":
+            continue
+        for r in records or []:
+            timings = r["info"]["timings"]
+            due = timings.get("targeted_start") or r.get("request_start_time") or t0
+            start = r.get("request_start_time") or due
+            end = r.get("request_end_time")
+            ok = status == "successful"
+            ttft = r.get("time_to_first_token_ms")
+            sent.append(Sent(len(sent), due - t0, start - t0, end - t0 if ok and end else math.inf, ok,
+                             "ok" if ok else status if status != "errored" else
+                             (r["info"].get("error") or "errored").split("(")[0],
+                             ttft / 1e3 if ok and ttft is not None else None, int(r.get("output_tokens") or 0)))
+    m = b["metrics"]
+    own = {"duration_s": b["duration"], "successful": len(b["requests"].get("successful") or []),
+           "requests_per_second_mean": m["requests_per_second"]["successful"]["mean"],
+           "ttft_ms_p50": m["time_to_first_token_ms"]["successful"]["percentiles"]["p50"],
+           "ttft_ms_p99": m["time_to_first_token_ms"]["successful"]["percentiles"]["p99"]}
+    return sent, own
+
+
+def crosscheck_guidellm(url: str, rate: float, ramp_s: float, window_s: float, image_size: int, output_tokens: int,
+                        out_dir: Path, exe: list[str]) -> dict:
+    """GuideLLM's Poisson profile at `rate` for ramp + window seconds, 448-style noise JPEGs with no text and
+    `output_tokens` (ignore_eos): its per-request timings through `analyse`, and its own summary."""
+    import subprocess
+
+    path = out_dir / "guidellm.json"
+    backend = {"kind": "openai_http", "target": url, "model": "bench", "extras": GUIDELLM_EXTRAS}
+    cmd = [*exe, "run", "--backend", json.dumps(backend), "--profile", f"kind=poisson,rate={rate}",
+           "--constraint", f"kind=max_duration,seconds={ramp_s + window_s:g}",
+           "--data", f"kind=synthetic_image,width={image_size},height={image_size},content=noise,"
+           f"output_tokens={output_tokens}", "--output", f"kind=json,path={path}", "--disable-console-interactive"]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ramp_s + window_s + 300)
+    (out_dir / "guidellm.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not path.exists():
+        return {"tool": "guidellm", "error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-500:]}"}
+    sent, own = guidellm_sent(json.loads(path.read_text()))
+    gaps = sorted(s.sched_s for s in sent)
+    gaps = [b - a for a, b in zip(gaps, gaps[1:])]
+    mean = sum(gaps) / len(gaps) if gaps else float("nan")
+    cv = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean if gaps and mean > 0 else float("nan")
+    return {"tool": "guidellm", "seconds": time.perf_counter() - t, "command": cmd, "own_summary": own,
+            "arrival_gap_cv": cv, "point": analyse(sent, ramp_s, ramp_s + window_s)}
+
+
+def agreement(ours: dict, theirs: dict) -> dict:
+    """Relative differences (theirs / ours - 1) of the figures both measured."""
+    def rel(a: float, b: float) -> float:
+        return b / a - 1 if a else float("nan")
+    return {"offered_rps": rel(ours["offered_rps"], theirs["offered_rps"]),
+            "served_rps": rel(ours["served_rps"], theirs["served_rps"]),
+            "ttft_p50": rel(ours["ttft_ms"]["p50"], theirs["ttft_ms"]["p50"]),
+            "ttft_p99": rel(ours["ttft_ms"]["p99"], theirs["ttft_ms"]["p99"])}
+
+
+# ---------------------------------------------------------------------------- the benchmark
+def workload_of(spec: str, a) -> Workload | MixWorkload:
+    """`image`, `image@<size>`, `video` (serve.py's fixed workloads, noise media) or `mix`."""
+    if spec == "mix" or spec.startswith("mix@"):
+        return MixWorkload(int(spec.partition("@")[2] or 0))
+    kind, _, size = spec.partition("@")
+    if kind not in ("image", "video"):
+        raise SystemExit(f"unknown workload {spec!r}: image, image@<size>, video, mix, mix@<seed>")
+    return Workload(kind, int(size) if size and kind == "image" else a.image_size, a.video_size, a.video_frames,
+                    2, a.prompt_words, a.output_tokens)
+
+
+def bound_of(wl, a) -> float:
+    return {"image": a.ttft_p99_ms, "video": a.ttft_p99_ms_video, "mix": a.ttft_p99_ms_mix}[wl.kind]
+
+
+class Bench:
+    """The points of one invocation against one URL: seeds and media ranges never repeat."""
+
+    def __init__(self, url: str, a, deadline: float | None):
+        self.url, self.a, self.deadline = url, a, deadline
+        self.n = 0  # schedules sent so far: each gets its own seed and media range
+
+    def point_cost_s(self, rate: float, seconds: float) -> float:
+        return seconds + 5.0 + rate * seconds * 0.002  # + settling and the bodies' build, roughly
+
+    def time_left(self) -> float:
+        return math.inf if self.deadline is None else self.deadline - time.perf_counter()
+
+    def _schedule(self, wl, rate: float, seconds: float) -> tuple[list[tuple[int, float, bytes]], str, float]:
+        a = self.a
+        self.n += 1
+        due = arrival_times(rate, seconds, a.arrival, a.cv, seed=a.seed * 1000 + self.n)
+        t = time.perf_counter()
+        bodies = build_bodies(wl, 10_000_000 * self.n + 1_000_000 * a.seed, len(due))
+        tag = f"goodput-{self.n}-{rate:g}"
+        return list(zip(range(len(due)), due.tolist(), bodies)), tag, time.perf_counter() - t
+
+    def point(self, wl, rate: float, ramp_s: float, window_s: float, monitor: bool | None = None) -> dict | None:
+        """One open-loop point (None when the deadline leaves no room for it)."""
+        a = self.a
+        if self.point_cost_s(rate, ramp_s + window_s + a.drain_guess_s) > self.time_left():
+            return None
+        items, tag, build_s = self._schedule(wl, rate, ramp_s + window_s)
+        settled = asyncio.run(settle(self.url))
+        mon = not a.no_monitor if monitor is None else monitor
+        sent, extra = asyncio.run(send(self.url, items, tag, a.load_processes, a.timeout_s, a.drain_s,
+                                       watch=lambda t0: watch_window(self.url, t0, ramp_s, ramp_s + window_s, mon)))
+        out = {"rate": rate, "arrival": a.arrival, "cv": a.cv if a.arrival == "gamma" else 1.0, "ramp_s": ramp_s,
+               **analyse(sent, ramp_s, ramp_s + window_s), "server": extra.get("watch", {}),
+               "build_s": build_s, "settle_s": settled, "schedule": self.n}
+        gpu = out["server"].get("gpu_ms") or {}
+        done = out["window_completions"]
+        out["gpu_ms_per_request"] = {k: v / done for k, v in gpu.items()} if gpu and done else None
+        if not gpu:
+            out["gpu_time_note"] = GPU_TIME_NOTE
+        return out
+
+    def cold(self, wl, rate: float, deploy: Callable[[], None], seconds: int, ready_timeout_s: float) -> dict:
+        """The cold start: bodies and load processes ready, then deploy, poll, and send from ready."""
+        items, tag, build_s = self._schedule(wl, rate, seconds)
+
+        async def go() -> dict:
+            t = time.perf_counter()
+            await asyncio.to_thread(deploy)
+            submitted = time.perf_counter() - t
+            await poll_ready(self.url, ready_timeout_s)
+            return {"deploy_call_s": submitted, "ready_s": time.perf_counter() - t,
+                    "app_status_at_ready": await asyncio.to_thread(app_status)}
+
+        sent, extra = asyncio.run(send(self.url, items, tag, self.a.load_processes, self.a.timeout_s, self.a.drain_s,
+                                       before_go=go))
+        return {"rate": rate, "seconds": seconds, "build_s": build_s, **extra.get("before_go", {}),
+                "whole": analyse(sent, 0.0, float(seconds)), "per_second": per_second(sent, seconds)}
+
+
+def cold_run(bench: Bench, a, wl, rate: float, deploy: Callable[[], None]) -> dict:
+    """A cold start at `rate` (`Bench.cold`), then the same rate on the now warm app for the ratio."""
+    c = bench.cold(wl, rate, deploy, a.cold_s, a.ready_timeout_s)
+    c["fraction"] = None  # of goodput: set by the caller once known
+    warm = bench.point(wl, rate, a.ramp_s, a.cold_warm_window_s)
+    c["warm"] = warm
+    c["summary"] = cold_summary(c["per_second"], warm["ttft_ms"]["p99"] if warm else float("nan"))
+    s = c["summary"]
+    print(f"cold start at {rate:g} req/s: ready in {c['ready_s']:.1f} s ({c['app_status_at_ready']} then); errors "
+          f"{s['errors']}; TTFT p99 max {s['p99_ratio_max']:.2f}x warm ({s['warm_ttft_p99_ms']:.0f} ms), after 10 s "
+          f"{s['p99_ratio_max_after_10s']:.2f}x", flush=True)
+    return c
+
+
+def app_status(name: str = "vlm") -> str:
+    """Ray Serve's status of the application, when this process started Ray (`--start`)."""
+    try:
+        import ray
+        from ray import serve
+
+        if not ray.is_initialized():  # serve.status() would start a Ray instance of its own
+            return "unknown (not our Ray)"
+        app = serve.status().applications.get(name)
+        return str(app.status) if app else "NOT_STARTED"
+    except Exception as e:  # not our Ray (--url), or no Serve
+        return f"unknown ({type(e).__name__})"
+
+
+def closed_loop(url: str, wl, a, concurrency: int, n: int, offset: int) -> dict:
+    r = asyncio.run(run_load(url, wl, n, concurrency, None, warmup=min(32, concurrency), progress=False,
+                             seed_offset=offset, monitor=not a.no_monitor,
+                             processes=min(a.load_processes, concurrency)))
+    res = r.resources or {}
+    return {"concurrency": concurrency, "requests": n, "request_throughput": r.request_throughput,
+            "steady_request_throughput": r.steady_request_throughput, "failed": r.failed, "ttft_ms": r.ttft_ms,
+            "e2e_ms": r.e2e_ms, "errors": r.errors,
+            "resources": {k: res.get(k) for k in ("gpu_mean", "host_busy", "groups", "verdict")} if res else {}}
+
+
+def run_crosscheck(bench: Bench, a, first: dict, out_dir: Path) -> dict:
+    """Our point and GuideLLM's at the same rate and request shape, one after the other on the warm app."""
+    import importlib.util
+    import shlex
+
+    rate = a.crosscheck_rate or first["search"]["goodput"]
+    if not rate:
+        return {"tool": a.crosscheck, "skipped": "no goodput to check"}
+    exe = shlex.split(a.crosscheck_exe) if a.crosscheck_exe else \
+        [sys.executable, "-m", "guidellm"] if importlib.util.find_spec("guidellm") else ["guidellm"]
+    shape = Workload("image", a.image_size, prompt_words=0, output_tokens=a.output_tokens)
+    ours = bench.point(shape, rate, a.ramp_s, a.window_s, monitor=False)
+    asyncio.run(settle(bench.url))
+    theirs = crosscheck_guidellm(bench.url, rate, a.ramp_s, a.window_s, a.image_size, a.output_tokens, out_dir, exe)
+    out = {"rate": rate, "shape": f"{a.image_size}^2 noise JPEG, no text, {a.output_tokens} tokens", "ours": ours,
+           **theirs}
+    if ours and "point" in theirs:
+        out["difference"] = agreement(ours, theirs["point"])
+        d = out["difference"]
+        print(f"cross-check at {rate:g} req/s: guidellm / ours - 1: offered {100 * d['offered_rps']:+.1f}%, served "
+              f"{100 * d['served_rps']:+.1f}%, TTFT p50 {100 * d['ttft_p50']:+.1f}%, p99 {100 * d['ttft_p99']:+.1f}% "
+              f"(its arrival gaps' CV {theirs['arrival_gap_cv']:.2f}; Poisson: 1)", flush=True)
+    else:
+        print(f"cross-check at {rate:g} req/s failed: {theirs.get('error')}", flush=True)
+    return out
+
+
+def coarse_rates(a, saturation: float | None) -> list[float]:
+    if a.rates:
+        return sorted(a.rates)
+    if not saturation:
+        raise SystemExit("give --rates, or --closed-loop so the search can start from the saturation throughput")
+    return [round(f * saturation, 2) for f in sorted(a.fractions)]
+
+
+def summary_lines(results: dict) -> list[str]:
+    lines = ["| workload | offered req/s | served req/s | served % | TTFT p50 / p99 ms | TPOT p50 / p99 ms | errors "
+             "| GPU busy % | pass |", "|---|---|---|---|---|---|---|---|---|"]
+    for label, w in results.get("workloads", {}).items():
+        for p in w.get("search", {}).get("points", []):
+            busy = "/".join(f"{u:.0f}" for u in p["server"].get("resources", {}).get("gpu_mean", [])) or "-"
+            errs = ", ".join(f"{k} x{v}" for k, v in p["errors"].items()) or "0"
+            lines.append(f"| {label} | {p['rate']:g} ({p['offered_rps']:.1f}) | {p['served_rps']:.1f} | "
+                         f"{100 * p['served_ratio']:.1f} | {p['ttft_ms']['p50']:.0f} / {p['ttft_ms']['p99']:.0f} | "
+                         f"{p['tpot_ms']['p50']:.1f} / {p['tpot_ms']['p99']:.1f} | {errs} | {busy} | "
+                         f"{'yes' if p['passes'] else 'no'} |")
+        s = w.get("search", {})
+        sat = w.get("closed_loop", {}).get("steady_request_throughput")
+        ratio = f", {s.get('goodput', 0) / sat:.2f} of closed-loop saturation {sat:.1f}" if sat else ""
+        lines.append(f"| **{label} goodput** | **{s.get('goodput', 0):g} req/s** (fails at {s.get('fails_at')}; "
+                     f"TTFT p99 bound {w.get('ttft_p99_bound_ms'):.0f} ms{ratio}) | | | | | | | |")
+    for c in results.get("cold_start", []):
+        s = c.get("summary", {})
+        if "per_second" not in c:
+            lines.append(f"cold start at {c['rate']:g} req/s: skipped ({c.get('skipped')})")
+            continue
+        lines.append(f"cold start at {c['fraction'] or float('nan'):.2f} x goodput ({c['rate']:g} req/s): ready in "
+                     f"{c['ready_s']:.1f} s, "
+                     f"errors {s.get('errors')}, TTFT p99 max {s.get('p99_ratio_max', float('nan')):.2f}x warm "
+                     f"({s.get('warm_ttft_p99_ms', float('nan')):.0f} ms), after 10 s "
+                     f"{s.get('p99_ratio_max_after_10s', float('nan')):.2f}x")
+    return lines
+
+
+def plot_goodput(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    top = 1.0
+    for label, w in results.get("workloads", {}).items():
+        pts = sorted(w.get("search", {}).get("points", []), key=lambda p: p["rate"])
+        if not pts:
+            continue
+        x = [p["rate"] for p in pts]
+        top = max(top, *x, *(p["offered_rps"] for p in pts))
+        line, = ax1.plot(x, [p["served_rps"] for p in pts], "o-", label=f"{label} served")
+        ax1.plot(x, [p["offered_rps"] for p in pts], ".", color=line.get_color(), alpha=0.5,
+                 label=f"{label} offered in the window")
+        ax2.plot(x, [p["ttft_ms"]["p99"] for p in pts], "o-", color=line.get_color(), label=f"{label} TTFT p99")
+        for p in pts:
+            if not p["passes"]:
+                ax1.plot(p["rate"], p["served_rps"], "x", color="red", ms=9)
+        ax2.axhline(w["ttft_p99_bound_ms"], color=line.get_color(), ls=":", lw=1)
+        g = w["search"].get("goodput")
+        if g:
+            for ax in (ax1, ax2):
+                ax.axvline(g, color=line.get_color(), ls="--", lw=1)
+            ax1.text(g, 0.02 * top, f" goodput {g:g}", color=line.get_color(), fontsize=8, rotation=90, va="bottom")
+    ax1.plot([0, top], [0, top], color="0.6", lw=0.8, label="served = offered")
+    ax1.plot([0, top], [0, 0.98 * top], color="0.8", lw=0.8, ls="--", label="98%")
+    ax1.set(xlabel="offered rate, req/s (the schedule's)", ylabel="req/s in the steady window",
+            title="served against offered (red x: fails)")
+    ax2.set(xlabel="offered rate, req/s (the schedule's)", ylabel="ms", yscale="log",
+            title="TTFT p99 (dotted: bound; dashed: goodput)")
+    ax1.legend(fontsize=8)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_cold(cold: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for c in cold:
+        rows = c["per_second"]
+        line, = ax.plot([r["second"] for r in rows], [r["ttft_p99_ms"] for r in rows], "o-", ms=3,
+                        label=f"{c['fraction'] or float('nan'):.2f} x goodput ({c['rate']:g} req/s)")
+        warm = c.get("summary", {}).get("warm_ttft_p99_ms")
+        if warm:
+            ax.axhline(warm, color=line.get_color(), ls=":", lw=1)
+        for r in rows:
+            if r["errors"]:
+                ax.plot(r["second"], r["ttft_p99_ms"] if not math.isnan(r["ttft_p99_ms"]) else warm or 1, "x",
+                        color="red", ms=8)
+    ax.set(xlabel="seconds after ready (by arrival)", ylabel="TTFT p99 ms", yscale="log",
+           title="cold start: per-second TTFT p99 (dotted: the warm app at the same rate; x: errors)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--workload", nargs="+", default=["image"], help="image, image@<size>, video, mix, mix@<seed>")
+    p.add_argument("--image-size", type=int, default=448)
+    p.add_argument("--video-size", type=int, default=224)
+    p.add_argument("--video-frames", type=int, default=8)
+    p.add_argument("--prompt-words", type=int, default=32)
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--arrival", choices=ARRIVALS, default="poisson")
+    p.add_argument("--cv", type=float, default=2.0, help="--arrival gamma: coefficient of variation of the gaps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rates", type=float, nargs="*", default=None, help="coarse rates (req/s) of the search")
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.7, 0.85, 1.0],
+                   help="without --rates: coarse rates as fractions of the closed-loop saturation")
+    p.add_argument("--max-points", type=int, default=7)
+    p.add_argument("--resolution", type=float, default=0.05, help="bisect until the bracket is this share of the rate")
+    p.add_argument("--no-search", action="store_true", help="measure the --rates only, no bisection or growth")
+    p.add_argument("--min-served", type=float, default=0.98)
+    p.add_argument("--ttft-p99-ms", type=float, default=TTFT_BOUNDS_MS["image"], help="bound for image workloads")
+    p.add_argument("--ttft-p99-ms-video", type=float, default=TTFT_BOUNDS_MS["video"])
+    p.add_argument("--ttft-p99-ms-mix", type=float, default=TTFT_BOUNDS_MS["mix"])
+    p.add_argument("--warmup-s", type=float, default=10.0, help="declared warm-up per workload (not in the results)")
+    p.add_argument("--warmup-rate", type=float, default=None, help="default: the search's first rate")
+    p.add_argument("--ramp-s", type=float, default=3.0, help="each point's first seconds, out of its window")
+    p.add_argument("--window-s", type=float, default=12.0, help="each point's steady window")
+    p.add_argument("--drain-s", type=float, default=30.0, help="wait at most this long after the last arrival")
+    p.add_argument("--drain-guess-s", type=float, default=2.0, help="drain time assumed by the deadline check")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="client connect / read timeout per request")
+    p.add_argument("--closed-loop", type=int, nargs=2, metavar=("CONCURRENCY", "REQUESTS"), default=None)
+    p.add_argument("--cold-start", type=float, nargs="*", default=[], metavar="FRACTION",
+                   help="with --start: redeploy and load at these fractions of the first workload's goodput")
+    p.add_argument("--cold-rate", type=float, nargs="*", default=None, help="absolute cold-start rates instead")
+    p.add_argument("--cold-first", type=float, default=None, metavar="RATE",
+                   help="with --start: the first deploy (Ray started with it) is a cold start at this rate, e.g. half "
+                        "the expected goodput (its fraction of the measured goodput is reported): one deploy less")
+    p.add_argument("--cold-s", type=int, default=25)
+    p.add_argument("--cold-warm-window-s", type=float, default=10.0, help="the warm reference point's window")
+    p.add_argument("--ready-timeout-s", type=float, default=480.0)
+    p.add_argument("--load-processes", type=int, default=1)
+    p.add_argument("--no-monitor", action="store_true")
+    p.add_argument("--deadline-s", type=float, default=None, help="start no point that would end after this")
+    p.add_argument("--crosscheck", choices=("guidellm",), default=None,
+                   help="after the first workload: GuideLLM's Poisson at its goodput (or --crosscheck-rate) beside "
+                        "our own point of the same shape (image, no text, --output-tokens)")
+    p.add_argument("--crosscheck-rate", type=float, default=None)
+    p.add_argument("--crosscheck-exe", default=None,
+                   help="the guidellm command (default: `python -m guidellm` when importable, else `guidellm`)")
+    p.add_argument("--start", action="store_true", help="start Ray and the application here")
+    p.add_argument("--serve-config", default=None)
+    p.add_argument("--num-gpus", type=int, default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--app-args", default="{}")
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--router-port", type=int, default=None)
+    p.add_argument("--via", choices=("auto", "proxy", "port"), default="auto")
+    p.add_argument("--out-dir", default="benchmarks/serve_results/goodput")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse_args(argv)
+    t_begin = time.perf_counter()
+    deadline = None if a.deadline_s is None else t_begin + a.deadline_s
+    out_dir = Path(a.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workloads = [workload_of(w, a) for w in a.workload]
+    app_args = json.loads(a.app_args)
+    if a.model or not a.serve_config:
+        app_args["model"] = a.model or "embedded:tiny"
+    if a.router_port:
+        app_args = deep_merge(app_args, {"router_http_port": a.router_port, "router_http_host": "127.0.0.1"})
+    url = a.url
+    results: dict = {"meta": {"argv": sys.argv[1:] if argv is None else argv, "arrival": a.arrival,
+                              "cv": a.cv if a.arrival == "gamma" else 1.0, "seed": a.seed, "ramp_s": a.ramp_s,
+                              "window_s": a.window_s, "min_served": a.min_served, "load_processes": a.load_processes,
+                              "cpu_count": os.cpu_count()},
+                     "workloads": {}, "cold_start": []}
+
+    def save() -> None:
+        (out_dir / "goodput.json").write_text(json.dumps(results, indent=1, default=str))
+
+    started = False
+    try:
+        deploy = None
+        if a.start:
+            proxy_port, url = entry_points(a, app_args)
+            deploy = functools.partial(start_app, app_args, proxy_port, a.serve_config, a.num_gpus, wait=False)
+        results["meta"]["url"] = url
+        bench = Bench(url, a, deadline)
+        if a.start and a.cold_first:  # the first deploy is a cold start (Ray started before it)
+            init_ray(a.num_gpus)
+            started = True
+            c = cold_run(bench, a, workloads[0], a.cold_first, deploy)
+            results["cold_start"].append(c)
+            results["meta"]["ready_s"] = c["ready_s"]
+            save()
+        elif a.start:
+            t = time.perf_counter()
+            start_app(app_args, proxy_port, a.serve_config, a.num_gpus)
+            started = True
+            results["meta"]["ready_s"] = time.perf_counter() - t
+            print(f"application ready in {results['meta']['ready_s']:.1f} s; load to {url}", flush=True)
+        for k, wl in enumerate(workloads):
+            entry: dict = {"ttft_p99_bound_ms": bound_of(wl, a)}
+            results["workloads"][wl.label] = entry
+            saturation = None
+            if a.closed_loop and a.closed_loop[0] > 0:
+                c, n = a.closed_loop
+                entry["closed_loop"] = closed_loop(url, wl, a, c, n, 900_000_000 + 10_000_000 * k)
+                saturation = entry["closed_loop"]["steady_request_throughput"] or entry["closed_loop"]["request_throughput"]
+                print(f"{wl.label}: closed loop c={c}: {saturation:.2f} req/s steady", flush=True)
+                save()
+            coarse = coarse_rates(a, saturation)
+            warm_rate = a.warmup_rate or coarse[0]
+            if a.warmup_s > 0:
+                entry["warmup"] = bench.point(wl, warm_rate, 0.0, a.warmup_s, monitor=False)
+                w = entry["warmup"]
+                if w:
+                    print(f"{wl.label}: warm-up {a.warmup_s:g} s at {warm_rate:g} req/s: TTFT p99 "
+                          f"{w['ttft_ms']['p99']:.0f} ms, errors {w['errors'] or 0}", flush=True)
+            bound = entry["ttft_p99_bound_ms"]
+
+            def measure(rate: float, wl=wl, entry=entry, bound=bound) -> dict | None:
+                p = bench.point(wl, rate, a.ramp_s, a.window_s)
+                if p is None:
+                    print(f"{wl.label}: no time left for {rate:g} req/s", flush=True)
+                    return None
+                p["passes"], p["why_not"] = verdict(p, bound, a.min_served)
+                print(f"{wl.label}: {rate:g} req/s offered {p['offered_rps']:.2f} served {p['served_rps']:.2f}, TTFT "
+                      f"p50/p99 {p['ttft_ms']['p50']:.0f}/{p['ttft_ms']['p99']:.0f} ms, TPOT p99 "
+                      f"{p['tpot_ms']['p99']:.1f} ms, errors {p['errors'] or 0}: "
+                      f"{'pass' if p['passes'] else 'fail: ' + '; '.join(p['why_not'])}", flush=True)
+                entry.setdefault("search", {"points": []})["points"].append(p)
+                save()
+                return p
+
+            if a.no_search:
+                pts = [p for p in map(measure, coarse) if p is not None]
+                good = [p["rate"] for p in pts if p["passes"]]
+                bad = [p["rate"] for p in pts if not p["passes"]]
+                entry["search"] = {"goodput": max(good, default=0.0), "fails_at": min(bad, default=None),
+                                   "points": pts, "complete": len(pts) == len(coarse)}
+            else:
+                entry["search"] = search_goodput(measure, lambda p: p["passes"], coarse, a.max_points, a.resolution)
+            s = entry["search"]
+            print(f"{wl.label}: goodput {s['goodput']:g} req/s (fails at {s['fails_at']}), "
+                  f"{'complete' if s['complete'] else 'INCOMPLETE'}", flush=True)
+            save()
+        if a.crosscheck:
+            results["crosscheck"] = run_crosscheck(bench, a, results["workloads"][workloads[0].label], out_dir)
+            save()
+        cold_rates = [(None, r) for r in a.cold_rate] if a.cold_rate else []
+        goodput = results["workloads"][workloads[0].label]["search"]["goodput"]
+        if a.cold_start and not cold_rates:
+            cold_rates = [(f, round(f * goodput, 2)) for f in a.cold_start if goodput > 0]
+        if (cold_rates or a.cold_first) and not a.start:
+            raise SystemExit("--cold-start and --cold-first need --start (the app is deployed again)")
+        for c in results["cold_start"]:  # --cold-first's fraction, now that goodput is known
+            c["fraction"] = c["rate"] / goodput if goodput else float("nan")
+        for fraction, rate in cold_rates:
+            if deadline is not None and deadline - time.perf_counter() < a.cold_s + a.cold_warm_window_s + 70.0:
+                print(f"cold start at {rate:g} req/s: no time left", flush=True)
+                results["cold_start"].append({"fraction": fraction, "rate": rate, "skipped": "deadline"})
+                continue
+            stop_app()
+            c = cold_run(bench, a, workloads[0], rate, deploy)
+            c["fraction"] = fraction if fraction is not None else rate / goodput if goodput else float("nan")
+            results["cold_start"].append(c)
+            save()
+    finally:
+        results["meta"]["seconds"] = time.perf_counter() - t_begin
+        save()
+        if started:
+            from ray import serve
+
+            serve.shutdown()
+            import ray
+
+            ray.shutdown()
+    lines = summary_lines(results)
+    (out_dir / "goodput.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot_goodput(results, out_dir / "goodput.png")
+    if results["cold_start"] and any("per_second" in c for c in results["cold_start"]):
+        plot_cold([c for c in results["cold_start"] if "per_second" in c], out_dir / "cold_start.png")
+    print(f"wrote {out_dir / 'goodput.json'}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

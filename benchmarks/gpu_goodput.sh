@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Goodput measured right (issue 45), in ONE device call, from the repository root with .gpu-deps carried:
+#   bash benchmarks/gpu_goodput.sh [CONFIG] [goodput.py args ...]        (CONFIG: configs/qwen3-vl-2b-gpu.yaml)
+# Stages (STAGES, default "one all crosscheck"), each its own `benchmarks/goodput.py --start` (Ray and the app
+# started once per stage, stopped after it):
+#   one        1 GPU: closed-loop saturation (serve.py's closed loop, --closed-loop C N), warm-up, goodput
+#              search per workload, then cold start at 50% and 90% of the first workload's goodput (the app
+#              deployed again; the load starts the moment /health and /v1/models answer).
+#   all        every GPU of the host: closed loop, warm-up, goodput search (no cold start).
+#   crosscheck GuideLLM against a fresh 1-GPU app at the goodput that `one` found, beside our own point of the
+#              same shape, when guidellm is importable here (or GUIDELLM names its command); otherwise it
+#              writes why it was skipped to
+#              $OUT/crosscheck.txt (docs/guides/goodput.md: neither GuideLLM nor AIPerf fits the 64 MiB
+#              carry beside .gpu-deps today).
+# Environment (defaults in brackets):
+#   WORKLOADS [image]        goodput.py --workload, e.g. "image mix" (the mix's TTFT bound: --ttft-p99-ms-mix)
+#   CLOSED [512 1024]        closed loop: concurrency and requests (per workload)
+#   RATES_ONE / RATES_ALL    coarse rates; unset: FRACTIONS of the closed-loop throughput [0.5 0.7 0.85 1.0]
+#   WINDOW [6] RAMP [2] WARMUP [6] MAX_POINTS [5] COLD_S [20]
+#   COLD_FIRST (req/s)       the first deploy is itself the cold start at this rate (about half the expected
+#                            goodput; its fraction of the measured goodput is reported), then only 0.9 is
+#                            redeployed: one deploy less (60-100 s on the 2B preset)
+#   LOAD_ONE [2] LOAD_ALL [2 per GPU]   load processes (one process tops out at a few hundred streamed req/s)
+#   BUDGET [570]             seconds this script may take in all; each stage gets a deadline from it and starts
+#   ALL_RESERVE [200]        no point it could not finish; `one` leaves ALL_RESERVE seconds to `all`
+# What fits: with the defaults (image only) about 550 s on the 2B preset if an app deploys in about 60 s;
+# what does not fit is skipped and said so, a stage's last steps first (the 0.9 cold start, then the 0.5).
+# The mix on both sides does not fit beside it: run STAGES=one WORKLOADS="image mix" in one call and
+# STAGES=all WORKLOADS="image mix" RAMP=4 in another.
+# Results: $OUT/goodput_1gpu and $OUT/goodput_<N>gpu (goodput.json, goodput.md, goodput.png, cold_start.png,
+# the stage's log), $OUT/summary.md with every stage's table, $OUT/env.txt.
+set -uo pipefail
+source benchmarks/gpu_env.sh
+CONFIG=${1:-configs/qwen3-vl-2b-gpu.yaml}; shift || true
+BUDGET=${BUDGET:-570}
+T0=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+NG=$(nvidia-smi -L | wc -l)
+# The config's embedded checkpoint is built once here (about 40 s on a fresh machine), not inside a stage's timing.
+python3 -c "import sys, yaml; from app.model_builder import resolve_model
+a = yaml.safe_load(open(sys.argv[1]))['applications'][0]['args']; print('model at', resolve_model(a['model'], a.get('cache_dir')))" "$CONFIG"
+# shellcheck disable=SC2206
+WL=(${WORKLOADS:-image})
+COMMON=(--serve-config "$CONFIG" --workload "${WL[@]}" --closed-loop ${CLOSED:-512 1024}
+        --window-s "${WINDOW:-6}" --ramp-s "${RAMP:-2}" --warmup-s "${WARMUP:-6}" --max-points "${MAX_POINTS:-5}"
+        --fractions ${FRACTIONS:-0.5 0.7 0.85 1.0})
+: > "$OUT/summary.md"
+
+stage() {  # NAME DIR GPUS DEADLINE_S [goodput.py args ...]
+  local name=$1 dir=$2 gpus=$3 deadline=$4; shift 4
+  mkdir -p "$dir"
+  if [ "$deadline" -lt 60 ]; then echo "=== $name: skipped, ${deadline} s left" | tee -a "$OUT/summary.md"; return; fi
+  echo "=== $name: $gpus GPU(s), deadline ${deadline} s"
+  ray stop --force >/dev/null 2>&1
+  timeout $(( deadline + 40 )) python3 benchmarks/goodput.py --start --num-gpus "$gpus" "${COMMON[@]}" \
+    --deadline-s "$deadline" --out-dir "$dir" "$@" 2>&1 | grep -v "Warning\|warn(" | tee "$dir/goodput.log" \
+    | grep -E "ready in|closed loop|warm-up|req/s offered|goodput|cold start|cross-check|no time|Error|error:"
+  { echo "## $name: $gpus GPU(s), $(head -1 "$OUT/env.txt")"; cat "$dir/goodput.md" 2>/dev/null; echo; } >> "$OUT/summary.md"
+  ray stop --force >/dev/null 2>&1
+}
+
+ALL_STAGES=" ${STAGES:-one all crosscheck} "
+if [ "$NG" -lt 2 ] && [[ "$ALL_STAGES" == *" all "* ]]; then  # `all` would repeat `one`
+  echo "=== all: skipped, this host has $NG GPU" | tee -a "$OUT/summary.md"; ALL_STAGES=${ALL_STAGES/ all / }
+fi
+for s in $ALL_STAGES; do
+  case $s in
+    one)
+      reserve=0; [[ "$ALL_STAGES" == *" all "* ]] && reserve=${ALL_RESERVE:-200}
+      cold=(--cold-start 0.5 0.9)
+      [ -n "${COLD_FIRST:-}" ] && cold=(--cold-first "$COLD_FIRST" --cold-start 0.9)
+      # shellcheck disable=SC2086
+      stage one "$OUT/goodput_1gpu" 1 $(( $(left) - reserve - 20 )) --load-processes "${LOAD_ONE:-2}" \
+        "${cold[@]}" --cold-s "${COLD_S:-20}" --cold-warm-window-s "${WINDOW:-6}" \
+        ${RATES_ONE:+--rates $RATES_ONE} "$@" ;;
+    all)
+      # shellcheck disable=SC2086
+      stage all "$OUT/goodput_${NG}gpu" "$NG" $(( $(left) - 20 )) --load-processes "${LOAD_ALL:-$(( 2 * NG ))}" \
+        ${RATES_ALL:+--rates $RATES_ALL} "$@" ;;
+    crosscheck)
+      g=$(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(next(iter(r['workloads'].values()))['search']['goodput'])" \
+          "$OUT/goodput_1gpu/goodput.json" 2>/dev/null)
+      have=no; { [ -n "${GUIDELLM:-}" ] || python3 -c "import guidellm" 2>/dev/null; } && have=yes
+      if [ "$have" = no ] || [ -z "$g" ] || [ "$g" = "0.0" ]; then
+        echo "crosscheck skipped: guidellm importable or GUIDELLM set: $have; 1-GPU goodput: ${g:-none}" \
+          "(docs/guides/goodput.md, 'Cross-check')" | tee "$OUT/crosscheck.txt"
+        continue
+      fi
+      # our point of the first workload at the goodput, then ours and GuideLLM's of the same shape
+      stage crosscheck "$OUT/crosscheck_1gpu" 1 $(( $(left) - 20 )) --rates "$g" --no-search --closed-loop 0 0 \
+        --crosscheck guidellm --crosscheck-rate "$g" ${GUIDELLM:+--crosscheck-exe "$GUIDELLM"} \
+        --load-processes "${LOAD_ONE:-2}" "$@" ;;
+  esac
+done
+cat "$OUT/summary.md"
+echo "script seconds: $(( $(date +%s) - T0 ))"

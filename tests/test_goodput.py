@@ -1,0 +1,422 @@
+"""benchmarks/goodput.py and benchmarks/workloads.py: seeded arrivals (rate and burstiness), the realistic
+mix (proportions, ranges, bodies the app's own parser accepts), the steady-window arithmetic, the goodput
+search and the cold-start summary on synthetic results, then whole sweeps against a fake streaming server
+(a known capacity) and against the real application with the tiny model on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from aiohttp import web
+
+from benchmarks.goodput import (
+    Sent,
+    analyse,
+    cold_summary,
+    gpu_counters,
+    main,
+    per_second,
+    search_goodput,
+    status_of,
+    verdict,
+)
+from benchmarks.serve import Result
+from benchmarks.workloads import MixWorkload, arrival_times, describe
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------- arrivals
+def _gaps(t: np.ndarray) -> np.ndarray:
+    return np.diff(np.concatenate([[0.0], t]))
+
+
+def test_poisson_arrivals_have_the_rate_and_a_cv_of_one():
+    t = arrival_times(50.0, 2000.0, "poisson", seed=3)
+    assert len(t) / 2000.0 == pytest.approx(50.0, rel=0.015)
+    g = _gaps(t)
+    assert g.std() / g.mean() == pytest.approx(1.0, abs=0.02)
+    assert t.min() >= 0 and t.max() < 2000.0 and np.all(np.diff(t) >= 0)
+    counts = np.histogram(t, bins=400, range=(0, 2000))[0]  # 5 s windows: variance / mean = 1 for Poisson
+    assert counts.var() / counts.mean() == pytest.approx(1.0, abs=0.2)
+
+
+def test_gamma_arrivals_are_bursty_at_the_same_rate():
+    t = arrival_times(50.0, 2000.0, "gamma", cv=2.0, seed=3)
+    assert len(t) / 2000.0 == pytest.approx(50.0, rel=0.03)
+    g = _gaps(t)
+    assert g.std() / g.mean() == pytest.approx(2.0, rel=0.05)
+    counts = np.histogram(t, bins=400, range=(0, 2000))[0]  # a renewal process: about cv^2
+    assert counts.var() / counts.mean() == pytest.approx(4.0, rel=0.25)
+
+
+def test_arrivals_are_seeded():
+    a, b = arrival_times(20.0, 10.0, seed=1), arrival_times(20.0, 10.0, seed=1)
+    assert np.array_equal(a, b) and not np.array_equal(a, arrival_times(20.0, 10.0, seed=2))
+    assert np.array_equal(arrival_times(20.0, 10.0, "gamma", cv=1.0, seed=1), a)  # cv 1 is Poisson
+    assert len(arrival_times(0.0, 10.0)) == 0
+    with pytest.raises(ValueError):
+        arrival_times(1.0, 1.0, "uniform")
+
+
+# ---------------------------------------------------------------------------- the mix
+def test_the_mix_has_its_declared_proportions_and_ranges():
+    d = describe(MixWorkload(), 20000)
+    assert d["kinds"]["video"] == pytest.approx(0.2, abs=0.01)
+    assert d["kinds"]["images"] == pytest.approx(0.1, abs=0.01)
+    assert d["kinds"]["image"] == pytest.approx(0.7, abs=0.015)
+    lo, median, hi = d["image_long_side"]
+    assert 256 <= lo < 280 and 1580 < hi <= 1600 and 850 < median < 1000
+    assert 0.3 < d["portrait_share"] < 0.45  # half of the non-square ones (a quarter are square)
+    assert d["video_frames"] == [4, 32] and d["video_long_side"] == [224, 448]
+    assert d["prompt_words"][0] == 16 and d["prompt_words"][2] == 512 and 70 < d["prompt_words"][1] < 110
+    lo, median, p99, hi = d["max_tokens"]
+    assert lo >= 4 and hi == 512 and 60 <= median <= 68 and p99 > 300
+
+
+def test_mix_bodies_are_valid_requests_with_the_drawn_media():
+    """Bodies parse with the app's own request parser, and their media decode to the drawn shapes."""
+    import av
+    from PIL import Image
+
+    from app.api.schemas import parse_chat_request
+
+    mix = MixWorkload()
+    kinds = {}
+    for i in range(60):
+        kinds.setdefault(mix.draw(i)["kind"], i)
+    assert set(kinds) == {"image", "images", "video"}
+    seen = set()
+    for i in sorted(kinds.values()):
+        shape, body = mix.draw(i), mix.body(i)
+        json.dumps(body)
+        req = parse_chat_request(body, default_max_tokens=256, max_items=16)
+        assert req.stream and req.include_usage and req.params.ignore_eos
+        assert req.params.max_tokens == shape["max_tokens"]
+        parts = body["messages"][0]["content"]
+        assert len(parts[-1]["text"].split()) == shape["prompt_words"]
+        assert len(req.media) == len(shape["images"]) + (shape["video"] is not None)
+        for part, (w, h) in zip(parts, shape["images"]):
+            data = base64.b64decode(part["image_url"]["url"].split(",", 1)[1])
+            img = Image.open(io.BytesIO(data))
+            assert img.format == "JPEG" and img.size == (w, h)
+            seen.add(img.tobytes()[:4096])
+        if shape["video"] is not None:
+            frames, w, h = shape["video"]
+            data = base64.b64decode(parts[0]["video_url"]["url"].split(",", 1)[1])
+            with av.open(io.BytesIO(data)) as c:
+                decoded = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+            assert len(decoded) == frames and decoded[0].shape == (h, w, 3)
+    assert len(seen) == sum(len(mix.draw(i)["images"]) for i in kinds.values())  # no two images alike
+    assert mix.body(kinds["video"]) == mix.body(kinds["video"])  # regenerated alone, the same
+
+
+# ---------------------------------------------------------------------------- arithmetic
+def _sent(i, at, ttft, e2e, ok=True, status="ok", tokens=9):
+    return Sent(i, at, at, at + e2e, ok, status, ttft if ok else None, tokens if ok else 0)
+
+
+def test_the_steady_window_leaves_out_ramp_and_drain():
+    """140 arrivals every 0.1 s over [0, 14); the window is [2, 12). Each takes 0.5 s; request i's TTFT is
+    (i mod 100 + 1) ms, 9 tokens. A 503 in the ramp, a request still running at the end."""
+    sent = [_sent(i, round(0.1 * i, 6), ((i % 100) + 1) / 1e3, 0.5) for i in range(140)]
+    sent[5] = _sent(5, 0.5, 0, 0.01, ok=False, status="HTTP 503")
+    sent[139] = Sent(139, 13.9, 13.9, math.inf, False, "unfinished")
+    p = analyse(sent, 2.0, 12.0)
+    assert p["window_arrivals"] == 100 and p["offered_rps"] == pytest.approx(10.0)
+    assert p["window_completions"] == 100 and p["served_rps"] == pytest.approx(10.0)  # sent in [1.5, 11.5)
+    assert p["served_ratio"] == pytest.approx(1.0) and p["ratio_shift_s"] == pytest.approx(0.5)
+    # arrivals 20..119 have TTFTs 21..100 and 1..20 ms: nearest rank p50 = sorted[50], p99 = sorted[98]
+    assert p["ttft_ms"]["n"] == 100 and p["ttft_ms"]["p50"] == pytest.approx(51.0) and p["ttft_ms"]["p99"] == pytest.approx(99.0)
+    # TPOT: (0.5 s - TTFT) / 8
+    assert p["tpot_ms"]["p50"] == pytest.approx((500 - 50) / 8) and p["tpot_ms"]["p99"] == pytest.approx((500 - 2) / 8)
+    assert p["errors"] == {"HTTP 503": 1, "unfinished": 1} and p["errors_in_window"] == {}
+    assert p["drain_s"] == pytest.approx(13.8 + 0.5 - 13.9)
+    ok, why = verdict(p, ttft_p99_ms=200.0)
+    assert not ok and why == ["errors HTTP 503 x1, unfinished x1"]
+
+
+def test_served_counts_completions_inside_the_window_whatever_they_arrived():
+    """A server that completes one request per 0.2 s whatever arrives (10 req/s offered): 5 req/s served."""
+    sent = [Sent(i, 0.1 * i, 0.1 * i, 0.2 * (i + 1), True, "ok", 0.01, 2) for i in range(200)]
+    p = analyse(sent, 4.0, 14.0)
+    assert p["offered_rps"] == pytest.approx(10.0) and p["served_rps"] == pytest.approx(5.0)
+    assert p["ratio_shift_s"] == 4.0 and p["served_ratio"] == pytest.approx(0.5)  # the shift stops at the ramp
+    ok, why = verdict(p, ttft_p99_ms=200.0)
+    assert not ok and why[0].startswith("served 5.00 of 10.00 req/s offered (50.0% < 98%)")
+    assert why[1].startswith("(only 100 arrivals in the window: one request is 1.0%")
+    slow = analyse([_sent(i, 0.1 * i, 0.3, 0.5) for i in range(140)], 2.0, 12.0)
+    assert verdict(slow, 200.0) == (False, ["TTFT p99 300 ms > 200 ms"]) and verdict(slow, 300.0) == (True, [])
+
+
+def test_statuses_name_the_failure():
+    assert status_of(Result(True)) == "ok"
+    assert status_of(Result(False, error="HTTP 503: b'busy'")) == "HTTP 503"
+    assert status_of(Result(False, error="ServerDisconnectedError: gone")) == "ServerDisconnectedError"
+    assert status_of(Result(False, error="the engine failed")) == "stream error"
+
+
+def _passes_up_to(capacity: float):
+    seen = []
+
+    def measure(rate):
+        seen.append(rate)
+        return {"rate": rate}
+    return measure, (lambda p: p["rate"] <= capacity), seen
+
+
+def test_the_search_steps_then_bisects():
+    measure, ok, seen = _passes_up_to(173.0)
+    r = search_goodput(measure, ok, [100, 50, 150, 200], max_points=8, resolution=0.05)
+    assert seen == [50, 100, 150, 200, 175, 162.5, 168.75]
+    assert (r["goodput"], r["fails_at"], r["complete"]) == (168.75, 175, True)
+    assert [p["passes"] for p in r["points"]] == [True, True, True, False, False, True, True]
+
+
+def test_the_search_grows_when_every_coarse_rate_passes():
+    measure, ok, seen = _passes_up_to(27.0)
+    r = search_goodput(measure, ok, [10, 20], max_points=8, resolution=0.05)
+    assert seen == [10, 20, 25.0, 31.25, 28.12, 26.56, 27.34]
+    assert (r["goodput"], r["fails_at"], r["complete"]) == (26.56, 27.34, True)
+
+
+def test_the_search_is_bounded_and_stops_when_told():
+    measure, ok, seen = _passes_up_to(30.0)
+    r = search_goodput(measure, ok, [100], max_points=4)
+    assert seen == [100, 50.0, 25.0, 37.5]
+    assert (r["goodput"], r["fails_at"], r["complete"]) == (25.0, 37.5, False)
+    measure, ok, seen = _passes_up_to(0.0)
+    r = search_goodput(lambda rate: None if len(seen) == 2 else measure(rate), ok, [10, 20, 30])
+    assert seen == [10, 5.0]  # the first fails: bisection below it, until measure says stop
+    assert r["goodput"] == 0.0 and not r["complete"]
+
+
+def test_cold_start_seconds_are_compared_with_the_warm_app():
+    sent = []
+    for k in range(20):  # 10 requests a second; TTFT 500 ms in second 0, 150 in 1-9, 90 after; two 503s in 0
+        for j in range(10):
+            ttft = 0.5 if k == 0 else 0.15 if k < 10 else 0.09
+            ok = not (k == 0 and j < 2)
+            sent.append(_sent(10 * k + j, k + 0.1 * j, ttft, ttft + 0.05, ok, "ok" if ok else "HTTP 503"))
+    rows = per_second(sent, 20)
+    assert rows[0]["requests"] == 10 and rows[0]["errors"] == {"HTTP 503": 2} and rows[0]["ttft_p99_ms"] == 500
+    assert rows[5]["completions"] == 10
+    s = cold_summary(rows, warm_p99_ms=100.0)
+    assert s["errors"] == 2 and s["p99_ratio_max"] == pytest.approx(5.0)
+    assert s["p99_ratio_max_after_10s"] == pytest.approx(0.9) and s["errors_after_10s"] == 0
+    assert not s["within_1_5x_from_first_second"] and s["within_2x_after_10s"]
+    assert s["within_1_5x_from_second"] == 1
+
+
+def test_guidellms_report_is_read_as_per_request_records():
+    """The fields of GuideLLM 0.8's JSON report that the cross-check reads: its requests' targeted start
+    (due), start, end and TTFT, from the benchmark's start; an errored request keeps its exception name."""
+    from benchmarks.goodput import guidellm_sent
+
+    def rec(due, start, end, ttft, error=None):
+        return {"info": {"timings": {"targeted_start": 100 + due}, "error": error}, "request_start_time": 100 + start,
+                "request_end_time": 100 + end, "time_to_first_token_ms": ttft, "output_tokens": 16}
+
+    stats = {"mean": 2.0, "percentiles": {"p50": 40.0, "p99": 90.0}}
+    report = {"benchmarks": [{"start_time": 100.0, "duration": 10.0, "requests": {
+        "successful": [rec(0.5, 0.51, 0.8, 40.0), rec(1.0, 1.0, 1.3, 90.0)],
+        "errored": [rec(1.5, 1.5, 1.6, None, "HTTPStatusError(\"Client error '400 Bad Request'\")")],
+        "incomplete": [], "total": None},
+        "metrics": {"requests_per_second": {"successful": stats}, "time_to_first_token_ms": {"successful": stats}}}]}
+    sent, own = guidellm_sent(report)
+    assert [(s.sched_s, s.ok, s.status) for s in sent] == [(0.5, True, "ok"), (1.0, True, "ok"),
+                                                           (1.5, False, "HTTPStatusError")]
+    assert sent[0].ttft_s == pytest.approx(0.04) and sent[0].done_s == pytest.approx(0.8)
+    assert own == {"duration_s": 10.0, "successful": 2, "requests_per_second_mean": 2.0, "ttft_ms_p50": 40.0,
+                   "ttft_ms_p99": 90.0}
+    p = analyse(sent, 0.0, 2.0)
+    assert p["window_arrivals"] == 3 and p["window_completions"] == 2 and p["errors"] == {"HTTPStatusError": 1}
+
+
+def test_gpu_time_counters_are_summed_over_replicas():
+    assert gpu_counters({"replicas": [{"tower_gpu_ms_total": 5.0, "batches": 3}, {"tower_gpu_ms_total": 2.5}]}) == \
+        {"tower_gpu_ms_total": 7.5}
+    assert gpu_counters({"running": 1, "engine_gpu_ms_total": 4}) == {"engine_gpu_ms_total": 4.0}
+    assert gpu_counters(None) == {} and gpu_counters({"batches": 2}) == {}
+
+
+# ---------------------------------------------------------------------------- a fake streaming server
+class FakeServer:
+    """`slots` requests at a time, each streaming a first token after `ttft_s` and its last after
+    `e2e_s` (a capacity of slots / e2e_s req/s); the others queue, beyond `max_queue` a 503. It answers
+    /v1/llm/load as the app does, and /health and /v1/models once `ready_at` has passed."""
+
+    def __init__(self, slots=2, ttft_s=0.01, e2e_s=0.1, max_queue=50):
+        self.slots, self.ttft_s, self.e2e_s, self.max_queue = slots, ttft_s, e2e_s, max_queue
+        self.running = self.waiting = 0
+        self.ids: list[str] = []
+        self.arrived: list[float] = []
+        self.ready_at = 0.0
+        self.sem: asyncio.Semaphore | None = None
+
+    async def chat(self, request):
+        self.sem = self.sem or asyncio.Semaphore(self.slots)
+        await request.read()
+        self.ids.append(request.headers.get("x-request-id", ""))
+        self.arrived.append(time.monotonic())
+        if self.waiting >= self.max_queue:
+            return web.json_response({"error": {"message": "busy"}}, status=503)
+        self.waiting += 1
+        async with self.sem:
+            self.waiting -= 1
+            self.running += 1
+            try:
+                resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+                await resp.prepare(request)
+                await asyncio.sleep(self.ttft_s)
+                await resp.write(b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n')
+                await asyncio.sleep(self.e2e_s - self.ttft_s)
+                usage = {"prompt_tokens": 3, "completion_tokens": 5}
+                await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+            finally:
+                self.running -= 1
+
+    async def load(self, request):
+        return web.json_response({"running": self.running, "waiting": self.waiting, "kv_usage": 0.0,
+                                  "num_replicas": 1, "replicas": []})
+
+    async def health(self, request):
+        return web.json_response({"status": "ok"}, status=200 if time.monotonic() >= self.ready_at else 503)
+
+
+@pytest.fixture
+def fake():
+    server, loop = FakeServer(), asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", server.chat)
+    app.router.add_get("/v1/llm/load", server.load)
+    app.router.add_get("/health", server.health)
+    app.router.add_get("/v1/models", server.health)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield server, f"http://127.0.0.1:{runner.addresses[0][1]}"
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+def test_a_sweep_against_a_fake_server_finds_its_capacity(fake, tmp_path):
+    """Capacity 20 req/s (2 slots of 0.1 s): 4 and 8 req/s pass, 30 fails (served falls behind, the queue
+    grows), and the bisection settles below 20. Sent from two load processes."""
+    server, url = fake
+    r = main(["--url", url, "--workload", "image@32", "--rates", "4", "8", "30", "--max-points", "4",
+              "--ramp-s", "1", "--window-s", "3", "--warmup-s", "1", "--drain-s", "10", "--ttft-p99-ms", "300",
+              "--load-processes", "2", "--no-monitor", "--out-dir", str(tmp_path)])
+    w = r["workloads"]["image 32^2"]
+    pts = w["search"]["points"]
+    assert [p["rate"] for p in pts] == [4, 8, 30, 19]
+    assert [p["passes"] for p in pts][:3] == [True, True, False]
+    assert 8 <= w["search"]["goodput"] < 20 and w["search"]["fails_at"] in (19, 30)
+    over = pts[2]
+    assert over["served_ratio"] < 0.9 and over["served_rps"] == pytest.approx(20.0, rel=0.3)  # (sleeps overshoot)
+    ok = pts[0]
+    # timings with room for a busy machine: TTFT 10 ms, TPOT (e2e - TTFT) / (5 tokens - 1) = 22.5 ms
+    assert 9.0 < ok["ttft_ms"]["p50"] < 100 and ok["errors"] == {}
+    assert 22.0 < ok["tpot_ms"]["p50"] < 45
+    assert ok["send_lag_ms"]["p99"] < 200 and ok["gpu_ms_per_request"] is None and "gpu_time_note" in ok
+    assert ok["server"]["llm_load"]["samples"] >= 2
+    # every scheduled request was sent once, tagged with its schedule and index
+    tags = [t for t in server.ids if t.startswith("goodput-")]
+    assert len(tags) == len(set(tags)) == sum(p["requests"] for p in pts) + w["warmup"]["requests"]
+    for name in ("goodput.json", "goodput.png", "goodput.md"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert json.loads((tmp_path / "goodput.json").read_text())["workloads"]["image 32^2"]["search"]["goodput"] == \
+        w["search"]["goodput"]
+
+
+def test_a_cold_start_waits_for_ready_then_starts_the_clock(fake, tmp_path):
+    """The fake answers /health only 1.5 s after the 'deploy': the schedule starts then, not before."""
+    from benchmarks.goodput import Bench, parse_args
+    from benchmarks.serve import Workload
+
+    server, url = fake
+    a = parse_args(["--url", url, "--no-monitor", "--drain-s", "5"])
+    bench = Bench(url, a, None)
+    server.ready_at = math.inf
+
+    def deploy():
+        server.ready_at = time.monotonic() + 1.5
+
+    c = bench.cold(Workload("image", 32), 10.0, deploy, 3, ready_timeout_s=10)
+    assert 1.4 < c["ready_s"] < 6 and c["deploy_call_s"] < 1  # (generous: the CPU machine is shared)
+    assert min(server.arrived) >= server.ready_at  # nothing was sent before ready
+    assert sum(r["requests"] for r in c["per_second"]) == c["whole"]["requests"] == len(server.arrived)
+    assert c["whole"]["errors"] == {} and c["whole"]["offered_rps"] == pytest.approx(10.0, rel=0.5)
+    assert all(not r["ttft_p99_ms"] > 1000 for r in c["per_second"])  # 10 ms on an idle machine
+
+
+# ---------------------------------------------------------------------------- the real application, CPU
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_sweep_and_a_cold_start_against_the_real_app_on_the_cpu(model_cache, tmp_path):
+    """benchmarks/goodput.py --start as the device call runs it (its own process, Ray started there), the
+    tiny model, small images: warm-up, two low rates, then the app deployed again and loaded from ready."""
+    pytest.importorskip("ray")
+    sys.path.insert(0, str(ROOT / "tests"))
+    from served import config_from_file
+
+    port = _free_port()
+    conf = config_from_file(port, {"cache_dir": model_cache, "llm": {"max_num_seqs": 8}})
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(yaml.safe_dump(conf))
+    out = tmp_path / "out"
+    env = {**os.environ, "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    t = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/goodput.py", "--start", "--serve-config", str(cfg), "--port", str(port),
+         "--workload", "image@64", "--rates", "1", "2", "--no-search", "--ramp-s", "1", "--window-s", "4",
+         "--warmup-s", "2", "--drain-s", "20", "--ttft-p99-ms", "10000", "--cold-first", "1", "--cold-rate", "1",
+         "--cold-s", "4",
+         "--cold-warm-window-s", "3", "--out-dir", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    took = time.perf_counter() - t
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((out / "goodput.json").read_text())
+    w = r["workloads"]["image 64^2"]
+    pts = w["search"]["points"]
+    assert [p["rate"] for p in pts] == [1, 2]
+    for p in pts:
+        assert p["errors"] == {} and p["window_arrivals"] > 0 and p["ttft_ms"]["n"] == p["window_arrivals"]
+        assert p["server"]["llm_load"]["replicas"] >= 1 and "encoder" in p["server"]
+        assert "groups" in p["server"]["resources"]  # the monitor's CPU per process
+    assert w["warmup"]["requests"] > 0
+    assert len(r["cold_start"]) == 2  # the first deploy, then the app deleted and deployed again
+    for c in r["cold_start"]:
+        assert c["rate"] == 1 and c["ready_s"] > 1 and c["whole"]["requests"] > 0
+        assert c["fraction"] == pytest.approx(1 / w["search"]["goodput"])  # 2 (1 on a crowded machine)
+        assert len(c["per_second"]) == 4 and c["warm"]["ttft_ms"]["n"] > 0 and "p99_ratio_max" in c["summary"]
+        assert c["whole"]["errors"] == {} and c["app_status_at_ready"]
+    assert r["meta"]["ready_s"] == r["cold_start"][0]["ready_s"]
+    assert (out / "goodput.png").exists() and (out / "cold_start.png").exists()
+    print(f"real-app goodput sweep: {took:.0f} s")
