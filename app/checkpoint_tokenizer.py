@@ -1,9 +1,24 @@
-"""The tokenizer and chat templates the embedded checkpoints ship (app/model_builder.py,
-app/minicpmv_builder.py): a byte-level BPE trained offline on a small fixed corpus, Qwen's special
-tokens, and ChatML with Qwen's tool calling per family.
+"""The tokenizer, chat templates and generation config the embedded checkpoints ship
+(app/model_builder.py, app/minicpmv_builder.py): a byte-level BPE trained offline on a small fixed
+corpus, Qwen's special tokens, ChatML with Qwen's tool calling per family, and Qwen3-VL-Instruct's
+recommended sampling.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# The sampling Qwen3-VL's Instruct checkpoints recommend in their generation_config.json, which every
+# embedded preset ships: omitted sampling parameters take these (app/api/defaults.py), as with the
+# real checkpoints.
+GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.0}
+
+
+def write_generation_config(folder: Path, bos: int, eos: int, pad: int) -> None:
+    """generation_config.json as Qwen's checkpoints write it: the special ids and GENERATION_DEFAULTS."""
+    config = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad, **GENERATION_DEFAULTS}
+    (Path(folder) / "generation_config.json").write_text(json.dumps(config, indent=2))
 
 # Qwen's special tokens, in Qwen's order; they follow the byte-level vocabulary.
 SPECIAL_TOKENS = [

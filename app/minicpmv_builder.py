@@ -85,7 +85,7 @@ def write_minicpmv(tmp: Path, spec: dict, preset: str, seed: int, with_weights: 
     import torch
     from safetensors.torch import save_file
 
-    from .checkpoint_tokenizer import SPECIAL_TOKENS, build_tokenizer
+    from .checkpoint_tokenizer import SPECIAL_TOKENS, build_tokenizer, write_generation_config
 
     tokenizer = build_tokenizer(template=MINICPMV_CHAT_TEMPLATE, specials=SPECIAL_TOKENS + MINICPMV_TOKENS)
     tokenizer.unk_token = "<unk>"
@@ -105,5 +105,6 @@ def write_minicpmv(tmp: Path, spec: dict, preset: str, seed: int, with_weights: 
         config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(tmp)
+    write_generation_config(tmp, config["bos_token_id"], config["eos_token_id"], config["pad_token_id"])
     (tmp / "preprocessor_config.json").write_text(json.dumps(processor_config(config), indent=2))
     (tmp / "chat_template.jinja").write_text(MINICPMV_CHAT_TEMPLATE)

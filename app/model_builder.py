@@ -28,6 +28,7 @@ from .checkpoint_tokenizer import (  # noqa: F401 - re-exported: the builders' p
     SPECIAL_TOKENS,
     build_tokenizer,
     chatml_template,
+    write_generation_config,
 )
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.261302
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 DEFAULT_CACHE = Path(os.environ.get("VLM_SERVE_CACHE", Path.home() / ".cache" / "vlm-serve"))
-BUILDER_VERSION = 3  # bump when the built files change, so stale caches are rebuilt
+BUILDER_VERSION = 4  # bump when the built files change, so stale caches are rebuilt
 
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
@@ -118,6 +119,8 @@ def _write_qwen(tmp: Path, spec: dict, preset: str, seed: int, with_weights: boo
     else:
         config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    # after the model's own (which holds transformers' defaults only): Qwen3-VL-Instruct's sampling
+    write_generation_config(tmp, text["bos_token_id"], ids["<|im_end|>"], ids["<|endoftext|>"])
     image_cfg, video_cfg = _processor_configs(spec["vision_config"], family)
     (tmp / "preprocessor_config.json").write_text(json.dumps(image_cfg, indent=2))
     (tmp / "video_preprocessor_config.json").write_text(json.dumps(video_cfg, indent=2))

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 MS_BOUNDS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000]
+MAX_UNKNOWN_NAMES = 64  # distinct unknown parameter names a Router counts by name
 FRACTION_BOUNDS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
 
 
@@ -32,9 +33,19 @@ class RouterMetrics:
         self.media = Counter("vlm_media_requests_total", description="requests with media by where they were "
                              "prepared: local (the Router, at low load) or remote (MediaPreprocessor replicas)",
                              tag_keys=("where",))
+        self.unknown = Counter("vlm_unknown_parameters_total", description="request parameters this server does "
+                               "not know, ignored (reject_unknown_parameters makes them 400s), by name; names past "
+                               f"the first {MAX_UNKNOWN_NAMES} a Router sees count as 'other'", tag_keys=("name",))
+        self._unknown_names: set[str] = set()
 
     def media_where(self, where: str) -> None:
         self.media.inc(tags={"where": where})
+
+    def unknown_parameter(self, name: str) -> None:
+        """One unknown parameter name in a request; the names a tag takes are bounded (clients choose them)."""
+        if name not in self._unknown_names and len(self._unknown_names) < MAX_UNKNOWN_NAMES:
+            self._unknown_names.add(name)
+        self.unknown.inc(tags={"name": name if name in self._unknown_names else "other"})
 
     def observe(self, record: dict) -> None:
         self.requests.inc(tags={"status": str(record["status"])})

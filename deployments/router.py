@@ -24,6 +24,7 @@ from app.api.chat import ChatService, unwrap_client_error
 from app.api.retry import RetryPolicy
 from app.api.shared_port import SCOPE_KEY as SHARED_PORT_SCOPE
 from app.api.shared_port import SharedPortServer, unless_client_leaves
+from app.cluster import node_router_port
 from app.config import AppConfig
 from app.errors import ClientError
 from app.media.adaptive import AdaptiveMedia, CountingPool
@@ -111,11 +112,13 @@ class Router:
                                    self.cfg.media.router_local_below, self.cfg.media.router_local_bytes,
                                    on_choice=self.metrics.media_where)
         self.chat = ChatService(self.cfg, AutoTokenizer.from_pretrained(ckpt), source, RayBackend(encoder, llm, fused),
-                                observer=self.metrics.observe)
+                                observer=self.metrics.observe, on_unknown=self.metrics.unknown_parameter,
+                                checkpoint=str(ckpt))
         self.encoder, self.llm, self.fused = encoder, llm, fused
         self.direct = None
         if self.cfg.router_http_port:
-            self.direct = SharedPortServer(api, self.cfg.router_http_host, self.cfg.router_http_port)
+            # a node may give its Routers a port of its own (app/cluster.py: several nodes on one host)
+            self.direct = SharedPortServer(api, self.cfg.router_http_host, node_router_port(self.cfg.router_http_port))
             await self.direct.started()
 
     async def __del__(self):
@@ -138,8 +141,8 @@ class Router:
 
     @api.get("/v1/models")
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "owned_by": "vlm-serve",
-                                            "created": 0}]}
+        """The served model, with the sampling defaults omitted parameters take (`sampling_defaults`)."""
+        return {"object": "list", "data": [self.chat.model_card()]}
 
     @api.get("/v1/encoder/stats")
     async def encoder_stats(self) -> dict:

@@ -68,7 +68,11 @@ def expect_ok(resp, images: int = 0, videos: int = 0) -> dict:
 
 def test_health_and_models(server):
     assert server.get("/health").json() == {"status": "ok"}
-    assert server.get("/v1/models").json()["data"][0]["id"] == "tiny"
+    model = server.get("/v1/models").json()["data"][0]
+    assert model["id"] == "tiny"
+    # the embedded checkpoint's generation config (Qwen3-VL-Instruct's values) is what omitted parameters take
+    assert model["sampling_defaults"] == {"source": "generation_config.json", "temperature": 0.7, "top_p": 0.8,
+                                         "top_k": 20, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": 256}
 
 
 def test_the_cluster_runs_ray_serve_in_its_low_overhead_mode(server):

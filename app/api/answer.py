@@ -13,10 +13,11 @@ from .tools import split_tool_calls, tool_calls_finish
 
 
 class Answer:
-    def __init__(self, choices: int, token_text: TokenText | None = None):
+    def __init__(self, choices: int, token_text: TokenText | None = None, token_ids_as_text: bool = False):
         """`token_text`: makes the entries of requests that asked for log-probabilities (None: the
-        request did not ask, and its choices carry `"logprobs": null`)."""
-        self.token_text = token_text
+        request did not ask, and its choices carry `"logprobs": null`); `token_ids_as_text`: their
+        tokens written `token_id:<id>` (vLLM's `return_tokens_as_token_ids`)."""
+        self.token_text, self.as_ids = token_text, token_ids_as_text
         self.texts: list[list[str]] = [[] for _ in range(choices)]
         self.logprobs: list[list[dict]] = [[] for _ in range(choices)]
         self.last: list[dict | None] = [None] * choices  # each choice's chunk with its finish reason
@@ -25,7 +26,7 @@ class Answer:
         i = chunk.get("index", 0)
         self.texts[i].append(chunk["text"])
         if self.token_text is not None and chunk.get("logprobs"):
-            self.logprobs[i] += self.token_text.content(chunk["token_ids"], chunk["logprobs"])
+            self.logprobs[i] += self.token_text.content(chunk["token_ids"], chunk["logprobs"], self.as_ids)
         if chunk["finish_reason"]:
             self.finish(chunk)
 
@@ -51,9 +52,10 @@ class Answer:
         lps = self.logprobs if self.token_text is not None else [None] * len(self.texts)
         choices = []
         for i, (text, last, lp) in enumerate(zip(self.texts, self.last, lps)):
-            text, finish, calls = "".join(text), last["finish_reason"], None
+            # `echo`: the answer starts with the last message's text (vLLM's extension)
+            text, finish, calls = (req.echo or "") + "".join(text), last["finish_reason"], None
             if req.tools is not None:  # the answer's tool-call blocks become tool_calls (app/api/tools.py)
                 text, calls = split_tool_calls(text, req.tools.names)
                 finish = tool_calls_finish(finish, calls)
-            choices.append(choice(i, text, finish, lp, calls))
+            choices.append(choice(i, text, finish, lp, calls, req.role))
         return completion_response(req, model, choices, self.usage(gen))

@@ -21,9 +21,11 @@ from ..media.pipeline import PreparedItem, to_encoder_payload
 from ..media.preprocess import PatchSpec
 from . import fastjson
 from .answer import Answer
+from .defaults import load_sampling_defaults
 from .logprobs import TokenText
 from .minicpmv_prompt import prompt_builder_for
-from .prompt import IMAGE_TYPE, VIDEO_TYPE
+from .params import UnknownParameters
+from .prompt import IMAGE_TYPE, VIDEO_TYPE, template_variables
 from .retry import (
     RetryPolicy,
     cancel_stream,
@@ -33,7 +35,7 @@ from .retry import (
     is_replica_failure,
     replica_failed,
 )
-from .schemas import ChatRequest, parse_chat_request, stream_chunk
+from .schemas import ChatRequest, ServerContext, parse_chat_request, stream_chunk
 from .tools import ToolCallStream, has_tag_tokens, tool_calls_finish
 
 log = logging.getLogger(__name__)
@@ -67,14 +69,31 @@ def unwrap_client_error(e: BaseException) -> ClientError | None:
 
 class ChatService:
     def __init__(self, cfg: AppConfig, tokenizer, media: MediaSource, backend: Backend,
-                 observer: Callable[[dict], None] | None = None):
-        """`observer(record)` receives one record per finished request (metrics)."""
+                 observer: Callable[[dict], None] | None = None, on_unknown: Callable[[str], None] | None = None,
+                 checkpoint: str | None = None):
+        """`observer(record)` receives one record per finished request (metrics); `on_unknown(name)`
+        each unknown parameter name a request carries (a metric). `checkpoint`: the folder whose
+        generation_config.json gives the sampling defaults (default: the tokenizer's)."""
         self.cfg, self.media, self.backend, self.observer = cfg, media, backend, observer
         self.prompts = prompt_builder_for(tokenizer, media.spec)
         self.token_text = TokenText(tokenizer)  # log-probabilities' token texts, for requests that ask
         self.tool_tags = has_tag_tokens(tokenizer)  # forced tool calls name the tags as tokens
         self.merge = media.spec.merge
         self.retry = RetryPolicy.from_config(cfg.retry)  # replica failures before the first token
+        self.defaults = load_sampling_defaults(checkpoint or getattr(tokenizer, "name_or_path", None),
+                                               cfg.sampling_defaults)
+        self.server = ServerContext(
+            defaults=self.defaults, unknown=UnknownParameters(cfg.reject_unknown_parameters, on_unknown),
+            template_variables=template_variables(tokenizer), media=cfg.media,
+            slices_images=getattr(media.spec, "slicing", None) is not None,
+            adds_special_tokens=_adds_special_tokens(tokenizer))
+
+    def model_card(self) -> dict:
+        """This server's model as `/v1/models` lists it, with the sampling defaults in force."""
+        name = self.cfg.model_name
+        return {"id": name, "object": "model", "owned_by": "vlm-serve", "created": 0, "root": name,
+                "max_model_len": self.cfg.llm.max_model_len,
+                "sampling_defaults": self.defaults.card(self.cfg.llm.default_max_tokens)}
 
     def record(self, *, id: str | None, status: int, e2e_s: float, items: int = 0, prompt_tokens: int = 0,
                completion_tokens: int = 0, ttft_s: float | None = None, retries: int = 0) -> None:
@@ -89,14 +108,14 @@ class ChatService:
 
     async def prepare(self, body) -> tuple[ChatRequest, dict, list]:
         req = parse_chat_request(body, self.cfg.llm.default_max_tokens, self.cfg.media.max_items_per_request,
-                                 self.tool_tags)
+                                 self.tool_tags, self.server)
         items = await self.media.prepare_all(req.media)
         frames = sum(it.frames(self.media.spec.temporal) for it in items)
         if frames > self.cfg.media.max_frames_per_request:
             raise ClientError(f"{frames} sampled video frames exceed the limit of {self.cfg.media.max_frames_per_request} "
                               "per request", param="messages", code="too_many_frames")
         prompt = self.prompts.build(req.messages, [it.slot(self.merge) for it in items],
-                                    req.tools.tools if req.tools else None)
+                                    req.tools.tools if req.tools else None, req.template)
         if len(prompt.input_ids) >= self.cfg.llm.max_model_len:
             raise ClientError(f"prompt of {len(prompt.input_ids)} tokens exceeds max_model_len "
                               f"{self.cfg.llm.max_model_len}", param="messages", code="context_length_exceeded")
@@ -113,7 +132,7 @@ class ChatService:
         t0 = time.perf_counter() if t0 is None else t0
         n = req.params.n
         chunks, first_at, retries = await collect(lambda: self.backend.stream(gen, payload), self.retry, n)
-        answer = Answer(n, self.token_text if req.params.logprobs is not None else None)
+        answer = Answer(n, self.token_text if req.params.logprobs is not None else None, req.token_ids_as_text)
         for c in chunks:
             answer.add(c)
         prompt, completion = answer.tokens()
@@ -121,11 +140,11 @@ class ChatService:
                     prompt_tokens=prompt, completion_tokens=completion, ttft_s=first_at - t0, retries=retries)
         return answer.response(req, self.cfg.model_name, gen)
 
-    def _logprobs(self, chunk: dict) -> list:
+    def _logprobs(self, chunk: dict, as_ids: bool = False) -> list:
         """OpenAI's `logprobs.content` for a chunk's tokens (chunks from replicas that predate
-        log-probabilities carry none)."""
+        log-probabilities carry none); `as_ids`: tokens written `token_id:<id>`."""
         entries = chunk.get("logprobs")
-        return self.token_text.content(chunk["token_ids"], entries) if entries else []
+        return self.token_text.content(chunk["token_ids"], entries, as_ids) if entries else []
 
     async def open_stream(self, req: ChatRequest, gen: dict, payload: list,
                           t0: float | None = None) -> AsyncIterator[str]:
@@ -196,13 +215,14 @@ class ChatService:
         # per choice, the text's tool-call blocks become tool_calls deltas (app/api/tools.py)
         calls = None if req.tools is None else [ToolCallStream(req.tools.names) for _ in range(req.params.n)]
         status, done, ended = 200, False, False
-        pending = "".join(event(stream_chunk(req, model, {"role": "assistant", "content": ""}, index=i))
+        pending = "".join(event(stream_chunk(req, model, {"role": req.role, "content": ""}, index=i))
+                          + (event(stream_chunk(req, model, {"content": req.echo}, index=i)) if req.echo else "")
                           for i in range(req.params.n))
         try:
             async for chunk in chunks():
                 out, pending, i = pending, "", chunk.get("index", 0)
                 # a chunk whose tokens made no text yet (part of a character) still sends their logprobs
-                logprobs = self._logprobs(chunk) if req.params.logprobs is not None else None
+                logprobs = self._logprobs(chunk, req.token_ids_as_text) if req.params.logprobs is not None else None
                 finish = chunk["finish_reason"]
                 if calls is None:
                     deltas = [{"content": chunk["text"]}] if chunk["text"] else []
@@ -244,3 +264,11 @@ class ChatService:
                         prompt_tokens=prompt, completion_tokens=completion, retries=retries)
         if not done:
             yield _DONE
+
+
+def _adds_special_tokens(tokenizer) -> bool:
+    """Whether the tokenizer adds tokens of its own (a BOS) when encoding with add_special_tokens."""
+    try:
+        return tokenizer.encode("a", add_special_tokens=True) != tokenizer.encode("a", add_special_tokens=False)
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot say: assume it would
+        return True

@@ -9,6 +9,8 @@ missing part, and concatenating the `bytes` of consecutive tokens gives the exac
 BPE tokenizers (Qwen's, GPT-2's) write each byte as one printable character; `_byte_level_alphabet`
 is that published mapping, so a token's bytes come from its vocabulary string without a decode.
 Added tokens (`<|im_end|>`...) and other tokenizers' pieces (SentencePiece) are decoded alone.
+With vLLM's `return_tokens_as_token_ids` a token is written `token_id:<id>` instead (its `bytes` those
+of that text), which a client can map back to the vocabulary whatever the token's text.
 """
 
 from __future__ import annotations
@@ -49,15 +51,19 @@ class TokenText:
         text = self.tok.decode([token_id], skip_special_tokens=False)
         return text, list(text.encode("utf-8"))
 
-    def entry(self, token_id: int, logprob: float) -> dict:
+    def entry(self, token_id: int, logprob: float, as_ids: bool = False) -> dict:
+        if as_ids:
+            text = f"token_id:{token_id}"
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
         text, raw = self(token_id)
         return {"token": text, "logprob": logprob, "bytes": raw}
 
-    def content(self, token_ids: list[int], logprobs: list) -> list[dict]:
-        """OpenAI's `logprobs.content` for tokens and their engine entries."""
+    def content(self, token_ids: list[int], logprobs: list, as_ids: bool = False) -> list[dict]:
+        """OpenAI's `logprobs.content` for tokens and their engine entries (`as_ids`: tokens written
+        `token_id:<id>`)."""
         out = []
         for tid, (lp, top_ids, top_vals) in zip(token_ids, logprobs, strict=True):
-            e = self.entry(tid, lp)
-            e["top_logprobs"] = [self.entry(i, v) for i, v in zip(top_ids, top_vals)]
+            e = self.entry(tid, lp, as_ids)
+            e["top_logprobs"] = [self.entry(i, v, as_ids) for i, v in zip(top_ids, top_vals)]
             out.append(e)
         return out

@@ -23,7 +23,16 @@ item backs (the engine or this builder then failed with a 500).
 from __future__ import annotations
 
 from ..errors import ClientError
-from .prompt import IMAGE_TYPE, TEXT, VIDEO_TYPE, MediaSlot, Prompt, render_chat
+from .prompt import (
+    DEFAULT_TEMPLATE_OPTIONS,
+    IMAGE_TYPE,
+    TEXT,
+    VIDEO_TYPE,
+    MediaSlot,
+    Prompt,
+    TemplateOptions,
+    render_chat,
+)
 
 PLACEHOLDER = "(<image>./</image>)"
 UNK = "<unk>"
@@ -52,15 +61,17 @@ class MiniCPMVPromptBuilder:
         self.tok, self.queries, self.use_image_id = tokenizer, queries, use_image_id
         self.unk = tokenizer.convert_tokens_to_ids(UNK)
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None,
+               options: TemplateOptions = DEFAULT_TEMPLATE_OPTIONS) -> str:
         as_images = [{**m, "content": [{"type": "image"} if isinstance(p, dict) and p.get("type") == "video" else p
                                        for p in m["content"]]} if isinstance(m.get("content"), list) else m
                      for m in messages]
-        return render_chat(self.tok, as_images, tools)
+        return render_chat(self.tok, as_images, tools, options)
 
-    def build(self, messages: list[dict], slots: list[MediaSlot], tools: list[dict] | None = None) -> Prompt:
+    def build(self, messages: list[dict], slots: list[MediaSlot], tools: list[dict] | None = None,
+              options: TemplateOptions = DEFAULT_TEMPLATE_OPTIONS) -> Prompt:
         check_text(messages)
-        text = self.render(messages, tools)
+        text = self.render(messages, tools, options)
         pieces = text.split(PLACEHOLDER)
         if len(pieces) - 1 > len(slots) or any(UNK in p for p in pieces):
             raise _refuse("messages")  # a marker made of adjacent text parts (a template joining them as is)

@@ -92,15 +92,77 @@ def _plain(text: str) -> str:
     return text
 
 
-def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
-    """The chat template's text for `messages`, with the generation prompt; `tools` listed, which a
-    template that does not mention tools would silently drop (a 400 instead)."""
-    if not tools:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    if "tools" not in str(tokenizer.chat_template or ""):  # a str, or a dict of named templates
-        raise ClientError("this model's chat template does not render tools", param="tools",
-                          code="unsupported_parameter")
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+@dataclass(frozen=True)
+class TemplateOptions:
+    """How a request asks the chat template to render it (vLLM's extensions): the generation prompt
+    (`add_generation_prompt`), or the last message left open for the model to continue
+    (`continue_final_message`), the template variables of `chat_template_kwargs` (those it reads) and
+    `documents`."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: dict = field(default_factory=dict)
+    documents: list | None = None
+
+
+DEFAULT_TEMPLATE_OPTIONS = TemplateOptions()
+
+
+def template_variables(tokenizer) -> frozenset[str] | None:
+    """The variables the tokenizer's chat template(s) read, from their Jinja source (None when there is
+    no template or it cannot be parsed: then every chat_template_kwargs name is passed on)."""
+    import jinja2
+    from jinja2 import meta
+
+    templates = tokenizer.chat_template
+    if isinstance(templates, dict):
+        templates = list(templates.values())
+    elif isinstance(templates, str):
+        templates = [templates]
+    else:
+        return None
+    names: set[str] = set()
+    try:
+        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        for t in templates:
+            names |= meta.find_undeclared_variables(env.parse(t))
+    except Exception:  # noqa: BLE001 - an unparsable template: its variables are unknown, not none
+        return None
+    return frozenset(names)
+
+
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None,
+                options: TemplateOptions = DEFAULT_TEMPLATE_OPTIONS) -> str:
+    """The chat template's text for `messages`, with the generation prompt (or the last message left
+    open: `options`); `tools` listed, which a template that does not mention tools would silently drop
+    (a 400 instead), and so `documents`."""
+    import jinja2
+
+    kw = dict(options.kwargs)
+    if tools:
+        if "tools" not in str(tokenizer.chat_template or ""):  # a str, or a dict of named templates
+            raise ClientError("this model's chat template does not render tools", param="tools",
+                              code="unsupported_parameter")
+        kw["tools"] = tools
+    if options.documents is not None:
+        if "documents" not in str(tokenizer.chat_template or ""):
+            raise ClientError("this model's chat template does not render documents", param="documents",
+                              code="unsupported_parameter")
+        kw["documents"] = options.documents
+    if options.continue_final_message:
+        kw["continue_final_message"] = True
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=options.add_generation_prompt, **kw)
+    except jinja2.TemplateError as e:  # the template's own check (raise_exception) of what the request gave it
+        raise ClientError(f"the chat template refused the request: {e}", param="messages",
+                          code="invalid_chat_template_input") from None
+    except ValueError as e:
+        if not options.continue_final_message:
+            raise
+        # transformers: no text in the last message to continue from
+        raise ClientError(f"continue_final_message: {e}", param="continue_final_message",
+                          code="invalid_continue_final_message") from None
 
 
 class PromptBuilder:
@@ -113,16 +175,18 @@ class PromptBuilder:
         self.vs, self.ve = ids(VISION_START), ids(VISION_END)
         self.image_id, self.video_id = ids(IMAGE_PAD), ids(VIDEO_PAD)
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        return render_chat(self.tok, messages, tools)
+    def render(self, messages: list[dict], tools: list[dict] | None = None,
+               options: TemplateOptions = DEFAULT_TEMPLATE_OPTIONS) -> str:
+        return render_chat(self.tok, messages, tools, options)
 
     def _text(self, s: str) -> list[int]:
         return self.tok.encode(s, add_special_tokens=False) if s else []
 
-    def build(self, messages: list[dict], slots: list[MediaSlot], tools: list[dict] | None = None) -> Prompt:
+    def build(self, messages: list[dict], slots: list[MediaSlot], tools: list[dict] | None = None,
+              options: TemplateOptions = DEFAULT_TEMPLATE_OPTIONS) -> Prompt:
         """`messages` content parts use types text/image/video; `slots` are in the same order; `tools`
-        (OpenAI's function tools) are listed by the chat template."""
-        text = self.render(messages, tools)
+        (OpenAI's function tools) are listed by the chat template; `options`: how it renders them."""
+        text = self.render(messages, tools, options)
         ids: list[int] = []
         types: list[int] = []
 

@@ -220,7 +220,8 @@ class LLMWorker:
 
     async def _complete(self, prepared: Prepared, chunks) -> dict | Failure:
         params = prepared.req.params
-        answer = Answer(params.n, self.token_text if params.logprobs is not None else None)
+        answer = Answer(params.n, self.token_text if params.logprobs is not None else None,
+                        prepared.req.token_ids_as_text)
         try:
             async for chunk in chunks():
                 answer.add(asdict(chunk))

@@ -88,6 +88,7 @@ class Engine:
                                   gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=cfg.cuda_graphs,
                                   step_graphs=cfg.step_graphs)
         self.grammars = self.runner.grammars = Grammars(self.tokenizer, self.spec.vocab)
+        self.runner.sampler.eos_ids = sorted(self.eos_ids)  # what min_tokens holds back
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, self.max_num_seqs, cfg.max_num_batched_tokens)
         self.emit: Callable[[list[tuple[Sequence, TokenDelta]]], None] = self._emit_each

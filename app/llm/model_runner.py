@@ -33,7 +33,14 @@ from .attention import AttentionMetadata, block_q_for, decode_block_n, work_tabl
 from .block_tables import BlockTables
 from .cuda_graphs import capture_all
 from .model import TextModel, VisionBatch
-from .sampler import Sampler, SamplingBatch, host_sampling_arrays
+from .sampler import (
+    SAMPLING_FIELDS,
+    Sampler,
+    SamplingBatch,
+    host_sampling_arrays,
+    host_sampling_flags,
+    worst_case_batch,
+)
 from .sampling import MAX_LOGPROBS
 from .scheduler import StepPlan
 from .sequence import Sequence
@@ -141,24 +148,13 @@ class ModelRunner:
         h = self.model(ids, pos, slots, kv, meta)
         rows = min(self.max_num_seqs, tokens)
         logits = self.model.logits(h[:rows])
-        self.sampler(logits, self._sampling_batch_worst_case(rows))
+        self.sampler(logits, worst_case_batch(rows, dev))
         torch.cuda.synchronize(dev)
-
-    def _sampling_batch_worst_case(self, rows: int) -> SamplingBatch:
-        dev = self.device
-        f = torch.full((rows,), 0.5, device=dev)
-        return SamplingBatch(f, torch.full((rows,), 50, dtype=torch.int32, device=dev), f,
-                             torch.zeros(rows, dtype=torch.int64, device=dev),
-                             torch.zeros(rows, dtype=torch.int64, device=dev), f, f,
-                             torch.zeros(rows, dtype=torch.int64, device=dev), all_greedy=False, max_top_k=50,
-                             any_top_p=True, any_penalty=True)
 
     # ------------------------------------------------------------------ rows
     def assign_row(self, seq: Sequence) -> None:
         row = self.tables.assign(seq)
-        p = seq.params
-        if p.frequency_penalty or p.presence_penalty:
-            self.sampler.reset_counts(row, seq.output_ids)
+        self.sampler.admit(row, seq)
 
     def release_row(self, seq: Sequence) -> None:
         self.tables.release(seq)
@@ -255,21 +251,17 @@ class ModelRunner:
 
     def _sampling(self, seqs: list[Sequence]) -> tuple[dict[str, np.ndarray], dict]:
         """Host arrays for the sampler (none when every row is greedy) and the host-side flags."""
-        ps = [s.params for s in seqs]
-        flags = {"all_greedy": all(p.temperature == 0 for p in ps),
-                 "any_penalty": any(p.frequency_penalty or p.presence_penalty for p in ps)}
-        if flags["all_greedy"] and not flags["any_penalty"]:
+        holds_back = self.sampler.holds_back
+        flags, needed = host_sampling_flags(seqs, holds_back)
+        if not needed:
             return {}, flags
-        flags["max_top_k"] = max((p.top_k for p in ps), default=0)
-        flags["any_top_p"] = any(p.top_p < 1.0 for p in ps)
-        return {f"s_{k}": v for k, v in host_sampling_arrays(seqs).items()}, flags
+        return {f"s_{k}": v for k, v in host_sampling_arrays(seqs, holds_back).items()}, flags
 
     def _sampling_batch(self, dev: dict[str, torch.Tensor], flags: dict) -> SamplingBatch:
         if "s_temperature" not in dev:
             empty = torch.empty(0, device=self.device)
             return SamplingBatch(*([empty] * 8), any_penalty=False)
-        names = ["temperature", "top_k", "top_p", "seeds", "steps", "frequency_penalty", "presence_penalty", "rows"]
-        return SamplingBatch(*(dev[f"s_{n}"] for n in names), **flags)
+        return SamplingBatch(*(dev[f"s_{n}"] for n in SAMPLING_FIELDS), **flags)
 
     def _decode(self, seqs: list[Sequence], feed: torch.Tensor | None):
         n = len(seqs)

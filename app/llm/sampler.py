@@ -1,8 +1,18 @@
-"""Sampling for a whole step's batch on the device: penalties, temperature, top-k, top-p, seeds.
+"""Sampling for a whole step's batch on the device: penalties, temperature, min-p, top-k, top-p, seeds.
 
 One call per step for every request that samples, with no per-request kernels and no host round
 trip: the host learns only the chosen token ids (one copy, after the step), plus, for steps where a
 request asked for them, log-probabilities (logprobs.py).
+
+In order, as vLLM applies them: `min_tokens` (the end-of-sequence and stop token ids at -inf while a
+row has fewer output tokens), the repetition penalty (transformers' and vLLM's rule: a logit of a token
+in the prompt or the output so far is divided by the penalty when positive, multiplied when not),
+frequency and presence penalties (OpenAI's: minus the penalty x the token's output count, minus the
+penalty once it occurs), the greedy choice, then for sampled rows temperature, min-p (tokens less
+likely than min_p x the most likely one, after temperature, at -inf: in logits, x < max(x) + log(min_p)),
+top-k and top-p. Per-row state lives in per-row tensors indexed by each request's row: output-token
+counts, the prompt's tokens (repetition penalty) and the ids `min_tokens` holds back; a request
+writes its row once, when it takes it (`admit`), from pinned memory without waiting for the device.
 
 Randomness is counter-based: the noise for token `v` of a request's `n`-th output is a hash of
 (seed, n, v), turned into Gumbel noise, and the sample is argmax(logits / T + noise), which draws
@@ -18,6 +28,9 @@ import numpy as np
 import torch
 
 from .logprobs import token_logprobs
+from .sampling import MAX_STOP_TOKEN_IDS
+
+HELD_IDS = MAX_STOP_TOKEN_IDS + 16  # per row: a request's stop_token_ids and up to 16 end-of-sequence ids
 
 _M64 = (1 << 64) - 1
 
@@ -81,14 +94,54 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor  # [S] float32
     presence_penalty: torch.Tensor  # [S] float32
     rows: torch.Tensor  # [S] int64, each request's row of the penalty counts (its block-table row)
+    repetition_penalty: torch.Tensor | None = None  # [S] float32, 1 = off
+    min_p: torch.Tensor | None = None  # [S] float32, 0 = off
+    min_tokens: torch.Tensor | None = None  # [S] int32: its row's held-back ids stay at -inf while steps < this
     all_greedy: bool = True
     max_top_k: int = 0
     any_top_p: bool = False
-    any_penalty: bool = False
+    any_penalty: bool = False  # frequency, presence or repetition: the output counts are kept
+    any_repetition: bool = False
+    any_min_p: bool = False
+    any_min_tokens: bool = False
 
 
-def host_sampling_arrays(seqs) -> dict[str, np.ndarray]:
-    """The parameters of `seqs` as host arrays, ready to travel in the step's one copy."""
+# SamplingBatch's tensors, in order: the step's host arrays (`host_sampling_arrays`) by these names
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds", "steps", "frequency_penalty", "presence_penalty", "rows",
+                   "repetition_penalty", "min_p", "min_tokens")
+
+
+def uses_counts(p) -> bool:
+    """Whether a request's sampling reads its output-token counts (frequency, presence or repetition penalty)."""
+    return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0)
+
+
+def host_sampling_flags(seqs, holds_back) -> tuple[dict, bool]:
+    """(SamplingBatch's flags for `seqs`, whether the sampler needs their arrays at all: not for a batch
+    of plain greedy rows). `holds_back(seq)`: whether min_tokens still holds tokens back for it. One
+    pass over the rows: this is host time of every step."""
+    greedy, penalty, repetition, min_p, top_p, held, top_k = True, False, False, False, False, False, 0
+    for s in seqs:
+        p = s.params
+        greedy = greedy and p.temperature == 0
+        if p.frequency_penalty or p.presence_penalty:
+            penalty = True
+        if p.repetition_penalty != 1.0:
+            penalty = repetition = True
+        min_p = min_p or p.min_p > 0
+        top_p = top_p or p.top_p < 1.0
+        top_k = max(top_k, p.top_k)
+        if p.min_tokens and not held:
+            held = holds_back(s)
+    flags = {"all_greedy": greedy, "any_penalty": penalty, "any_min_tokens": held}
+    if greedy and not penalty and not held:
+        return flags, False
+    return flags | {"any_repetition": repetition, "max_top_k": top_k, "any_top_p": top_p, "any_min_p": min_p}, True
+
+
+def host_sampling_arrays(seqs, holds_back=None) -> dict[str, np.ndarray]:
+    """The parameters of `seqs` as host arrays, ready to travel in the step's one copy. `holds_back`
+    as in `host_sampling_flags` (None: min_tokens holds nothing back)."""
     ps = [s.params for s in seqs]
     return {
         "temperature": np.array([p.temperature for p in ps], dtype=np.float32),
@@ -99,39 +152,134 @@ def host_sampling_arrays(seqs) -> dict[str, np.ndarray]:
         "frequency_penalty": np.array([p.frequency_penalty for p in ps], dtype=np.float32),
         "presence_penalty": np.array([p.presence_penalty for p in ps], dtype=np.float32),
         "rows": np.array([s.row for s in seqs], dtype=np.int64),
+        "repetition_penalty": np.array([p.repetition_penalty for p in ps], dtype=np.float32),
+        "min_p": np.array([p.min_p for p in ps], dtype=np.float32),
+        "min_tokens": np.array([s.params.min_tokens if holds_back is not None and holds_back(s) else 0
+                                for s in seqs], dtype=np.int32),
     }
+
+
+def worst_case_batch(rows: int, device: torch.device) -> SamplingBatch:
+    """Every transform on `rows` rows (the memory profile of the largest step)."""
+    f = torch.full((rows,), 0.5, device=device)
+    zeros = torch.zeros(rows, dtype=torch.int64, device=device)
+    return SamplingBatch(f, torch.full((rows,), 50, dtype=torch.int32, device=device), f, zeros, zeros, f, f, zeros,
+                         repetition_penalty=f, min_p=f, min_tokens=torch.ones(rows, dtype=torch.int32, device=device),
+                         all_greedy=False, max_top_k=50, any_top_p=True, any_penalty=True, any_repetition=True,
+                         any_min_p=True, any_min_tokens=True)
 
 
 class Sampler:
     def __init__(self, vocab: int, rows: int, device: torch.device):
         self.vocab, self.rows, self.device = vocab, rows, device
         self.counts: torch.Tensor | None = None  # [rows, vocab] output-token counts, made on first use
+        self.prompt_seen: torch.Tensor | None = None  # [rows, vocab] bool: the prompt's tokens (repetition)
+        # the end-of-sequence ids (the engine sets them): held back, with a request's stop_token_ids,
+        # until it has min_tokens output tokens
+        self.eos_ids: list[int] = []
+        self.held: torch.Tensor | None = None  # [rows, HELD_IDS] those ids per row
+        self.holds: list[bool] = [False] * rows  # whether a row's request has any id to hold back
 
     def _counts(self) -> torch.Tensor:
         if self.counts is None:
             self.counts = torch.zeros(self.rows, self.vocab, dtype=torch.int32, device=self.device)
         return self.counts
 
+    def _prompt_seen(self) -> torch.Tensor:
+        if self.prompt_seen is None:
+            self.prompt_seen = torch.zeros(self.rows, self.vocab, dtype=torch.bool, device=self.device)
+        return self.prompt_seen
+
+    def _held(self) -> torch.Tensor:
+        if self.held is None:
+            self.held = torch.zeros(self.rows, HELD_IDS, dtype=torch.int64, device=self.device)
+        return self.held
+
+    def _to_device(self, ids: list[int]) -> torch.Tensor:
+        """int64 ids on the device, from pinned memory without waiting (the engine thread must not
+        wait for the step in flight; the pinned block is kept until its copy has run)."""
+        t = torch.tensor(ids, dtype=torch.int64)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def held_ids(self, p) -> list[int]:
+        """The ids `min_tokens` holds back for a request: the end-of-sequence ids (unless it ignores
+        them) and its stop_token_ids, those of the vocabulary."""
+        ids = ([] if p.ignore_eos else sorted(self.eos_ids)[:HELD_IDS - MAX_STOP_TOKEN_IDS]) + list(p.stop_token_ids)
+        return list(dict.fromkeys(i for i in ids if 0 <= i < self.vocab))[:HELD_IDS]
+
+    def holds_back(self, seq) -> bool:
+        """Whether min_tokens holds ids back for `seq` at its next token (its row is assigned)."""
+        return seq.params.min_tokens > seq.num_output and self.holds[seq.row]
+
+    def admit(self, row: int, seq) -> None:
+        """A request (`seq`: its params, token_ids, prompt_len, output_ids) took `row`: its per-row state,
+        what each of its settings reads (none for most requests), written without a host wait."""
+        params = seq.params
+        if uses_counts(params):
+            self.reset_counts(row, seq.output_ids)
+        if params.repetition_penalty != 1.0:
+            seen = self._prompt_seen()[row]
+            seen.zero_()
+            # the whole prompt, as transformers' and vLLM's rule reads it (vision placeholders too)
+            ids = [i for i in seq.token_ids[:seq.prompt_len] if 0 <= i < self.vocab]
+            if ids:
+                seen.index_fill_(0, self._to_device(ids), True)
+        self.holds[row] = False
+        if params.min_tokens > 0:
+            ids = self.held_ids(params)
+            if ids:  # padded with its first id: a scatter writes the same value twice
+                held = self._held()[row]
+                held.copy_(self._to_device(ids + [ids[0]] * (held.numel() - len(ids))), non_blocking=True)
+                self.holds[row] = True
+
     def reset_counts(self, row: int, output_ids: list[int]) -> None:
         """A penalised request took `row`: it counts its output so far (none, or the tokens it had
         before a preemption)."""
         counts = self._counts()
         counts[row].zero_()
+        output_ids = [i for i in output_ids if 0 <= i < self.vocab]
         if output_ids:
-            ids = torch.tensor(output_ids, device=self.device)
+            ids = self._to_device(output_ids)
             counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         """logits [S, vocab] -> token ids [S] (int64, on the device)."""
-        logits = logits[:, :self.vocab].float()
-        if b.any_penalty:
-            counts = self._counts()[b.rows].float()
-            logits = logits - b.frequency_penalty[:, None] * counts - b.presence_penalty[:, None] * (counts > 0)
+        logits = self.penalized(logits[:, :self.vocab].float(), b)
         greedy = logits.argmax(-1)
         if b.all_greedy:
             return greedy
+        x = self.filtered(logits, b)
+        noise = uniform_noise(b.seeds, b.steps, x.shape[-1])
+        sampled = (x - torch.log(-torch.log(noise))).argmax(-1)
+        return torch.where(b.temperature > 0, sampled, greedy)
+
+    def penalized(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+        """What every row's choice reads, greedy or sampled: float32 logits [S, vocab] with min_tokens'
+        held-back ids at -inf and the penalties applied."""
+        if b.any_min_tokens:  # the held-back ids of rows short of min_tokens at -inf, the others' as they are
+            ids = self._held()[b.rows]
+            short = (b.steps < b.min_tokens)[:, None]
+            logits = logits.scatter(1, ids, torch.where(short, float("-inf"), logits.gather(1, ids)))
+        if b.any_penalty:
+            counts = self._counts()[b.rows]
+            if b.any_repetition:
+                seen = self._prompt_seen()[b.rows] | (counts > 0)
+                rep = b.repetition_penalty[:, None]
+                logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+            counts = counts.float()
+            logits = logits - b.frequency_penalty[:, None] * counts - b.presence_penalty[:, None] * (counts > 0)
+        return logits
+
+    def filtered(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+        """The distribution sampled rows draw from, as logits: `penalized` ones over the temperature, with
+        the tokens min-p, top-k and top-p leave out at -inf."""
         temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
         x = logits / temp[:, None]
+        if b.any_min_p:  # p >= min_p * p_max  <=>  x >= max(x) + log(min_p); min_p 0 keeps every token
+            floor = x.max(-1, keepdim=True).values + torch.log(b.min_p)[:, None]
+            x = x.masked_fill(x < floor, float("-inf"))
         if b.max_top_k:
             k = min(b.max_top_k, self.vocab)
             kth = x.topk(k, dim=-1).values.gather(1, (b.top_k.long().clamp(1, k) - 1)[:, None])
@@ -139,9 +287,7 @@ class Sampler:
             x = x.masked_fill(x < kth, float("-inf"))
         if b.any_top_p:
             x = top_p_filter(x, b.top_p)
-        noise = uniform_noise(b.seeds, b.steps, x.shape[-1])
-        sampled = (x - torch.log(-torch.log(noise))).argmax(-1)
-        return torch.where(b.temperature > 0, sampled, greedy)
+        return x
 
     def token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
         """The rows' log-probabilities, packed [S, 1 + 2k] for one copy to the host (logprobs.py)."""

@@ -7,12 +7,15 @@ caller's thread), so detokenization and stop strings never lengthen a step:
 - `Detokenizer` turns ids into text incrementally, decoding a small window of recent ids rather
   than the whole output each time, and holds back an incomplete UTF-8 sequence;
 - stop strings are searched in the new text only (plus the few characters before it a stop string
-  could start in), and text that may begin one is held back until it is known not to;
+  could start in), and text that may begin one is held back until it is known not to; a stop token id
+  (`stop_token_ids`) ends the answer before it, or with it under `include_stop_str_in_output`, which
+  keeps a stop string too; neither ends an answer of fewer than `min_tokens` tokens (vLLM's rules);
 - `OutputStream.push` takes everything that has arrived since the last read at once, so a reader
   that falls behind gets one chunk for many tokens instead of one message per token.
 
-A stop string ends the request here; the reader then cancels it, and the engine frees its blocks
-at its next step (tokens it made meanwhile are dropped).
+A stop string or stop token id ends the request here; the reader then cancels it, and the engine
+frees its blocks at its next step (tokens it made meanwhile are dropped). The end-of-sequence token is
+the engine's to see: it ends the request there and never reaches the text.
 """
 
 from __future__ import annotations
@@ -99,6 +102,17 @@ class StopChecker:
         hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
 
+    def match(self, text: str, boundary: int) -> tuple[int, str] | None:
+        """(index, stop string) of the earliest stop string in `text` that ends after `boundary` (the
+        text before it was searched already, or may not stop the answer); at one index, the first
+        listed. None if there is none."""
+        best = None
+        for s in self.stop:
+            i = text.find(s, max(0, boundary - len(s) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        return best
+
     def safe_length(self, text: str) -> int:
         """How much of `text` can be emitted without risking a stop string's prefix."""
         n = len(text)
@@ -112,8 +126,10 @@ class OutputStream:
     """Turns a request's token deltas into chunks: text, stop strings, the final counts."""
 
     def __init__(self, tokenizer, params: SamplingParams, prompt_tokens: int, vision_embeddings: int):
-        self.detok = Detokenizer(tokenizer)
+        self.detok = Detokenizer(tokenizer, params.skip_special_tokens)
         self.stops = StopChecker(params.stop)
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.min_tokens, self.include_stop = params.min_tokens, params.include_stop_str_in_output
         self.prompt_tokens, self.vision_embeddings = prompt_tokens, vision_embeddings
         self.text = ""
         self.emitted = 0
@@ -144,17 +160,23 @@ class OutputStream:
             self.finished = True
             raise Cancelled("request cancelled")
         first = not self.ids and bool(new)
-        if self.stops.stop:
+        if self.stops.stop or self.stop_ids:
             for i, tok in enumerate(new):  # token by token: the token that completes a stop string ends it
-                start = max(0, len(self.text) - self.stops.hold)
                 last = finish is not None and i == len(new) - 1
-                self.text += self.detok.feed([tok], final=last)
-                self.ids.append(tok)
-                if self.lps is not None:
-                    self.lps.append(new_lps[i])
-                cut = self.stops.find(self.text, start)
-                if cut is not None:
-                    self.text, finish, self.stopped = self.text[:cut], "stop", True
+                if tok in self.stop_ids and len(self.ids) >= self.min_tokens:  # ends before it, or with it
+                    if self.include_stop:
+                        self._add(tok, new_lps[i] if self.lps is not None else None, final=True)
+                    else:
+                        self.text += self.detok.feed([], final=True)
+                    finish, self.stopped = "stop", True
+                    break
+                boundary = len(self.text)
+                self._add(tok, new_lps[i] if self.lps is not None else None, final=last)
+                hit = self.stops.match(self.text, boundary) if len(self.ids) > self.min_tokens else None
+                if hit is not None:
+                    cut, stop = hit
+                    self.text = self.text[:cut + len(stop) if self.include_stop else cut]
+                    finish, self.stopped = "stop", True
                     break
             else:
                 if finish is not None and not new:
@@ -176,6 +198,12 @@ class OutputStream:
             self.sent_ids = len(self.ids)
             return chunk
         return None
+
+    def _add(self, tok: int, lp, final: bool) -> None:
+        self.text += self.detok.feed([tok], final=final)
+        self.ids.append(tok)
+        if self.lps is not None:
+            self.lps.append(lp)
 
     def _logprobs_since(self) -> list | None:
         return None if self.lps is None else self.lps[self.sent_ids:]

@@ -32,7 +32,7 @@ from .preprocess import (
     seconds_per_group,
     video_frames,
 )
-from .ref import MediaRef
+from .ref import MediaOptions, MediaRef
 from .workers import all_or_first_failure, request_slots, run_item
 
 
@@ -75,6 +75,9 @@ class PreparedItem:
         return [self.seconds_per_group] * (1 if self.parts is None else len(self.parts))
 
 
+_SERVER_SETTINGS = MediaOptions()
+
+
 def cache_key(kind: str, frames: np.ndarray, spec: PatchSpec) -> str:
     """Hash of the tower's input: the resized uint8 frames and the settings that turn them into rows.
     Equal keys mean equal embeddings; hashing after the resize also reads far fewer bytes than the
@@ -95,8 +98,10 @@ def _sliced_item(kind: str, images: list[np.ndarray], grid, spec: PatchSpec) -> 
 
 
 def _decode_video(data: bytes, ref: MediaRef, cfg: MediaConfig, deadline: Deadline | None):
-    """Both families' video decode under the same limits (streams, decoded bytes, the item's deadline)."""
-    return decode_video(data, param=ref.param, fps=cfg.video_fps, min_frames=cfg.video_min_frames,
+    """Both families' video decode under the same limits (streams, decoded bytes, the item's deadline),
+    at the request's fps (`mm_processor_kwargs`) or the server's."""
+    fps = ref.options.fps if ref.options is not None and ref.options.fps is not None else cfg.video_fps
+    return decode_video(data, param=ref.param, fps=fps, min_frames=cfg.video_min_frames,
                         max_frames=cfg.video_max_frames, max_duration_s=cfg.max_video_duration_s,
                         max_pixels=cfg.max_input_pixels, max_streams=cfg.max_video_streams,
                         max_decoded_bytes=cfg.max_decoded_video_bytes,
@@ -123,12 +128,13 @@ def prepare_bytes(data: bytes, ref: MediaRef, cfg: MediaConfig, spec: PatchSpec,
                   deadline: Deadline | None = None) -> PreparedItem:
     if spec.slicing is not None:
         return prepare_sliced(data, ref, cfg, spec, deadline)
+    opts = ref.options or _SERVER_SETTINGS  # the request's resize bounds (mm_processor_kwargs), else the server's
     if ref.kind == IMAGE:
         img = open_rgb_image(data, param=ref.param, max_pixels=cfg.max_input_pixels)
-        frames = image_frames(img, spec, cfg.image_min_pixels, cfg.image_max_pixels)
+        frames = image_frames(img, spec, *opts.pixels(cfg.image_min_pixels, cfg.image_max_pixels))
         return PreparedItem(IMAGE, patchify(frames, spec, normalize=False), key=cache_key(IMAGE, frames, spec))
     video = _decode_video(data, ref, cfg, deadline)
-    frames = video_frames(video.frames, spec, cfg.video_min_pixels, cfg.video_max_pixels)
+    frames = video_frames(video.frames, spec, *opts.pixels(cfg.video_min_pixels, cfg.video_max_pixels))
     return PreparedItem(VIDEO, patchify(frames, spec, normalize=False),
                         frame_timestamps(video.indices, video.fps, spec.temporal),
                         key=cache_key(VIDEO, frames, spec),

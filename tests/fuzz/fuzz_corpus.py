@@ -95,7 +95,7 @@ WRONG = {
     "max_completion_tokens": ["8", 0, -5, 1.0e3 + 0.5, False],
     "temperature": ["1", -0.1, 2.5, [], {}, True],
     "top_p": [0, 1.5, -1, "x", True, []],
-    "top_k": [-1, 1.5, "x", True, 2**21],
+    "top_k": [-2, 1.5, "x", True, 2**21],  # -1 is vLLM's "off", served
     "frequency_penalty": [3, -3, "x", True, {}],
     "presence_penalty": [2.5, -2.01, "x", False, []],
     "seed": [1.5, "x", True, 2**64, [1]],
