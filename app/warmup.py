@@ -124,10 +124,10 @@ def warm_llm_replica(cfg, checkpoint: str, backend, media: bool) -> WarmupReport
 
     from .api.chat import ChatService
     from .media.pipeline import MediaPipeline
-    from .media.preprocess import PatchSpec
+    from .media.spec import patch_spec_for
 
     chat = ChatService(cfg, AutoTokenizer.from_pretrained(checkpoint),
-                       MediaPipeline(cfg.media, PatchSpec.from_checkpoint(checkpoint)), backend)
+                       MediaPipeline(cfg.media, patch_spec_for(checkpoint)), backend)
     bodies = warmup_bodies(cfg.llm.max_num_batched_tokens, media)
     report = run_off_loop(lambda: warm_chat(chat, bodies))
     log.info("warm-up: %d requests in %.1f s, %d errors%s", report.requests, report.seconds, len(report.errors),

@@ -44,7 +44,7 @@ from app.config import AppConfig  # noqa: E402
 from app.fused import FusedBackend  # noqa: E402
 from app.llm.sequence import GenerationRequest  # noqa: E402
 from app.media.pipeline import MediaPipeline  # noqa: E402
-from app.media.preprocess import PatchSpec  # noqa: E402
+from app.media.spec import patch_spec_for  # noqa: E402
 from app.model_builder import resolve_model  # noqa: E402
 from benchmarks.serve import Workload, deep_merge  # noqa: E402
 from benchmarks.stats import pct  # noqa: E402
@@ -76,7 +76,7 @@ async def prepare(cfg: AppConfig, ckpt: str, size: int, n: int) -> list[tuple[di
     from transformers import AutoTokenizer
 
     chat = ChatService(cfg, AutoTokenizer.from_pretrained(ckpt),
-                       MediaPipeline(cfg.media, PatchSpec.from_checkpoint(ckpt)), backend=None)
+                       MediaPipeline(cfg.media, patch_spec_for(ckpt)), backend=None)
     work = Workload("image", image_size=size)
     return [(await chat.prepare(work.body(i)))[1:] for i in range(n)]
 

@@ -15,8 +15,8 @@ from ray import serve
 
 from app.config import AppConfig
 from app.media.pipeline import MediaPipeline, PreparedItem
-from app.media.preprocess import PatchSpec
 from app.media.ref import MediaRef
+from app.media.spec import patch_spec_for
 from app.media.workers import SharedSlots
 from app.model_builder import resolve_model
 
@@ -28,7 +28,7 @@ class MediaPreprocessor:
     def __init__(self, config: dict):
         route_app_logs()
         cfg = AppConfig(**config)
-        spec = PatchSpec.from_checkpoint(resolve_model(cfg.model, cfg.cache_dir))
+        spec = patch_spec_for(resolve_model(cfg.model, cfg.cache_dir))
         pool = ThreadPoolExecutor(max_workers=cfg.media.worker_threads, thread_name_prefix="media")
         self.pipeline = MediaPipeline(cfg.media, spec, pool)
         self.slots = SharedSlots(pool)

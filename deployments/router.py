@@ -29,8 +29,8 @@ from app.config import AppConfig
 from app.errors import ClientError
 from app.media.adaptive import AdaptiveMedia, CountingPool
 from app.media.pipeline import MediaPipeline
-from app.media.preprocess import PatchSpec
 from app.media.remote import RemoteMedia
+from app.media.spec import patch_spec_for
 from app.model_builder import resolve_model
 from app.replica_stats import merge_encoder_stats, merge_llm_loads
 
@@ -104,7 +104,7 @@ class Router:
         # would otherwise pull both through this process.
         media, encoder, llm = (h.options(_by_reference=True) for h in (media, encoder, llm))
         self.metrics = RouterMetrics()
-        source = RemoteMedia(media, PatchSpec.from_checkpoint(ckpt), RetryPolicy.from_config(self.cfg.retry),
+        source = RemoteMedia(media, patch_spec_for(ckpt), RetryPolicy.from_config(self.cfg.retry),
                              on_retry=self.metrics.retries.inc)
         if self.cfg.media.router_local_below > 0:  # small inline images at low load: no media hop
             self.media_pool = CountingPool(self.cfg.media.worker_threads, thread_name_prefix="media")

@@ -26,7 +26,7 @@ def world(tiny_checkpoint):
     from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
 
     from app.llm.engine import Engine
-    from app.media.preprocess import PatchSpec
+    from app.media.spec import patch_spec_for
     from app.vision.graphs import GraphManager, GraphSettings
     from app.vision.loading import load_vision_model
     from app.vision.tower import VisionTower
@@ -34,4 +34,4 @@ def world(tiny_checkpoint):
     ref = Qwen3VLForConditionalGeneration.from_pretrained(tiny_checkpoint).eval()
     mgr = GraphManager(VisionTower(load_vision_model(tiny_checkpoint, torch.float32)), GraphSettings([256, 512]))
     return {"ref": ref, "engine": Engine(str(tiny_checkpoint)), "tok": AutoTokenizer.from_pretrained(tiny_checkpoint),
-            "spec": PatchSpec.from_checkpoint(tiny_checkpoint), "mgr": mgr}
+            "spec": patch_spec_for(tiny_checkpoint), "mgr": mgr}

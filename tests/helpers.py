@@ -119,10 +119,10 @@ def local_chat(cfg, checkpoint, backend=None):
     from app.llm.engine import Engine
     from app.local_backend import LocalBackend
     from app.media.pipeline import MediaPipeline
-    from app.media.preprocess import PatchSpec
+    from app.media.spec import patch_spec_for
     from app.vision.service import EncoderService
 
     if backend is None:
         backend = LocalBackend(EncoderService(cfg, str(checkpoint)), Engine(str(checkpoint)))
     return ChatService(cfg, AutoTokenizer.from_pretrained(checkpoint),
-                       MediaPipeline(cfg.media, PatchSpec.from_checkpoint(checkpoint)), backend)
+                       MediaPipeline(cfg.media, patch_spec_for(checkpoint)), backend)

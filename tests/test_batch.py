@@ -110,12 +110,12 @@ def test_a_file_image_prepares_like_the_same_bytes_as_a_data_url(tmp_path, tiny_
     import base64
 
     from app.config import MediaConfig
-    from app.media.preprocess import PatchSpec
     from app.media.ref import MediaRef
+    from app.media.spec import patch_spec_for
 
     data = png_bytes(80, 112, seed=3)
     (tmp_path / "a.png").write_bytes(data)
-    pipe = BatchMediaPipeline(MediaConfig(), PatchSpec.from_checkpoint(tiny_checkpoint), root=str(tmp_path))
+    pipe = BatchMediaPipeline(MediaConfig(), patch_spec_for(tiny_checkpoint), root=str(tmp_path))
     by_file = asyncio.run(pipe.prepare(MediaRef("image", "a.png", "p")))
     by_url = asyncio.run(pipe.prepare(MediaRef("image", "data:image/png;base64," + base64.b64encode(data).decode(),
                                                "p")))
@@ -129,13 +129,13 @@ def test_a_file_image_prepares_like_the_same_bytes_as_a_data_url(tmp_path, tiny_
 def test_a_requests_files_prepare_together_as_the_server_prepares_its_items(tmp_path, tiny_checkpoint):
     # ChatService.prepare goes through prepare_all, which hands each item the request's worker slots
     from app.config import MediaConfig
-    from app.media.preprocess import PatchSpec
     from app.media.ref import MediaRef
+    from app.media.spec import patch_spec_for
 
     (tmp_path / "a.png").write_bytes(png_bytes(80, 112, seed=3))
     (tmp_path / "b.png").write_bytes(png_bytes(64, 48, seed=4))
     os.mkfifo(tmp_path / "pipe.png")
-    pipe = BatchMediaPipeline(MediaConfig(), PatchSpec.from_checkpoint(tiny_checkpoint), root=str(tmp_path))
+    pipe = BatchMediaPipeline(MediaConfig(), patch_spec_for(tiny_checkpoint), root=str(tmp_path))
     items = asyncio.run(pipe.prepare_all([MediaRef("image", "a.png", "p0"), MediaRef("image", f"file://{tmp_path}/b.png", "p1")]))
     single = [asyncio.run(pipe.prepare(MediaRef("image", name, "p"))) for name in ("a.png", "b.png")]
     assert [it.key for it in items] == [it.key for it in single] and items[0].key != items[1].key

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from app.api.prompt import IMAGE_TYPE, VIDEO_TYPE, MediaSlot, PromptBuilder, video_timestamps_for
-from app.media.preprocess import PatchSpec, preprocess_image, seconds_per_group
+from app.media.preprocess import preprocess_image, seconds_per_group
+from app.media.spec import patch_spec_for
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def test_qwen25_image_rows_equal_the_image_processor_and_the_prompt_expands_them
     tok = AutoTokenizer.from_pretrained(tiny_qwen25)
     image_proc = Qwen2VLImageProcessorPil.from_pretrained(tiny_qwen25)
     image = (np.random.default_rng(0).random((150, 230, 3)) * 255).astype(np.uint8)
-    spec = PatchSpec.from_checkpoint(tiny_qwen25)
+    spec = patch_spec_for(tiny_qwen25)
     ours = preprocess_image(image, spec, image_proc.size["shortest_edge"], image_proc.size["longest_edge"])
     ref = image_proc(images=[image], return_tensors="pt")
     assert list(ours.grid) == ref["image_grid_thw"][0].tolist()

@@ -39,7 +39,7 @@ def served(request, model_cache):
     from ray import serve
 
     from app.config import AppConfig
-    from app.media.preprocess import PatchSpec
+    from app.media.spec import patch_spec_for
     from app.model_builder import resolve_model
     from deployments.app import build_app
     from helpers import local_chat
@@ -54,7 +54,7 @@ def served(request, model_cache):
     serve.run(build_app(args), name="vlm", route_prefix="/")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", max_retries=0, timeout=120)
     try:
-        yield {"client": client, "local": local, "preset": request.param, "spec": PatchSpec.from_checkpoint(ckpt)}
+        yield {"client": client, "local": local, "preset": request.param, "spec": patch_spec_for(ckpt)}
     finally:
         serve.shutdown()
         ray.shutdown()

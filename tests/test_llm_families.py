@@ -23,6 +23,7 @@ from app.llm.engine import Engine, GenerationRequest, VisionInput
 from app.llm.mrope import Rope
 from app.llm.sampling import SamplingParams
 from app.media.preprocess import PatchSpec, preprocess_image, preprocess_video
+from app.media.spec import patch_spec_for
 
 MAX_NEW = 10
 
@@ -41,7 +42,7 @@ def qwen25(model_cache):
     path = ensure_embedded("tiny-qwen2.5-vl", model_cache)
     ref = Qwen2_5_VLForConditionalGeneration.from_pretrained(path).eval()
     return {"path": path, "ref": ref, "engine": Engine(str(path)), "tok": AutoTokenizer.from_pretrained(path),
-            "spec": PatchSpec.from_checkpoint(path)}
+            "spec": patch_spec_for(path)}
 
 
 def _qwen25_request(w, kinds, seconds):
@@ -195,7 +196,7 @@ def minicpmv(model_cache):
     ref.eval()
     mgr = GraphManager(build_tower(path, torch.float32), GraphSettings([256, 512], use_cuda_graphs=False))
     return {"path": path, "ref": ref, "engine": Engine(str(path)), "tok": AutoTokenizer.from_pretrained(path),
-            "spec": PatchSpec.from_checkpoint(path), "mgr": mgr, "config": config}
+            "spec": patch_spec_for(path), "mgr": mgr, "config": config}
 
 
 def _minicpmv_request(w, kinds):

@@ -16,7 +16,7 @@ def moe_world(model_cache):
     from transformers import AutoTokenizer, Qwen3VLMoeForConditionalGeneration
 
     from app.llm.engine import Engine
-    from app.media.preprocess import PatchSpec
+    from app.media.spec import patch_spec_for
     from app.model_builder import ensure_embedded
     from app.vision.graphs import GraphManager, GraphSettings
     from app.vision.loading import build_tower
@@ -25,7 +25,7 @@ def moe_world(model_cache):
     ref = Qwen3VLMoeForConditionalGeneration.from_pretrained(path).eval()
     mgr = GraphManager(build_tower(path, torch.float32), GraphSettings([256, 512]))
     return {"path": path, "ref": ref, "engine": Engine(str(path)), "tok": AutoTokenizer.from_pretrained(path),
-            "spec": PatchSpec.from_checkpoint(path), "mgr": mgr}
+            "spec": patch_spec_for(path), "mgr": mgr}
 
 
 def test_the_tiny_preset_mixes_sparse_and_dense_layers(moe_world):

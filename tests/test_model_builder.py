@@ -95,6 +95,7 @@ def test_tiny_qwen25_checkpoint_loads_with_its_processor_settings_and_template(m
     from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
     from app.media.preprocess import PatchSpec
+    from app.media.spec import patch_spec_for
     from app.model_builder import CLIP_MEAN, CLIP_STD, ensure_embedded
 
     path = ensure_embedded("tiny-qwen2.5-vl", model_cache)
@@ -103,7 +104,7 @@ def test_tiny_qwen25_checkpoint_loads_with_its_processor_settings_and_template(m
                        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]:
         assert getattr(cfg, key) == tok.convert_tokens_to_ids(token)
     assert cfg.text_config.vocab_size == len(tok)
-    assert PatchSpec.from_checkpoint(path) == PatchSpec(14, 2, 2, tuple(CLIP_MEAN), tuple(CLIP_STD))
+    assert patch_spec_for(path) == PatchSpec(14, 2, 2, tuple(CLIP_MEAN), tuple(CLIP_STD))
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path)
     assert sum(p.numel() for p in model.parameters()) < 1_000_000
     rendered = tok.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "x"}]}],

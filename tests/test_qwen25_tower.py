@@ -218,9 +218,10 @@ def test_raw_uint8_rows_give_the_embeddings_of_the_processors_float_rows(tiny_qw
     """uint8 patch rows normalised in the tower (CLIP mean/std, patch 14) equal the processor's float rows."""
     import numpy as np
 
-    from app.media.preprocess import PatchSpec, patchify
+    from app.media.preprocess import patchify
+    from app.media.spec import patch_spec_for
 
-    spec = PatchSpec.from_checkpoint(tiny_qwen25)
+    spec = patch_spec_for(tiny_qwen25)
     assert (spec.patch, spec.temporal, spec.merge) == (14, 2, 2) and spec.mean[0] == pytest.approx(0.48145466)
     frames = np.random.default_rng(5).integers(0, 256, (4, 140, 112, 3), dtype=np.uint8)
     raw, norm = patchify(frames, spec, normalize=False), patchify(frames, spec)

@@ -57,11 +57,11 @@ def test_a_warmed_replica_answers_as_a_cold_one(fused_chat, tiny_checkpoint):
 def test_media_warm_up_prepares_each_kind(tiny_checkpoint):
     from app.config import AppConfig
     from app.media.pipeline import MediaPipeline
-    from app.media.preprocess import PatchSpec
+    from app.media.spec import patch_spec_for
     from app.warmup import warm_media
 
     cfg = AppConfig(model=str(tiny_checkpoint))
-    assert warm_media(MediaPipeline(cfg.media, PatchSpec.from_checkpoint(tiny_checkpoint))) > 0
+    assert warm_media(MediaPipeline(cfg.media, patch_spec_for(tiny_checkpoint))) > 0
 
 
 def test_the_builder_turns_warm_up_on_only_with_gpus(monkeypatch):

@@ -20,7 +20,8 @@ from ..llm.sampling import MAX_CHOICES, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, Sampli
 from ..media.ref import MediaOptions, MediaRef
 from .defaults import OPENAI, SamplingDefaults
 from .params import LENIENT, UnknownParameters, refuse_what_would_be_ignored, unsupported
-from .prompt import DEFAULT_TEMPLATE_OPTIONS, VISION_MARKERS, TemplateOptions, has_vision_marker
+from .prompt import DEFAULT_TEMPLATE_OPTIONS, TemplateOptions
+from .text_checks import _message_text, _unicode
 from .tools import TOOL_NAME, ToolSpec, parse_tools, tool_grammar
 
 MAX_STOP_CHARS = 1024  # per stop string: the check at each chunk costs up to its length (stream.StopChecker)
@@ -74,27 +75,6 @@ def _num(body: dict, key: str, lo: float, hi: float, default, integer: bool = Fa
         raise ClientError(f"'{key}' must be {'an integer' if integer else 'a number'}", param=key)
     if not lo <= v <= hi:
         raise ClientError(f"'{key}' must be between {lo} and {hi}", param=key)
-    return v
-
-
-def _unicode(v: str, param: str) -> str:
-    """The string, if it is valid Unicode text. JSON may escape lone UTF-16 surrogates ("\\ud800"), which
-    the standard library's parser keeps; the tokenizer then raised a TypeError (a 500)."""
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ClientError(f"{param} contains a lone UTF-16 surrogate", param=param, code="invalid_unicode") from None
-    return v
-
-
-def _message_text(v: str, param: str) -> str:
-    """Message text, which must not contain the model's vision markers: the tokenizer reads them as
-    special tokens, so a client could forge media placeholders that no media item backs (the prompt
-    builder then failed with a 500) or vision markers that derail M-RoPE positions."""
-    _unicode(v, param)
-    if has_vision_marker(v):
-        raise ClientError(f"{param} contains a reserved vision marker ({', '.join(VISION_MARKERS)}); send media as "
-                          "image_url or video_url parts", param=param, code="reserved_token")
     return v
 
 

@@ -113,7 +113,7 @@ def _check_text(value, param: str, depth: int) -> None:
     """Every string and key of a tool definition is shown to the model, so it must be what message text
     may be (valid Unicode, no vision markers: app/api/schemas.py); and nesting is bounded, as the
     template's JSON encoder recurses."""
-    from .schemas import _message_text
+    from .text_checks import _message_text
 
     if depth < 0:
         raise _bad(f"{param} is nested deeper than {MAX_DEPTH} levels", "tools")

@@ -34,7 +34,7 @@ from ..api.schemas import ChatRequest
 from ..config import AppConfig
 from ..errors import ClientError
 from ..llm.sampling import MAX_CHOICES
-from ..media.preprocess import PatchSpec
+from ..media.spec import patch_spec_for
 from ..model_builder import resolve_model
 from ..placement import pinned_gpu
 
@@ -95,7 +95,7 @@ class MediaWorker:
         cfg = AppConfig(**config)
         ckpt = _checkpoint(cfg)
         pool = ThreadPoolExecutor(max_workers=cfg.media.worker_threads, thread_name_prefix="media")
-        media = BatchMediaPipeline(cfg.media, PatchSpec.from_checkpoint(ckpt), pool, root=file_root)
+        media = BatchMediaPipeline(cfg.media, patch_spec_for(ckpt), pool, root=file_root)
         self.chat = ChatService(cfg, AutoTokenizer.from_pretrained(ckpt), media, backend=None)
 
     def ready(self) -> bool:

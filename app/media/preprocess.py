@@ -6,11 +6,8 @@ temporal group, then merge block, then patch inside the block, and `grid_thw` in
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,19 +39,6 @@ class PatchSpec:
         scale = np.repeat((1 / (255 * std)).astype(np.float32), per_channel)
         offset = np.repeat(-np.asarray(self.mean, np.float32) / std, per_channel)
         return scale, offset
-
-    @classmethod
-    def from_checkpoint(cls, path: str | Path) -> PatchSpec:
-        cfg_path = Path(path) / "preprocessor_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        if cfg.get("image_processor_type") == "MiniCPMVImageProcessor":
-            from .slicing import SliceSpec
-
-            slicing = SliceSpec.from_checkpoint(path)
-            return dataclasses.replace(slicing.patch_spec, slicing=slicing)
-        return cls(patch=cfg.get("patch_size", 16), temporal=cfg.get("temporal_patch_size", 2),
-                   merge=cfg.get("merge_size", 2), mean=tuple(cfg.get("image_mean", (0.5,) * 3)),
-                   std=tuple(cfg.get("image_std", (0.5,) * 3)))
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 
 from ..config import AppConfig
 from ..llm.loader import resolve_dtype
-from ..media.preprocess import PatchSpec
+from ..media.spec import patch_spec_for
 from .batcher import EncodeBatcher
 from .cache import EmbeddingCache
 from .graphs import GraphManager, GraphSettings, VisionEmbedding, VisionItem
@@ -49,7 +49,7 @@ class EncoderService:
         # The router sends raw uint8 patch rows (a quarter of float32's bytes through Ray and to the GPU);
         # the tower normalises them with the checkpoint's processor settings.
         # (the checkpoint's family picks the tower: Qwen3-VL, Qwen2.5-VL or MiniCPM-V; loading.build_tower)
-        tower = build_tower(checkpoint, dtype, device, pixel_norm=PatchSpec.from_checkpoint(checkpoint).column_norm(),
+        tower = build_tower(checkpoint, dtype, device, pixel_norm=patch_spec_for(checkpoint).column_norm(),
                             random_weights=cfg.llm.load_format == "dummy")
         tower.use_dense_attention(enc.dense_attention if enc.cuda_graphs else "sdpa")  # FA4 runs only in graphs
         budgets = enc.token_budgets or GraphSettings.power_of_two_budgets(enc.min_budget, enc.max_budget,
