@@ -8,6 +8,7 @@ replicas. The Router passes the replicas' items and the embeddings on as object 
 re-serialises them; only the rows of items it prepared itself travel in the encoder call's arguments.
 Several Router replicas run behind Ray Serve's HTTP proxy (autoscaled)."""
 
+import asyncio
 import logging
 import time
 
@@ -32,6 +33,7 @@ from app.media.pipeline import MediaPipeline
 from app.media.remote import RemoteMedia
 from app.media.spec import patch_spec_for
 from app.model_builder import resolve_model
+from app.readiness import ReadinessProbe, serve_replica_states
 from app.replica_stats import merge_encoder_stats, merge_llm_loads
 
 from .logs import route_app_logs
@@ -97,6 +99,8 @@ class Router:
 
         route_app_logs()
         self.cfg = AppConfig(**config)
+        app_name = serve.get_replica_context().app_name
+        self.readiness = ReadinessProbe(lambda: serve_replica_states(app_name))
         api.state.api_key = resolve_api_key(self.cfg.api_key)  # None: no key required
         ckpt = resolve_model(self.cfg.model, self.cfg.cache_dir)
         # Object references, not values, must cross these handles (app/media/remote.py; the encoder's
@@ -136,8 +140,13 @@ class Router:
         return {"direct_ongoing": self.direct.ongoing if self.direct is not None else 0}
 
     @api.get("/health")
-    async def health(self) -> dict:
-        return {"status": "ok"}
+    async def health(self):
+        """200 once every deployment with replicas has one running (app/readiness.py), else 503."""
+        ready, deployments = await asyncio.to_thread(self.readiness)
+        if ready:
+            return {"status": "ok"}
+        return FastJSONResponse({"status": "starting", "deployments": deployments}, status_code=503,
+                                headers={"Retry-After": "1"})
 
     @api.get("/v1/models")
     async def models(self) -> dict:

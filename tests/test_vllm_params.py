@@ -325,8 +325,24 @@ def test_refused_values_name_why(chat):
     assert "beam search" in r.message
     r = run(chat, BASE | {"mm_processor_kwargs": {"do_resize": False}})
     assert (r.code, r.param) == ("unsupported_parameter", "mm_processor_kwargs.do_resize")
-    r = run(chat, BASE | {"stream": True, "stream_options": {"continuous_usage_stats": True}})
-    assert (r.code, r.param) == ("unsupported_parameter", "stream_options.continuous_usage_stats")
+    r = run(chat, BASE | {"stream": True, "stream_options": {"include_obfuscation": True}})
+    assert (r.code, r.param) == ("unsupported_parameter", "stream_options.include_obfuscation")
+
+
+def test_continuous_usage_stats_put_the_tokens_so_far_on_every_chunk(chat, base):
+    """vLLM's stream_options.continuous_usage_stats (GuideLLM sends it by default): each content chunk
+    carries usage with the completion tokens streamed so far; the last usage chunk is unchanged."""
+    body = BASE | {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    out = ok(run(chat, body)).out
+    chunks = [e for e in out[:-1] if e["choices"] and e["choices"][0]["delta"].get("content")]
+    counts = [e["usage"]["completion_tokens"] for e in chunks]
+    assert counts == sorted(counts) and counts[-1] <= 6 and counts[0] >= 1
+    assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + e["usage"]["completion_tokens"]
+               for e in chunks)
+    assert out[-2]["usage"]["completion_tokens"] == 6 and not out[-2]["choices"]
+    assert "".join(e["choices"][0]["delta"]["content"] for e in chunks) == base.text
+    plain = ok(run(chat, BASE | {"stream": True})).out
+    assert all("usage" not in e for e in plain[:-1])  # without it, no usage field at all
 
 
 @pytest.mark.parametrize("extra,param", [

@@ -215,6 +215,7 @@ class ChatService:
         # per choice, the text's tool-call blocks become tool_calls deltas (app/api/tools.py)
         calls = None if req.tools is None else [ToolCallStream(req.tools.names) for _ in range(req.params.n)]
         status, done, ended = 200, False, False
+        generated, prompt_tokens = 0, len(gen["input_ids"])  # continuous usage: the tokens streamed so far
         pending = "".join(event(stream_chunk(req, model, {"role": req.role, "content": ""}, index=i))
                           + (event(stream_chunk(req, model, {"content": req.echo}, index=i)) if req.echo else "")
                           for i in range(req.params.n))
@@ -231,8 +232,14 @@ class ChatService:
                     finish = finish and tool_calls_finish(finish, calls[i].calls)
                 if logprobs and not deltas:
                     deltas = [{"content": ""}]
+                generated += len(chunk.get("token_ids") or ())
+                running = None
+                if req.continuous_usage:
+                    running = {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                               "total_tokens": prompt_tokens + generated}
                 for k, delta in enumerate(deltas):  # the chunk's logprobs go with its first delta
-                    out += event(stream_chunk(req, model, delta, logprobs=None if k else logprobs, index=i))
+                    out += event(stream_chunk(req, model, delta, logprobs=None if k else logprobs, index=i,
+                                              usage_=running))
                 if finish:
                     answer.finish(chunk)
                     out += event(stream_chunk(req, model, {}, finish, index=i))

@@ -64,6 +64,7 @@ class ChatRequest:
     template: TemplateOptions = DEFAULT_TEMPLATE_OPTIONS  # how the chat template renders it
     role: str = "assistant"  # the answer's: the last message's without a generation prompt (as vLLM)
     echo: str | None = None  # `echo`: the last message's text, which the answer starts with
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     token_ids_as_text: bool = False  # `return_tokens_as_token_ids`: logprobs' tokens as "token_id:<id>"
 
 
@@ -268,7 +269,7 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int, tool_tags:
     role = "assistant" if template.add_generation_prompt else messages[-1]["role"]
     echo = _echo_text(messages[-1]) if _bool(body, "echo", False) and messages[-1]["role"] == role else None
     req = ChatRequest(messages, media, params, stream, bool(opts.get("include_usage")), model, tools,
-                      template=template, role=role, echo=echo,
+                      template=template, role=role, echo=echo, continuous_usage=opts.get("continuous_usage_stats") is True,
                       token_ids_as_text=_bool(body, "return_tokens_as_token_ids", False))
     request_id = body.get("request_id")
     if request_id is not None:  # as vLLM: the answer's id
@@ -327,15 +328,19 @@ def _structured(body: dict) -> str | None:
 
 
 def _stream_options(opts: dict, unknown: UnknownParameters) -> None:
-    """stream_options beyond include_usage: vLLM's continuous_usage_stats and OpenAI's include_obfuscation
-    are refused when they ask for something; other names are unknown ones."""
+    """stream_options beyond include_usage: vLLM's continuous_usage_stats (usage on every chunk, as
+    GuideLLM asks by default) is honoured; OpenAI's include_obfuscation is refused when it asks for
+    something; other names are unknown ones."""
     for key, value in opts.items():
         if key == "include_usage":
             continue
-        if key in ("continuous_usage_stats", "include_obfuscation"):
+        if key == "continuous_usage_stats":
+            if value is not None and not isinstance(value, bool):
+                raise ClientError("'stream_options.continuous_usage_stats' must be a boolean",
+                                  param="stream_options.continuous_usage_stats")
+        elif key == "include_obfuscation":
             if value not in (None, False):
-                raise unsupported(f"stream_options.{key}", "usage comes in the last chunk only; chunks carry no "
-                                  "obfuscation")
+                raise unsupported(f"stream_options.{key}", "chunks carry no obfuscation")
         else:
             unknown.report(f"stream_options.{key}")
 
