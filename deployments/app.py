@@ -25,6 +25,8 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from app.cluster import NodeResources, live_nodes, media_ceiling
+from app.cluster import replica_floor as nodes_replica_floor
 from app.config import AppConfig
 from app.model_builder import resolve_model
 from app.placement import Plan, llm_memory_share, plan
@@ -51,6 +53,13 @@ def node_gpus() -> list[int]:
     return [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")]
 
 
+def node_resources() -> list[NodeResources]:
+    """GPUs and CPUs of each live node ([] outside Ray): the Routers' and media replicas' floors follow them."""
+    import ray
+
+    return live_nodes(ray.nodes()) if ray.is_initialized() else []
+
+
 def cluster_resources() -> tuple[int, float]:
     """(GPUs, CPUs) of the Ray cluster this builder runs in; (0, 0) outside Ray."""
     import ray
@@ -67,16 +76,19 @@ def llm_request_router() -> RequestRouterConfig:
                                request_routing_stats_timeout_s=5 * ROUTING_STATS_PERIOD_S)
 
 
-def deployment_options(cfg: AppConfig, gpus: int, cpus: float, per_node: list[int] | None = None
-                       ) -> tuple[dict[str, dict], Plan]:
-    """`.options()` per deployment name, and the placement plan behind them (`per_node`: each node's GPUs)."""
+def deployment_options(cfg: AppConfig, gpus: int, cpus: float, per_node: list[int] | None = None,
+                       nodes: list[NodeResources] | None = None) -> tuple[dict[str, dict], Plan]:
+    """`.options()` per deployment name, and the placement plan behind them (`per_node`: each node's GPUs;
+    `nodes`: each node's GPUs and CPUs, default one node of `gpus` and `cpus`)."""
     p = cfg.placement
     pl = plan(p, gpus, per_node)
     ongoing = p.max_ongoing_requests
-    routers = replica_floor(p.router_replicas_per_gpu, gpus, cpus)
-    media = replica_floor(p.media_replicas_per_gpu, gpus, cpus)
-    # half the cluster's cores (one replica each); on GPUs at least twice the floor as well
-    media_max = max(1, int(cpus // 2), 2 * media if gpus > 0 else 1)
+    nodes = nodes or [NodeResources(gpus, cpus)]
+    # each node's floor from its own GPUs and cores, summed (app/cluster.py)
+    routers = nodes_replica_floor(p.router_replicas_per_gpu, nodes)
+    media = nodes_replica_floor(p.media_replicas_per_gpu, nodes)
+    # half of each node's cores (one replica each); on GPUs at least twice the floor as well
+    media_max = media_ceiling(nodes, media)
     opts = {
         "Router": {"max_ongoing_requests": ongoing, "ray_actor_options": {"num_cpus": p.router_num_cpus},
                    "autoscaling_config": {"min_replicas": routers, "max_replicas": max(4, 2 * routers),
@@ -114,9 +126,7 @@ def replica_floor(per_gpu: int, gpus: int, cpus: float) -> int:
     burst at once. Under load the Routers' Python threads, not the GPUs, capped two GPUs: two Routers
     served 1.31x one GPU, six 1.73x (benchmarks/RESULTS.md). Media costs about 12 ms of CPU per request:
     on four H200s four media replicas served 500.76 req/s (the GPUs 71-74% busy), twelve 764.88."""
-    if gpus <= 0:
-        return 1
-    return max(1, min(per_gpu * gpus, int(cpus // 4) if cpus else per_gpu * gpus))
+    return nodes_replica_floor(per_gpu, [NodeResources(gpus, cpus)])  # one node; app/cluster.py per node
 
 
 def dormant_encoder(opts: dict) -> dict:
@@ -134,7 +144,7 @@ def build_app(args: dict):
     gpus, cpus = cluster_resources()
     if cfg.warmup is None:  # on where there are GPUs to warm (app/warmup.py)
         cfg = cfg.model_copy(update={"warmup": gpus > 0})
-    opts, pl = deployment_options(cfg, gpus, cpus, node_gpus())
+    opts, pl = deployment_options(cfg, gpus, cpus, node_gpus(), node_resources())
     log.info("placement on %d GPUs: %s", gpus, pl.describe())
     config = cfg.model_dump()
     llm_config = cfg.model_copy(update={"llm": cfg.llm.model_copy(update={

@@ -98,8 +98,10 @@ class SharedPortServer:
 
         self.sock = listen_shared(host, port)
         self.counter = CountInFlight(app)
+        # log_config=None: uvicorn's default runs logging.config.dictConfig, which closes every handler the
+        # process has, Ray Serve's too, and the replica's log file went silent from here on
         config = uvicorn.Config(self.counter, lifespan="off", access_log=False, log_level="warning",
-                                timeout_keep_alive=30)
+                                timeout_keep_alive=30, log_config=None)
         self.server = uvicorn.Server(config)
         self.server.capture_signals = contextlib.nullcontext  # the replica's signals are Ray's
         self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))
