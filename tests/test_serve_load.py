@@ -131,3 +131,17 @@ def test_each_load_process_gets_bodies_in_proportion_to_its_concurrency():
     assert sorted(i for x in indices for i in x) == list(range(70))
     shares, indices = split_load(10, None, 3)  # a Poisson rate: equal shares
     assert shares == [None] * 3 and [len(x) for x in indices] == [4, 3, 3]
+
+
+def test_a_request_rate_is_never_queued_behind_a_connection_cap():
+    """Poisson arrivals: the client's pool has no limit (a cap of 64 made rate x latency queue in the
+    client and count as TTFT); a fixed concurrency keeps a pool twice its size."""
+    import asyncio
+
+    from benchmarks.serve import _session
+
+    async def limits():
+        async with _session("http://127.0.0.1:1", None, 1.0) as rate, _session("http://127.0.0.1:1", 100, 1.0) as c:
+            return rate.connector.limit, c.connector.limit
+
+    assert asyncio.run(limits()) == (0, 200)
