@@ -158,3 +158,25 @@ def self_signed(hostname: str, tmp_path) -> tuple[ssl.SSLContext, ssl.SSLContext
     server.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
     client = ssl.create_default_context(cafile=str(tmp_path / "cert.pem"))
     return server, client
+
+
+def serve_aiohttp(app):
+    """Serve an aiohttp `app` on a free port from its own event loop in a background thread: yields the
+    base URL, then stops the server (use with `yield from` in a pytest fixture)."""
+    import asyncio
+
+    from aiohttp import web
+
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

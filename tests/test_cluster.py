@@ -33,13 +33,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from cluster_harness import answers_health, local_cluster, metric_total, proxy_nodes, replica_nodes, wait_for
 from helpers import mp4_bytes, png_bytes
+from served import config_from_file
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parent.parent
 RESULTS = os.environ.get("CLUSTER_RESULTS")
 ARGS = {"model": "embedded:tiny",
         "encoder": {"min_budget": 64, "max_budget": 1024, "autotune": False},
@@ -58,21 +57,12 @@ SENTINEL_TOKENS = 1500
 
 def cluster_config(proxy_port: int, router_port: int, model_cache: str) -> dict:
     """serve_config.yaml with the test's args: two of each replica, at most one per node."""
-    conf = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    conf = config_from_file(proxy_port, ARGS | {"cache_dir": model_cache, "router_http_port": router_port},
+                            {name: ONE_PER_NODE for name in ("Router", "MediaPreprocessor", "LLM")})
     assert conf["proxy_location"] == "EveryNode"  # a proxy on each node: what this test enters through
-    conf["http_options"] = {"host": "127.0.0.1", "port": proxy_port}
-    app = conf["applications"][0]
-    for key, value in (ARGS | {"cache_dir": model_cache, "router_http_port": router_port}).items():
-        if isinstance(value, dict) and isinstance(app["args"].get(key), dict):
-            app["args"][key].update(value)
-        else:
-            app["args"][key] = value
-    by_name = {d["name"]: d for d in app["deployments"]}
-    for name in ("Router", "MediaPreprocessor"):
-        by_name[name]["autoscaling_config"].update({"min_replicas": 2, "max_replicas": 2})
-        by_name[name]["ray_actor_options"] = {"num_cpus": 0.25}
-    for name in ("Router", "MediaPreprocessor", "LLM"):
-        by_name[name].update(ONE_PER_NODE)
+    for d in conf["applications"][0]["deployments"]:
+        if d["name"] in ("Router", "MediaPreprocessor"):
+            d["autoscaling_config"].update({"min_replicas": 2, "max_replicas": 2})
     return conf
 
 

@@ -14,7 +14,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from benchmarks.goodput import (
 )
 from benchmarks.serve import Result
 from benchmarks.workloads import MixWorkload, arrival_times, describe
+from netfakes import serve_aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -303,22 +303,14 @@ class FakeServer:
 
 @pytest.fixture
 def fake():
-    server, loop = FakeServer(), asyncio.new_event_loop()
+    server = FakeServer()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", server.chat)
     app.router.add_get("/v1/llm/load", server.load)
     app.router.add_get("/health", server.health)
     app.router.add_get("/v1/models", server.health)
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield server, f"http://127.0.0.1:{runner.addresses[0][1]}"
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
+    for url in serve_aiohttp(app):
+        yield server, url
 
 
 def test_a_sweep_against_a_fake_server_finds_its_capacity(fake, tmp_path):

@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from benchmarks.serve import Workload, _from_each, run_load
+from netfakes import serve_aiohttp
 
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2}
 
@@ -49,21 +50,12 @@ class FakeServer:
 @pytest.fixture
 def server():
     """The fake on a free port, served by its own event loop in a background thread."""
-    fake, loop = FakeServer(), asyncio.new_event_loop()
+    fake = FakeServer()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", fake.chat)
     app.router.add_get("/v1/encoder/stats", fake.stats)
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
-    port = runner.addresses[0][1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield fake, f"http://127.0.0.1:{port}"
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
+    for url in serve_aiohttp(app):
+        yield fake, url
 
 
 def _load(url: str, n: int = 40, **kw):
