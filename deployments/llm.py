@@ -48,7 +48,9 @@ class LLM:
             engine_kw, self.followers = start_group(cfg, checkpoint)
         self.fused, self.streams = build_generation(cfg, checkpoint, fused, **engine_kw)
         self.warmup = None
-        if cfg.warmup if cfg.warmup is not None else self.streams.engine.device.type == "cuda":
+        # the builder resolves None from the cluster's GPUs; a replica built elsewhere decides by its device
+        warm = cfg.warmup if cfg.warmup is not None else self.streams.engine.device.type == "cuda"
+        if warm:
             from app.warmup import warm_llm_replica
 
             self.warmup = warm_llm_replica(cfg, checkpoint, self.fused or TextOnly(self.streams), fused)

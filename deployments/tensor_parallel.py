@@ -42,7 +42,6 @@ class LLMFollower:
 
     def __init__(self, config: dict, checkpoint: str, rv: Rendezvous, rank: int):
         from app.llm.engine import Engine
-        from app.vision.service import pick_device
 
         cfg = AppConfig(**config)
         tp, channel = _rank_setup(cfg, checkpoint, rv, rank)
