@@ -201,7 +201,7 @@ class LLMConfig(_Strict):
 
 
 class PlacementConfig(_Strict):
-    """Where replicas go (app/placement.py turns this and the cluster's GPU count into Ray options).
+    """Where replicas go (app/serving/placement.py turns this and the cluster's GPU count into Ray options).
 
     Policies: `colocate` puts one encoder and one LLM replica on every GPU; `fused` puts one LLM
     replica on every GPU with the vision tower inside it (the embeddings never leave the GPU; no
@@ -303,7 +303,7 @@ class AppConfig(_Strict):
         "chat template reads) is a 400 unsupported_parameter; false: it is ignored, logged once per name and "
         "counted in vlm_unknown_parameters_total")
     warmup: bool | None = Field(None, description="before a replica reports ready, it sends itself real requests "
-                                "through the real path (app/warmup.py: the LLM replica every sampling, log-probability, "
+                                "through the real path (app/serving/warmup.py: the LLM replica every sampling, log-probability, "
                                 "structured-output and, under fused, media path; a media replica each codec), so its "
                                 "first users meet compiled kernels; None: on with CUDA, off on the CPU")
 

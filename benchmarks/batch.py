@@ -94,7 +94,7 @@ def main() -> None:
     p.add_argument("--max-media-actors", type=int, default=0, help="default: --media-actors")
     p.add_argument("--encoder-wait-ms", type=float, default=20.0)
     p.add_argument("--placement", choices=["auto", "fused", "colocate"], default="auto",
-                   help="app.placement.policy (auto: fused on GPUs)")
+                   help="app.serving.placement.policy (auto: fused on GPUs)")
     p.add_argument("--llm-actors-per-gpu", type=int, default=0,
                    help="fused LLM actors sharing each GPU (default: the GPU preset's llm_replicas_per_gpu)")
     p.add_argument("--workdir", default="/tmp/vlm-batch-bench", help="requests, images and output")

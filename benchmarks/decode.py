@@ -40,7 +40,7 @@ def _port() -> int:
 
 def checkpoint_folder(preset: str, layers: int | None, root: Path) -> Path:
     """A config-only folder for the preset (weights come from `load_format: dummy`)."""
-    from app.model_builder import build_checkpoint, load_preset
+    from app.checkpoints.model_builder import build_checkpoint, load_preset
 
     out = root / f"{preset}-{layers or 'all'}"
     if (out / "vlm_serve_builder.json").is_file():
@@ -91,6 +91,30 @@ def requests(n: int, prompt: int, new: int, vocab: int, seed: int, avoid: tuple[
     return out
 
 
+def profile_decode(run, tokens: int) -> dict:
+    """Kernels of a decode phase from CUPTI (graph replays included): which kernels, how many per token,
+    and how much of the phase's wall time the GPU spent in kernels at all (the rest is gaps: launch
+    latency, host waits)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    rows = []
+    for e in prof.key_averages():
+        dev = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        if dev > 0:
+            rows.append({"name": e.key[:90], "calls": e.count, "total_ms": dev / 1e3,
+                         "per_token_us": dev / tokens, "calls_per_token": e.count / tokens})
+    rows.sort(key=lambda r: -r["total_ms"])
+    busy = sum(r["total_ms"] for r in rows)
+    return {"tokens": tokens, "wall_ms": wall * 1e3, "kernel_ms": busy, "kernel_share_of_wall": busy / (wall * 1e3),
+            "kernels_per_token": sum(r["calls"] for r in rows) / tokens, "top": rows[:40]}
+
+
 def rank_main(rank: int, a, path: str, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -133,6 +157,8 @@ def rank_main(rank: int, a, path: str, port: int, out: str) -> None:
     res["single_decode_tok_s"] = float(np.median([r["per_stream_decode_tok_s_median"] for r in singles]))
     res["concurrent"] = phase(a.streams, a.prompt, a.new)
     res["ttft_1000_ms"] = float(np.median([phase(1, 1000, 1)["ttft_ms_median"] for _ in range(5)]))
+    if a.profile:
+        res["profile"] = profile_decode(lambda: phase(a.profile, a.prompt, 64), a.profile * 64)
     host = engine.stats()["host_ms_median_by_batch"]
     res["host_ms_by_batch"] = {str(k): v for k, v in host.items() if k in (1, 16, 64)}
     if rank == 0:
@@ -158,6 +184,8 @@ def main() -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--cache", default=os.environ.get("VLM_SERVE_CACHE", "/tmp/vlm-serve-decode"))
     p.add_argument("--out", default="benchmarks/decode_results.json")
+    p.add_argument("--profile", type=int, default=0, metavar="STREAMS",
+                   help="also profile 64 decode steps of STREAMS streams with CUPTI (kernels per token, GPU share)")
     a = p.parse_args()
     path = str(checkpoint_folder(a.preset, a.layers, Path(a.cache)))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from app.checkpoints.model_builder import CLIP_MEAN, CLIP_STD, load_preset
 from app.media.preprocess import PatchSpec
-from app.model_builder import CLIP_MEAN, CLIP_STD, load_preset
 from app.vision.loading import vision_model_from_config
 
 # Qwen3-VL: 16-px patches, sides multiples of 32 (448 -> 28 x 28 patches; a 224^2 8-frame video is
@@ -158,7 +158,7 @@ def qwen_family(preset: str, dtype: torch.dtype, device: str) -> Family:
 
 
 def minicpmv_family(preset: str, dtype: torch.dtype, device: str) -> Family:
-    from app.minicpmv_builder import _random_vision
+    from app.checkpoints.minicpmv_builder import _random_vision
     from app.vision.minicpmv_tower import MiniCPMVTower
     from benchmarks.minicpmv_reference import PublishedStyleMiniCPMV, minicpmv_flops
 

@@ -40,12 +40,12 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.api.chat import ChatService  # noqa: E402
+from app.checkpoints.model_builder import resolve_model  # noqa: E402
 from app.config import AppConfig  # noqa: E402
-from app.fused import FusedBackend  # noqa: E402
 from app.llm.sequence import GenerationRequest  # noqa: E402
 from app.media.pipeline import MediaPipeline  # noqa: E402
 from app.media.spec import patch_spec_for  # noqa: E402
-from app.model_builder import resolve_model  # noqa: E402
+from app.serving.fused import FusedBackend  # noqa: E402
 from benchmarks.serve import Workload, deep_merge  # noqa: E402
 from benchmarks.stats import pct  # noqa: E402
 

@@ -37,7 +37,7 @@ One invocation, one app (`--start`: Ray and the application started here, as ben
    f x the first workload's goodput (or `--cold-rate`). Per second of arrival: requests, errors, TTFT
    p50/p99, completions. Then, on the now warm app, the same rate as a normal point: warm TTFT p99, and
    each second's ratio to it. (Replicas warm themselves before they report ready when the cluster has
-   GPUs: app/warmup.py, config `warmup`.) `--cold-first R` makes the first deploy itself a cold start at
+   GPUs: app/serving/warmup.py, config `warmup`.) `--cold-first R` makes the first deploy itself a cold start at
    R req/s (Ray started just before it): one deploy less.
 4. `--crosscheck guidellm`: our point and GuideLLM's Poisson profile at the goodput (or
    `--crosscheck-rate`), same request shape, GuideLLM's per-request timings read through `analyse`.

@@ -13,7 +13,7 @@ VARIANTS=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do VARIANTS+=("$1"); shift; done
 [ $# -gt 0 ] && shift
 MODEL=$(python3 -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['applications'][0]['args']['model'])" "$CONFIG")
-python3 -c "import sys; from app.model_builder import resolve_model; print('checkpoint', resolve_model(sys.argv[1], None))" "$MODEL" \
+python3 -c "import sys; from app.checkpoints.model_builder import resolve_model; print('checkpoint', resolve_model(sys.argv[1], None))" "$MODEL" \
   | tee "$OUT/checkpoint.txt"
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for v in "${VARIANTS[@]}"; do

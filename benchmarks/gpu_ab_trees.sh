@@ -14,7 +14,7 @@ source benchmarks/gpu_env.sh
 OLD=$1; CONFIG=$2; shift 2
 NEW=$PWD
 MODEL=$(python3 -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['applications'][0]['args']['model'])" "$CONFIG")
-python3 -c "import sys; from app.model_builder import resolve_model; print('checkpoint', resolve_model(sys.argv[1], None))" "$MODEL" \
+python3 -c "import sys; from app.checkpoints.model_builder import resolve_model; print('checkpoint', resolve_model(sys.argv[1], None))" "$MODEL" \
   | tee "$OUT/checkpoint.txt"
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for side in old new; do

@@ -37,7 +37,7 @@ T0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 NG=$(nvidia-smi -L | wc -l)
 # The config's embedded checkpoint is built once here (about 40 s on a fresh machine), not inside a stage's timing.
-python3 -c "import sys, yaml; from app.model_builder import resolve_model
+python3 -c "import sys, yaml; from app.checkpoints.model_builder import resolve_model
 a = yaml.safe_load(open(sys.argv[1]))['applications'][0]['args']; print('model at', resolve_model(a['model'], a.get('cache_dir')))" "$CONFIG"
 # shellcheck disable=SC2206
 WL=(${WORKLOADS:-image})

@@ -5,7 +5,7 @@
 #   RUNS="proxy:1 proxy:2 port:1 port:2" bash benchmarks/gpu_scaling.sh CONFIG [serve.py args ...]
 # e.g. ... configs/qwen3-vl-2b-gpu.yaml --workload image --concurrency 64 256 512 --num-requests 1024 --warmup 32
 # A run is PATH:GPUS. Port runs pin the Routers at ROUTERS_PER_GPU per GPU when it is set (otherwise
-# they autoscale: app.autoscaling.RouterAutoscalingPolicy counts the port's requests);
+# they autoscale: app.serving.autoscaling.RouterAutoscalingPolicy counts the port's requests);
 # MEDIA_PER_GPU, when set, sets the MediaPreprocessor's min_replicas to that many per GPU and its ceiling
 # as the builder does (every run); otherwise the builder's floor (placement.media_replicas_per_gpu) applies.
 # ROUTER_SAMPLE, when set, gives the LLM's LeastLoadedRouter that `sample` (replicas drawn per request;
@@ -17,7 +17,7 @@ source benchmarks/gpu_env.sh
 CONFIG=$1; shift
 # The config's embedded checkpoint is built once here: on a fresh machine that takes ~40 s, which the
 # first run's SERVE_TIMEOUT would otherwise have to cover.
-python3 -c "import sys, yaml; from app.model_builder import resolve_model
+python3 -c "import sys, yaml; from app.checkpoints.model_builder import resolve_model
 a = yaml.safe_load(open(sys.argv[1]))['applications'][0]['args']; print('model at', resolve_model(a['model'], a.get('cache_dir')))" "$CONFIG"
 for run in ${RUNS:-proxy:1 proxy:2 port:2}; do
   path=${run%%:*}; gpus=${run#*:}

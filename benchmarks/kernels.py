@@ -202,7 +202,7 @@ def mergers():
     from transformers import AutoConfig
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchMerger
 
-    from app.model_builder import load_preset
+    from app.checkpoints.model_builder import load_preset
 
     cfg = AutoConfig.for_model(**load_preset("qwen3-vl-8b")).vision_config
     mods = [Qwen3VLVisionPatchMerger(cfg, use_postshuffle_norm=i > 0).to(DEV, BF)

@@ -27,11 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.checkpoints.model_builder import build_tokenizer, load_preset  # noqa: E402
 from app.llm.async_engine import AsyncEngine  # noqa: E402
 from app.llm.engine import Engine  # noqa: E402
 from app.llm.sampling import SamplingParams  # noqa: E402
 from app.llm.sequence import GenerationRequest, VisionInput  # noqa: E402
-from app.model_builder import build_tokenizer, load_preset  # noqa: E402
 from benchmarks.stats import pct  # noqa: E402
 
 

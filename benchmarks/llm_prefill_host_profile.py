@@ -16,10 +16,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.checkpoints.model_builder import build_tokenizer, load_preset  # noqa: E402
 from app.llm.engine import Engine  # noqa: E402
 from app.llm.sampling import SamplingParams  # noqa: E402
 from app.llm.sequence import GenerationRequest  # noqa: E402
-from app.model_builder import build_tokenizer, load_preset  # noqa: E402
 
 
 def main() -> None:

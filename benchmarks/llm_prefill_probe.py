@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.checkpoints.model_builder import build_tokenizer, load_preset  # noqa: E402
 from app.llm.attention import AttentionMetadata, work_table  # noqa: E402
 from app.llm.engine import Engine  # noqa: E402
-from app.model_builder import build_tokenizer, load_preset  # noqa: E402
 from benchmarks.llm import Quiet, Reader, request, run_streams  # noqa: E402
 
 

@@ -21,8 +21,8 @@ from torch.nn.attention import sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.model_builder import ensure_embedded  # noqa: E402
-from app.sdpa_backends import UNCAPTURED  # noqa: E402
+from app.checkpoints.model_builder import ensure_embedded  # noqa: E402
+from app.gpu.sdpa_backends import UNCAPTURED  # noqa: E402
 
 
 def sync(device: str) -> None:

@@ -1,4 +1,4 @@
-"""A model of many routers sharing a stale view of the LLM replicas' load, to compare app.routing's
+"""A model of many routers sharing a stale view of the LLM replicas' load, to compare app.serving.routing's
 choices without GPUs: `python benchmarks/routing_model.py [--routers 12 --replicas 8 --clients 1024]`.
 
 Closed loop: each client sends a request, waits for its answer, pauses (`--think-ms`, the media stage)
@@ -6,7 +6,7 @@ and sends again, through router `client % routers`. Each replica batches continu
 takes `step_ms + per_seq_ms * running` and a request needs `--steps` of them (prefill, then decodes).
 Replicas report (running, waiting) every `--period-s`, at staggered times; each router also counts the
 requests it has in flight at each replica, as Ray's per-handle cache does. The routers score replicas
-with app.routing's own ReplicaLoad and `choose`, so the model runs the code that serves.
+with app.serving.routing's own ReplicaLoad and `choose`, so the model runs the code that serves.
 
 Printed per policy: requests per second and each replica's busy share. The step costs are rough fits to
 the 2B shape on an H200; the point is the gap between policies, not the figures.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.routing import ReplicaLoad, choose  # noqa: E402
+from app.serving.routing import ReplicaLoad, choose  # noqa: E402
 
 
 def simulate(sample: int, routers: int = 12, replicas: int = 8, clients: int = 1024, seconds: float = 12.0,

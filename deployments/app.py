@@ -9,7 +9,7 @@ The options set here are defaults. A config file's `deployments:` entry replaces
   with `min_replicas` = `max_replicas` (a bare `num_replicas` there is ignored while an
   `autoscaling_config` exists).
 - VisionEncoder and LLM get `num_replicas` and GPU shares from the placement policy
-  (app/placement.py); a config file may give either an `autoscaling_config` or a `num_replicas`.
+  (app/serving/placement.py); a config file may give either an `autoscaling_config` or a `num_replicas`.
   Listing `ray_actor_options` for them drops the builder's GPU shares.
 - Under `fused` the VisionEncoder deployment is still part of the application (so that a config file
   listing it stays valid) but runs no replica: the LLM replicas encode. Ray Serve refuses
@@ -25,11 +25,11 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from app.cluster import NodeResources, live_nodes, media_ceiling
-from app.cluster import replica_floor as nodes_replica_floor
+from app.checkpoints.model_builder import resolve_model
 from app.config import AppConfig
-from app.model_builder import resolve_model
-from app.placement import Plan, llm_memory_share, plan
+from app.serving.cluster import NodeResources, live_nodes, media_ceiling
+from app.serving.cluster import replica_floor as nodes_replica_floor
+from app.serving.placement import Plan, llm_memory_share, plan
 
 from .encoder import VisionEncoder
 from .llm import LLM
@@ -40,7 +40,7 @@ log = logging.getLogger("ray.serve")
 
 LLM_REQUEST_ROUTER = "deployments.routing:LeastLoadedRouter"
 # counts the requests on the Routers' own port as well (router_http_port); Serve's rule otherwise
-ROUTER_AUTOSCALING_POLICY = "app.autoscaling:RouterAutoscalingPolicy"
+ROUTER_AUTOSCALING_POLICY = "app.serving.autoscaling:RouterAutoscalingPolicy"
 ROUTING_STATS_PERIOD_S = 1.0  # how fresh the LLM replicas' load reports are (Ray's default: 10 s)
 
 
@@ -84,7 +84,7 @@ def deployment_options(cfg: AppConfig, gpus: int, cpus: float, per_node: list[in
     pl = plan(p, gpus, per_node)
     ongoing = p.max_ongoing_requests
     nodes = nodes or [NodeResources(gpus, cpus)]
-    # each node's floor from its own GPUs and cores, summed (app/cluster.py)
+    # each node's floor from its own GPUs and cores, summed (app/serving/cluster.py)
     routers = nodes_replica_floor(p.router_replicas_per_gpu, nodes)
     media = nodes_replica_floor(p.media_replicas_per_gpu, nodes)
     # half of each node's cores (one replica each); on GPUs at least twice the floor as well
@@ -126,7 +126,7 @@ def replica_floor(per_gpu: int, gpus: int, cpus: float) -> int:
     burst at once. Under load the Routers' Python threads, not the GPUs, capped two GPUs: two Routers
     served 1.31x one GPU, six 1.73x (benchmarks/RESULTS.md). Media costs about 12 ms of CPU per request:
     on four H200s four media replicas served 500.76 req/s (the GPUs 71-74% busy), twelve 764.88."""
-    return nodes_replica_floor(per_gpu, [NodeResources(gpus, cpus)])  # one node; app/cluster.py per node
+    return nodes_replica_floor(per_gpu, [NodeResources(gpus, cpus)])  # one node; app/serving/cluster.py per node
 
 
 def dormant_encoder(opts: dict) -> dict:
@@ -142,7 +142,7 @@ def build_app(args: dict):
         raise ValueError(f"invalid application config:\n{e}") from None
     resolve_model(cfg.model, cfg.cache_dir)  # fail fast, and build an embedded checkpoint once, here
     gpus, cpus = cluster_resources()
-    if cfg.warmup is None:  # on where there are GPUs to warm (app/warmup.py)
+    if cfg.warmup is None:  # on where there are GPUs to warm (app/serving/warmup.py)
         cfg = cfg.model_copy(update={"warmup": gpus > 0})
     opts, pl = deployment_options(cfg, gpus, cpus, node_gpus(), node_resources())
     log.info("placement on %d GPUs: %s", gpus, pl.describe())

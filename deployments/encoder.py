@@ -8,9 +8,9 @@ import os
 import ray
 from ray import serve
 
+from app.checkpoints.model_builder import resolve_model
 from app.config import AppConfig
-from app.model_builder import resolve_model
-from app.placement import pinned_gpu
+from app.serving.placement import pinned_gpu
 
 from .logs import route_app_logs
 from .metrics import EncoderMetrics

@@ -3,7 +3,7 @@
 The engine runs on its own thread; `AsyncEngine` hands each step's tokens to this replica's event
 loop in one call and turns them into (coalesced) text chunks there (app/llm/async_engine.py).
 Under the `fused` placement the replica also holds the vision tower and encodes its requests' media
-itself, the embeddings staying on the GPU (app/fused.py): the Router calls `generate_from_media`.
+itself, the embeddings staying on the GPU (app/serving/fused.py): the Router calls `generate_from_media`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from dataclasses import asdict
 
 from ray import serve
 
+from app.checkpoints.model_builder import resolve_model
 from app.config import AppConfig
-from app.fused import build_generation
 from app.llm.sequence import GenerationRequest
-from app.model_builder import resolve_model
+from app.serving.fused import build_generation
 
 from .logs import route_app_logs
 from .metrics import EncoderMetrics, LLMMetrics
@@ -51,7 +51,7 @@ class LLM:
         # the builder resolves None from the cluster's GPUs; a replica built elsewhere decides by its device
         warm = cfg.warmup if cfg.warmup is not None else self.streams.engine.device.type == "cuda"
         if warm:
-            from app.warmup import warm_llm_replica
+            from app.serving.warmup import warm_llm_replica
 
             self.warmup = warm_llm_replica(cfg, checkpoint, self.fused or TextOnly(self.streams), fused)
         self.engine = self.streams.engine
@@ -103,7 +103,7 @@ class LLM:
 
     def record_autoscaling_stats(self) -> dict:
         """Custom autoscaling metrics (numbers only), pushed to the controller with the replica's
-        request counts; app.autoscaling.LLMAutoscalingPolicy reads `kv_usage`."""
+        request counts; app.serving.autoscaling.LLMAutoscalingPolicy reads `kv_usage`."""
         return self._load()
 
     def _load(self) -> dict:

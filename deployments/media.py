@@ -13,12 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
 
+from app.checkpoints.model_builder import resolve_model
 from app.config import AppConfig
 from app.media.pipeline import MediaPipeline, PreparedItem
 from app.media.ref import MediaRef
 from app.media.spec import patch_spec_for
 from app.media.workers import SharedSlots
-from app.model_builder import resolve_model
 
 from .logs import route_app_logs
 
@@ -33,7 +33,7 @@ class MediaPreprocessor:
         self.pipeline = MediaPipeline(cfg.media, spec, pool)
         self.slots = SharedSlots(pool)
         if cfg.warmup:  # the builder resolves None: on where the cluster has GPUs
-            from app.warmup import warm_media
+            from app.serving.warmup import warm_media
 
             warm_media(self.pipeline)
 

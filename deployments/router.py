@@ -25,16 +25,16 @@ from app.api.chat import ChatService, unwrap_client_error
 from app.api.retry import RetryPolicy
 from app.api.shared_port import SCOPE_KEY as SHARED_PORT_SCOPE
 from app.api.shared_port import SharedPortServer, unless_client_leaves
-from app.cluster import node_router_port
+from app.checkpoints.model_builder import resolve_model
 from app.config import AppConfig
 from app.errors import ClientError
 from app.media.adaptive import AdaptiveMedia, CountingPool
 from app.media.pipeline import MediaPipeline
 from app.media.remote import RemoteMedia
 from app.media.spec import patch_spec_for
-from app.model_builder import resolve_model
-from app.readiness import ReadinessProbe, serve_replica_states
-from app.replica_stats import merge_encoder_stats, merge_llm_loads
+from app.serving.cluster import node_router_port
+from app.serving.readiness import ReadinessProbe, serve_replica_states
+from app.serving.replica_stats import merge_encoder_stats, merge_llm_loads
 
 from .logs import route_app_logs
 from .metrics import RouterMetrics
@@ -121,7 +121,7 @@ class Router:
         self.encoder, self.llm, self.fused = encoder, llm, fused
         self.direct = None
         if self.cfg.router_http_port:
-            # a node may give its Routers a port of its own (app/cluster.py: several nodes on one host)
+            # a node may give its Routers a port of its own (app/serving/cluster.py: several nodes on one host)
             self.direct = SharedPortServer(api, self.cfg.router_http_host, node_router_port(self.cfg.router_http_port))
             await self.direct.started()
 
@@ -136,12 +136,12 @@ class Router:
 
     def record_autoscaling_stats(self) -> dict:
         """Custom autoscaling metrics: requests in flight on the shared port, which Ray Serve does not
-        count (app.autoscaling.RouterAutoscalingPolicy adds them to its own count)."""
+        count (app.serving.autoscaling.RouterAutoscalingPolicy adds them to its own count)."""
         return {"direct_ongoing": self.direct.ongoing if self.direct is not None else 0}
 
     @api.get("/health")
     async def health(self):
-        """200 once every deployment with replicas has one running (app/readiness.py), else 503."""
+        """200 once every deployment with replicas has one running (app/serving/readiness.py), else 503."""
         ready, deployments = await asyncio.to_thread(self.readiness)
         if ready:
             return {"status": "ok"}

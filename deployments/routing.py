@@ -1,10 +1,10 @@
 """LeastLoadedRouter: Ray Serve request router for the LLM deployment (`request_router_config`).
 
 Ray Serve's default router probes two random replicas and takes the one with fewer requests in
-flight. This one scores replicas by app.routing's score: requests in flight as the calling handle
+flight. This one scores replicas by app.serving.routing's score: requests in flight as the calling handle
 knows them (Ray's queue-length cache), plus the engine's own report (`record_routing_stats` in
 deployments/llm.py: running, waiting, KV use), and takes the less loaded of two drawn at random
-(`app.routing.choose`: a stale report shared by every router made them all pick the same replica).
+(`app.serving.routing.choose`: a stale report shared by every router made them all pick the same replica).
 Ranks are returned one replica each: Ray sends the request to the first that has room
 (`max_ongoing_requests`), probing replicas whose queue length it does not know.
 """
@@ -15,7 +15,7 @@ import logging
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from app.routing import DEFAULT_KV_WEIGHT, DEFAULT_SAMPLE, DEFAULT_WAITING_WEIGHT, ReplicaLoad, choose
+from app.serving.routing import DEFAULT_KV_WEIGHT, DEFAULT_SAMPLE, DEFAULT_WAITING_WEIGHT, ReplicaLoad, choose
 
 log = logging.getLogger("ray.serve")
 

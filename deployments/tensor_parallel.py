@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from app.config import AppConfig
 from app.llm.loader import resolve_dtype
 from app.llm.spec import TextSpec
-from app.tensor_parallel import Rendezvous, free_address, join
+from app.serving.tensor_parallel import Rendezvous, free_address, join
 from app.vision.service import pick_device
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ Several nodes on one host share its address, so each node gets ports of its own,
 environment its processes start with:
 - Ray Serve's HTTP proxy on a worker node binds `RAY_SERVE_WORKER_PROXY_HTTP_PORT` (the head's binds
   `http_options.port`);
-- the Routers' own port (`router_http_port`) on each node is `VLM_ROUTER_HTTP_PORT` (app/cluster.py).
+- the Routers' own port (`router_http_port`) on each node is `VLM_ROUTER_HTTP_PORT` (app/serving/cluster.py).
 On a real cluster every node has its own address and uses the configured ports.
 
 The cluster lives in a temporary directory of its own (`RAY_TMPDIR`), so the address file Ray writes

@@ -14,7 +14,7 @@ def model_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(model_cache):
-    from app.model_builder import ensure_embedded
+    from app.checkpoints.model_builder import ensure_embedded
 
     return ensure_embedded("tiny", model_cache)
 

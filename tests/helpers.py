@@ -117,9 +117,9 @@ def local_chat(cfg, checkpoint, backend=None):
 
     from app.api.chat import ChatService
     from app.llm.engine import Engine
-    from app.local_backend import LocalBackend
     from app.media.pipeline import MediaPipeline
     from app.media.spec import patch_spec_for
+    from app.serving.local_backend import LocalBackend
     from app.vision.service import EncoderService
 
     if backend is None:

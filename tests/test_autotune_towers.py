@@ -73,7 +73,7 @@ def script_timer(mgr: GraphManager, ms) -> list[tuple]:
 
 @pytest.fixture(scope="module", params=list(PRESETS))
 def tower(request, model_cache):
-    from app.model_builder import ensure_embedded
+    from app.checkpoints.model_builder import ensure_embedded
     from app.vision.loading import build_tower
 
     t = build_tower(ensure_embedded(request.param, model_cache), torch.float32)

@@ -1,4 +1,4 @@
-"""app/capture.py: Python's garbage collection paused while a CUDA graph is captured."""
+"""app/gpu/capture.py: Python's garbage collection paused while a CUDA graph is captured."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.capture import collection_paused
+from app.gpu.capture import collection_paused
 
 
 def test_collection_is_paused_in_the_block_and_restored_after():

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.minicpmv_builder import MINICPMV_CHAT_TEMPLATE, MINICPMV_TOKENS
-from app.model_builder import QWEN_FAMILIES, SPECIAL_TOKENS, build_checkpoint, build_tokenizer
+from app.checkpoints.minicpmv_builder import MINICPMV_CHAT_TEMPLATE, MINICPMV_TOKENS
+from app.checkpoints.model_builder import QWEN_FAMILIES, SPECIAL_TOKENS, build_checkpoint, build_tokenizer
 
 FAMILIES = ("qwen3_vl", "qwen2_5_vl", "minicpmv")
 

@@ -86,8 +86,8 @@ def bodies(max_tokens: int = 6) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference(model_cache):
     """The one-process answers (helpers.local_chat) of `bodies()` and `bodies(LOAD_TOKENS)`, by index."""
+    from app.checkpoints.model_builder import resolve_model
     from app.config import AppConfig
-    from app.model_builder import resolve_model
     from helpers import local_chat
 
     cfg = AppConfig(**(ARGS | {"cache_dir": model_cache}))

@@ -135,8 +135,8 @@ def check_every_row_once(out: Path, ids: set[str]) -> dict:
 
 
 def reference_texts(model_cache: str, rows: list[int]) -> dict[int, str]:
+    from app.checkpoints.model_builder import resolve_model
     from app.config import AppConfig
-    from app.model_builder import resolve_model
     from helpers import local_chat
 
     cfg = AppConfig(**(APP | {"cache_dir": model_cache}))

@@ -1,4 +1,4 @@
-"""Replica counts on a cluster of several nodes follow each node's own GPUs and cores (app/cluster.py), not
+"""Replica counts on a cluster of several nodes follow each node's own GPUs and cores (app/serving/cluster.py), not
 the cluster's totals divided evenly; pure functions over per-node resources, no Ray."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import itertools
 
 import pytest
 
-from app.cluster import (
+from app.config import AppConfig
+from app.serving.cluster import (
     NodeResources,
     live_nodes,
     llm_replicas_per_node,
@@ -16,8 +17,7 @@ from app.cluster import (
     per_node_floors,
     replica_floor,
 )
-from app.config import AppConfig
-from app.placement import plan
+from app.serving.placement import plan
 
 N = NodeResources
 

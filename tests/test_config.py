@@ -150,7 +150,7 @@ def test_a_config_files_media_autoscaling_replaces_the_builders():
     ({"policy": "fused", "llm_replicas_per_gpu": 2}, 0, ("fused", 0, 0.0, 1, 0.0, False)),  # no GPU to share
 ])
 def test_placement_plans(placement, gpus, want):
-    from app.placement import plan
+    from app.serving.placement import plan
 
     p = plan(AppConfig(placement=placement).placement, gpus)
     assert (p.policy, p.encoder_replicas, p.encoder_num_gpus, p.llm_replicas, p.llm_num_gpus,
@@ -165,14 +165,14 @@ def test_placement_plans(placement, gpus, want):
     ({"policy": "fused", "encoder_num_gpus": 0.5}, 0, "runs no encoder replicas"),
 ])
 def test_impossible_placements_name_themselves(placement, gpus, match):
-    from app.placement import plan
+    from app.serving.placement import plan
 
     with pytest.raises(ValueError, match=match):
         plan(AppConfig(placement=placement).placement, gpus)
 
 
 def test_llm_replicas_sharing_a_gpu_split_its_kv_budget():
-    from app.placement import llm_memory_share, plan
+    from app.serving.placement import llm_memory_share, plan
 
     def share(placement, gpus):
         return llm_memory_share(0.9, plan(AppConfig(placement=placement).placement, gpus).llm_num_gpus)
@@ -184,7 +184,7 @@ def test_llm_replicas_sharing_a_gpu_split_its_kv_budget():
 
 
 def test_pinned_gpu_takes_the_node_gpus_in_turn_by_rank():
-    from app.placement import pinned_gpu
+    from app.serving.placement import pinned_gpu
 
     assert [pinned_gpu(r, 2, None) for r in range(4)] == ["0", "1", "0", "1"]
     assert [pinned_gpu(r, 4, "2,3") for r in range(3)] == ["2", "3", "2"]  # what the process was given
@@ -227,6 +227,6 @@ def test_gpu_presets_validate(name):
 
     opts, _ = deployment_options(cfg, 2, 32)
     scaling = opts["Router"]["autoscaling_config"]
-    assert scaling["policy"]["policy_function"] == "app.autoscaling:RouterAutoscalingPolicy"
+    assert scaling["policy"]["policy_function"] == "app.serving.autoscaling:RouterAutoscalingPolicy"
     assert scaling["min_replicas"] == 6
     assert opts["MediaPreprocessor"]["autoscaling_config"]["min_replicas"] == 8

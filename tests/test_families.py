@@ -19,7 +19,7 @@ from app.media.spec import patch_spec_for
 
 @pytest.fixture(scope="module")
 def tiny_qwen25(model_cache):
-    from app.model_builder import ensure_embedded
+    from app.checkpoints.model_builder import ensure_embedded
 
     return ensure_embedded("tiny-qwen2.5-vl", model_cache)
 

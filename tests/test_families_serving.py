@@ -38,9 +38,9 @@ def served(request, model_cache):
     openai = pytest.importorskip("openai")
     from ray import serve
 
+    from app.checkpoints.model_builder import resolve_model
     from app.config import AppConfig
     from app.media.spec import patch_spec_for
-    from app.model_builder import resolve_model
     from deployments.app import build_app
     from helpers import local_chat
 

@@ -78,7 +78,7 @@ def test_fused_backend_batches_concurrent_requests_and_answers_as_the_reference(
     the GPU; the answers still equal the CPU reference's."""
     import torch
 
-    from app.fused import FusedBackend
+    from app.serving.fused import FusedBackend
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -120,7 +120,7 @@ def test_the_fused_encoder_waits_longer_only_while_the_engine_has_a_backlog(tiny
     """`encoder.backlog_wait_ms`: the tower's batcher asks the engine whether requests wait for a slot
     (Engine.short_of_room). Off by default; on, the answers are unchanged and the engine's own
     scheduling state is what it reads."""
-    from app.fused import FusedBackend
+    from app.serving.fused import FusedBackend
 
     off = FusedBackend.build(fp32_config(tiny_checkpoint, "cpu"), str(tiny_checkpoint))
     try:
@@ -149,7 +149,7 @@ def test_the_fused_tower_hands_over_only_finished_embeddings(tiny_checkpoint, re
     hand-off before the tower's stream has made them would read unwritten memory.)"""
     import torch
 
-    from app.fused import FusedBackend
+    from app.serving.fused import FusedBackend
     from app.vision.graphs import VisionItem
 
     if not torch.cuda.is_available():
@@ -186,7 +186,7 @@ def test_the_fused_tower_hands_over_only_finished_embeddings(tiny_checkpoint, re
 def test_a_request_the_engine_would_refuse_is_refused_before_its_media_is_encoded(tiny_checkpoint):
     from app.config import AppConfig
     from app.errors import ClientError
-    from app.fused import FusedBackend
+    from app.serving.fused import FusedBackend
 
     cfg = AppConfig(**ARGS | {"model": str(tiny_checkpoint), "llm": {"max_waiting": 0}})
     fused = FusedBackend.build(cfg, str(tiny_checkpoint))

@@ -122,8 +122,8 @@ def test_llm_replicas_ask_for_gpus_before_any_gpu_pod_joins():
     """The builder runs once the head is up; with no GPU in the cluster yet it must still give the LLM
     replicas a GPU each (fused), so that pending replicas make the autoscaler add GPU pods."""
     pytest.importorskip("ray")
-    from app.cluster import NodeResources
     from app.config import AppConfig
+    from app.serving.cluster import NodeResources
     from deployments.app import deployment_options
 
     args = serve_config()["applications"][0]["args"]

@@ -154,10 +154,10 @@ def test_the_in_process_pipeline_equals_transformers_generate_on_the_processors_
 
     from app.api.chat import ChatService
     from app.config import AppConfig
-    from app.local_backend import LocalBackend
     from app.media.decode import decode_image, decode_video
     from app.media.pipeline import MediaPipeline
     from app.media.preprocess import preprocess_image, preprocess_video
+    from app.serving.local_backend import LocalBackend
     from app.vision.service import EncoderService
     from helpers import mp4_bytes, png_bytes
 

@@ -592,9 +592,9 @@ def test_2b_shape_greedy_equals_transformers_generate_in_bf16():
 
     from transformers import AutoConfig, Qwen3VLForConditionalGeneration
 
+    from app.checkpoints.model_builder import build_tokenizer, load_preset
     from app.llm.sampling import SamplingParams
     from app.llm.sequence import GenerationRequest
-    from app.model_builder import build_tokenizer, load_preset
 
     cfg = AutoConfig.for_model(**load_preset("qwen3-vl-2b"))
     cfg.text_config._attn_implementation = "sdpa"

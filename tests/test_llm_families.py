@@ -37,7 +37,7 @@ def _run(engine: Engine, req: GenerationRequest) -> list[int]:
 def qwen25(model_cache):
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-    from app.model_builder import ensure_embedded
+    from app.checkpoints.model_builder import ensure_embedded
 
     path = ensure_embedded("tiny-qwen2.5-vl", model_cache)
     ref = Qwen2_5_VLForConditionalGeneration.from_pretrained(path).eval()
@@ -184,8 +184,8 @@ def test_qwen25_text_spec_reads_the_saved_names(qwen25):
 def minicpmv(model_cache):
     from transformers import AutoTokenizer
 
-    from app.minicpmv_builder import _text_model
-    from app.model_builder import ensure_embedded
+    from app.checkpoints.minicpmv_builder import _text_model
+    from app.checkpoints.model_builder import ensure_embedded
     from app.vision.graphs import GraphManager, GraphSettings
     from app.vision.loading import build_tower, read_tensors
 

@@ -15,9 +15,9 @@ from helpers import make_request, ours, reference_generate
 def moe_world(model_cache):
     from transformers import AutoTokenizer, Qwen3VLMoeForConditionalGeneration
 
+    from app.checkpoints.model_builder import ensure_embedded
     from app.llm.engine import Engine
     from app.media.spec import patch_spec_for
-    from app.model_builder import ensure_embedded
     from app.vision.graphs import GraphManager, GraphSettings
     from app.vision.loading import build_tower
 
@@ -159,10 +159,10 @@ def test_a_config_only_checkpoint_serves_with_dummy_weights(tmp_path):
     30B and 235B shapes are built) serves an image request end to end: tower and LLM made on the device."""
     import asyncio
 
+    from app.checkpoints.model_builder import build_checkpoint
     from app.config import AppConfig
-    from app.fused import FusedBackend
     from app.media.synthetic import image_bytes
-    from app.model_builder import build_checkpoint
+    from app.serving.fused import FusedBackend
     from helpers import local_chat
 
     path = build_checkpoint(tmp_path / "moe", "tiny-qwen3-vl-moe", with_weights=False)

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.minicpmv_builder import _random_vision
-from app.model_builder import load_preset
+from app.checkpoints.minicpmv_builder import _random_vision
+from app.checkpoints.model_builder import load_preset
 from benchmarks.encoder_families import minicpmv_grids
 from benchmarks.minicpmv_reference import PublishedStyleMiniCPMV
 

@@ -131,7 +131,7 @@ class Reference(nn.Module):
 # ---------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def tiny_minicpmv(model_cache):
-    from app.model_builder import ensure_embedded
+    from app.checkpoints.model_builder import ensure_embedded
 
     return ensure_embedded("tiny-minicpm-v-4.5", model_cache)
 
@@ -155,8 +155,8 @@ def _gpu_vision():
     """MiniCPM-V-4.5's vision side with random weights on the GPU, and its config (skips without CUDA)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from app.minicpmv_builder import _random_vision
-    from app.model_builder import load_preset
+    from app.checkpoints.minicpmv_builder import _random_vision
+    from app.checkpoints.model_builder import load_preset
 
     config = load_preset("minicpm-v-4.5")
     return config, _random_vision(config, seed=0).cuda()
@@ -344,7 +344,7 @@ def test_weights_load_by_published_names(tiny_minicpmv, tmp_path):
 
 
 def test_a_random_model_has_the_published_parameter_names():
-    from app.model_builder import load_preset
+    from app.checkpoints.model_builder import load_preset
 
     names = set(MiniCPMVision(load_preset("tiny-minicpm-v-4.5")).state_dict())
     for n in ("vpm.embeddings.patch_embedding.weight", "vpm.embeddings.position_embedding.weight",

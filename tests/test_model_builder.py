@@ -3,7 +3,13 @@ import json
 import pytest
 import torch
 
-from app.model_builder import SPECIAL_TOKENS, build_checkpoint, load_preset, preset_names, resolve_model
+from app.checkpoints.model_builder import (
+    SPECIAL_TOKENS,
+    build_checkpoint,
+    load_preset,
+    preset_names,
+    resolve_model,
+)
 
 
 def test_tiny_checkpoint_loads_through_from_pretrained(tiny_checkpoint):
@@ -94,9 +100,9 @@ def test_qwen25_presets_have_the_published_shapes(tmp_path):
 def test_tiny_qwen25_checkpoint_loads_with_its_processor_settings_and_template(model_cache):
     from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
+    from app.checkpoints.model_builder import CLIP_MEAN, CLIP_STD, ensure_embedded
     from app.media.preprocess import PatchSpec
     from app.media.spec import patch_spec_for
-    from app.model_builder import CLIP_MEAN, CLIP_STD, ensure_embedded
 
     path = ensure_embedded("tiny-qwen2.5-vl", model_cache)
     cfg, tok = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)

@@ -31,7 +31,7 @@ BF16_TOL = 2e-2  # GPU, bfloat16 tower against the float32 reference (module doc
 
 @pytest.fixture(scope="module")
 def tiny_qwen25(model_cache):
-    from app.model_builder import ensure_embedded
+    from app.checkpoints.model_builder import ensure_embedded
 
     return ensure_embedded("tiny-qwen2.5-vl", model_cache)
 
@@ -58,7 +58,7 @@ def gpu_harness():
         pytest.skip("needs CUDA")
     from transformers import AutoConfig
 
-    from app.model_builder import PRESET_DIR
+    from app.checkpoints.model_builder import PRESET_DIR
     from app.vision.loading import vision_model_from_config
 
     cfg = AutoConfig.for_model(**json.loads((PRESET_DIR / "qwen2.5-vl-3b.json").read_text()))
@@ -78,7 +78,7 @@ def gpu32_harness():
         pytest.skip("needs CUDA")
     from transformers import AutoConfig
 
-    from app.model_builder import PRESET_DIR
+    from app.checkpoints.model_builder import PRESET_DIR
     from app.vision.loading import vision_model_from_config
 
     cfg = AutoConfig.for_model(**json.loads((PRESET_DIR / "qwen2.5-vl-3b.json").read_text()))

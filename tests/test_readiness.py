@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.readiness import ReadinessProbe, deployments_ready
+from app.serving.readiness import ReadinessProbe, deployments_ready
 
 
 def test_ready_only_when_every_deployment_with_replicas_has_one_running():

@@ -1,7 +1,7 @@
 """The Routers scale on the requests that come in on their own shared port (router_http_port), which
 never pass through Ray Serve: started from serve_config.yaml as `serve run` starts it, on the CPU. Each
 Router reports its port's requests in flight (`record_autoscaling_stats`) and
-app.autoscaling:RouterAutoscalingPolicy adds them to Serve's count; with Serve's own policy the Routers
+app.serving.autoscaling:RouterAutoscalingPolicy adds them to Serve's count; with Serve's own policy the Routers
 would see no load at all here and stay at one replica."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ PORT, DIRECT_PORT = 8785, 8786
 ROOT = Path(__file__).resolve().parent.parent
 ROUTER_AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0,
                       "downscale_delay_s": 2, "look_back_period_s": 2, "metrics_interval_s": 0.5,
-                      "policy": {"policy_function": "app.autoscaling:RouterAutoscalingPolicy"}}
+                      "policy": {"policy_function": "app.serving.autoscaling:RouterAutoscalingPolicy"}}
 
 
 def port_config(model_cache: str) -> dict:

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from app.replica_stats import merge_encoder_stats, merge_llm_loads
-from app.routing import ReplicaLoad, choose, rank
+from app.serving.replica_stats import merge_encoder_stats, merge_llm_loads
+from app.serving.routing import ReplicaLoad, choose, rank
 
 
 def test_fewest_requests_in_flight_wins():
@@ -93,7 +93,7 @@ def _context(replicas: int, requests: float, kv: dict, target_requests: float = 
 
 
 def test_llm_policy_scales_on_requests_or_on_kv_use_whichever_asks_more():
-    from app.autoscaling import LLMAutoscalingPolicy
+    from app.serving.autoscaling import LLMAutoscalingPolicy
 
     policy = LLMAutoscalingPolicy(target_kv_usage=0.8)
     # 12 requests over 2 replicas, target 4 each: 3 replicas; KV half used: 1.25
@@ -107,7 +107,7 @@ def test_llm_policy_scales_on_requests_or_on_kv_use_whichever_asks_more():
 
 
 def test_router_policy_counts_the_requests_on_the_routers_own_port():
-    from app.autoscaling import RouterAutoscalingPolicy
+    from app.serving.autoscaling import RouterAutoscalingPolicy
 
     policy = RouterAutoscalingPolicy()
     # Serve counted 40 requests over 2 Routers, the shared port took 90 more: 130 / target 64 = 2.03 Routers

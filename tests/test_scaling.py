@@ -26,7 +26,7 @@ FAST_METRICS = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
                 "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
 LLM_AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0,
                    "downscale_delay_s": 2, "look_back_period_s": 2, "metrics_interval_s": 0.5,
-                   "policy": {"policy_function": "app.autoscaling:LLMAutoscalingPolicy",
+                   "policy": {"policy_function": "app.serving.autoscaling:LLMAutoscalingPolicy",
                               "policy_kwargs": {"target_kv_usage": 0.8}}}
 
 
@@ -85,7 +85,7 @@ def test_the_config_files_deployment_options_are_honoured(served):
     llm = deployments["LLM"]["deployment_config"]
     # listed in the file: replaces the builder's fixed replica count
     assert llm["autoscaling_config"]["max_replicas"] == 2
-    assert llm["autoscaling_config"]["policy"]["policy_function"] == "app.autoscaling:LLMAutoscalingPolicy"
+    assert llm["autoscaling_config"]["policy"]["policy_function"] == "app.serving.autoscaling:LLMAutoscalingPolicy"
     # not listed: the builder's values stay (its request router, its CPU share)
     assert llm["request_router_config"]["request_router_class"] == "deployments.routing:LeastLoadedRouter"
     opts = dict(llm["ray_actor_options"])

@@ -48,9 +48,9 @@ def _prefill_logits(model, seed: int = 0) -> torch.Tensor:
 def _rank(rank: int, size: int, port: int, cache: str, out: str) -> None:
     import torch.distributed as dist
 
+    from app.checkpoints.model_builder import ensure_embedded
     from app.llm.loader import load_checkpoint
     from app.llm.parallel import TensorParallel
-    from app.model_builder import ensure_embedded
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
@@ -68,8 +68,8 @@ def _rank(rank: int, size: int, port: int, cache: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def single_rank(model_cache):
+    from app.checkpoints.model_builder import ensure_embedded
     from app.llm.loader import load_checkpoint
-    from app.model_builder import ensure_embedded
 
     out = {}
     for preset, moe in CASES:
@@ -110,9 +110,9 @@ def test_shares_follow_the_heads_units_and_vocabulary():
 def _gpu_rank(rank: int, size: int, port: int, cache: str, out: str) -> None:
     import torch.distributed as dist
 
+    from app.checkpoints.model_builder import ensure_embedded
     from app.llm.loader import load_checkpoint
     from app.llm.parallel import TensorParallel
-    from app.model_builder import ensure_embedded
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
@@ -158,8 +158,8 @@ def test_two_gpus_over_nccl_give_one_gpus_logits(model_cache, tmp_path):
     """bf16: two ranks' logits against one rank's, within bf16 rounding of the partial sums' order."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
+    from app.checkpoints.model_builder import ensure_embedded
     from app.llm.loader import load_checkpoint
-    from app.model_builder import ensure_embedded
 
     for preset, _ in CASES:  # built here: ranks building it at once would read each other's half-written folder
         ensure_embedded(preset, model_cache)
@@ -175,11 +175,11 @@ def test_two_gpus_over_nccl_give_one_gpus_logits(model_cache, tmp_path):
 
 def test_each_rank_reads_only_its_share_of_the_checkpoint(model_cache):
     """Safetensors slices: no rank of two reads a whole attention, MLP, expert or vocabulary tensor."""
+    from app.checkpoints.model_builder import ensure_embedded
     from app.llm.model import TextModel
     from app.llm.parallel import TensorParallel
     from app.llm.spec import TextSpec
     from app.llm.weights import TensorSource, checkpoint_sources, load_weights
-    from app.model_builder import ensure_embedded
 
     path = ensure_embedded("tiny-qwen3-vl-moe", model_cache)
     spec = TextSpec.from_config(__import__("json").loads((path / "config.json").read_text()))

@@ -29,8 +29,8 @@ def served(model_cache):
     openai = pytest.importorskip("openai")
     from ray import serve
 
+    from app.checkpoints.model_builder import resolve_model
     from app.config import AppConfig
-    from app.model_builder import resolve_model
     from deployments.app import build_app
     from helpers import local_chat
 

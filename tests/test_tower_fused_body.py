@@ -55,7 +55,7 @@ def test_pad_mlp_adds_zero_units_that_change_nothing():
 
 @pytest.mark.parametrize("preset", list(CASES))
 def test_fused_body_with_padded_mlps_equals_the_reference_ops(preset, model_cache, monkeypatch):
-    from app.model_builder import ensure_embedded
+    from app.checkpoints.model_builder import ensure_embedded
 
     monkeypatch.setattr(kernels, "PAD_MULTIPLE", 80)
     path = ensure_embedded(preset, model_cache)

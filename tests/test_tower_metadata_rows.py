@@ -15,7 +15,7 @@ SEQ_SLOTS = 13  # max_frames_per_batch + 1, as GraphManager sizes them
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-qwen2.5-vl", "tiny-minicpm-v-4.5"])
 def tower(request, model_cache):
-    from app.model_builder import ensure_embedded
+    from app.checkpoints.model_builder import ensure_embedded
     from app.vision.loading import build_tower
 
     return build_tower(ensure_embedded(request.param, model_cache), torch.float32)

@@ -89,7 +89,7 @@ def _gpu_harness(dense_attention: str) -> Harness:
 
     from transformers import AutoConfig
 
-    from app.model_builder import PRESET_DIR
+    from app.checkpoints.model_builder import PRESET_DIR
     from app.vision.loading import vision_model_from_config
 
     cfg = AutoConfig.for_model(**__import__("json").loads((PRESET_DIR / "qwen3-vl-2b.json").read_text()))

@@ -20,13 +20,13 @@ from app.api.chat import ChatService
 from app.api.defaults import OPENAI_DEFAULTS, from_generation_config, load_sampling_defaults
 from app.api.params import HONOURED, KNOWN, LABELS, REFUSED
 from app.api.schemas import ServerContext, parse_chat_request
-from app.checkpoint_tokenizer import GENERATION_DEFAULTS
+from app.checkpoints.checkpoint_tokenizer import GENERATION_DEFAULTS
 from app.config import AppConfig
 from app.errors import ClientError
-from app.local_backend import LocalBackend
 from app.media.decode import sample_indices
 from app.media.pipeline import MediaPipeline
 from app.media.preprocess import smart_resize
+from app.serving.local_backend import LocalBackend
 from helpers import mp4_bytes, png_bytes
 
 USER = [{"role": "user", "content": "Tell me a story"}]

@@ -1,5 +1,5 @@
 """Ready means ready: a replica warms every path a request can take before it reports ready
-(app/warmup.py). On the CPU with the tiny model: the warm-up's requests all succeed, reach the engine's
+(app/serving/warmup.py). On the CPU with the tiny model: the warm-up's requests all succeed, reach the engine's
 every kind of step (chunked prefill, batched decodes, sampling filters, log-probabilities, a grammar,
 several choices, a stream, images and a video through the tower), and leave the engine serving
 answers equal to a cold engine's."""
@@ -14,7 +14,7 @@ import pytest
 @pytest.fixture(scope="module")
 def fused_chat(tiny_checkpoint):
     from app.config import AppConfig
-    from app.fused import FusedBackend
+    from app.serving.fused import FusedBackend
 
     cfg = AppConfig(model=str(tiny_checkpoint), llm={"max_num_batched_tokens": 64},
                     encoder={"min_budget": 64, "max_budget": 1024})
@@ -22,7 +22,7 @@ def fused_chat(tiny_checkpoint):
 
 
 def test_the_warm_up_runs_every_path_and_every_request_succeeds(fused_chat, tiny_checkpoint):
-    from app.warmup import warm_llm_replica, warmup_bodies
+    from app.serving.warmup import warm_llm_replica, warmup_bodies
 
     cfg, backend = fused_chat
     engine = backend.engine
@@ -58,7 +58,7 @@ def test_media_warm_up_prepares_each_kind(tiny_checkpoint):
     from app.config import AppConfig
     from app.media.pipeline import MediaPipeline
     from app.media.spec import patch_spec_for
-    from app.warmup import warm_media
+    from app.serving.warmup import warm_media
 
     cfg = AppConfig(model=str(tiny_checkpoint))
     assert warm_media(MediaPipeline(cfg.media, patch_spec_for(tiny_checkpoint))) > 0

@@ -4,7 +4,7 @@ parse -> fetch/decode/preprocess media -> prompt with exact placeholders ->
 backend.stream(generation request, encoder payload) -> OpenAI JSON or server-sent events.
 The media source decides where media is prepared (a worker pool in this process, or the
 MediaPreprocessor deployment: app/media/remote.py); the backend decides how encoding and generation
-run (Ray handles in production, app/local_backend.py in one process).
+run (Ray handles in production, app/serving/local_backend.py in one process).
 """
 
 from __future__ import annotations

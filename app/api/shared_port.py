@@ -14,7 +14,7 @@ working beside it.
 
 What it gives up, and what stands in for it:
 - Ray Serve does not count these requests. The server counts its requests in flight (`ongoing`); the
-  Router reports them (`record_autoscaling_stats`), and app.autoscaling.RouterAutoscalingPolicy adds them
+  Router reports them (`record_autoscaling_stats`), and app.serving.autoscaling.RouterAutoscalingPolicy adds them
   to Serve's own count, so the Routers still scale on their whole load.
 - Serve's `max_ongoing_requests` does not apply to them; the engine's own admission still answers 503.
 - A stopping Router must finish what came in here itself: `drain` stops taking connections and waits

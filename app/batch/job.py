@@ -22,8 +22,8 @@ import time
 import ray
 
 from ..errors import ClientError
-from ..placement import llm_memory_share, resolve_policy
-from ..replica_stats import merge_encoder_stats
+from ..serving.placement import llm_memory_share, resolve_policy
+from ..serving.replica_stats import merge_encoder_stats
 from .config import BatchConfig
 from .io import Row, ShardWriter, count_rows, read_rows, write_json_atomic
 from .pool import ActorPool, Member
@@ -75,7 +75,7 @@ class Stages:
         # holds the tower and there is no encoder pool; otherwise as serving's `colocate`: each LLM
         # actor reserves a whole GPU (so Ray spreads them one per GPU), encoder actors reserve none and
         # pin the node's GPUs in turn. Fractional shares would not do: Ray gives them the fullest GPU
-        # that fits, pairing encoders with encoders (app/placement.py). An explicit encoder num_gpus
+        # that fits, pairing encoders with encoders (app/serving/placement.py). An explicit encoder num_gpus
         # is plain Ray accounting.
         # Under `fused`, `placement.llm_replicas_per_gpu` LLM actors share each GPU, as serving's
         # replicas do (two processes for the host work of one GPU), splitting the KV budget.

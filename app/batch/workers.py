@@ -8,7 +8,7 @@ actors. They are the serving code, not copies of it:
   cache); many rows in flight per actor let the batcher fill its token budgets.
 - `LLMWorker`: the `Engine` behind `AsyncEngine`, each row one request, many rows in flight, so the
   engine's continuous batching always has sequences to run. Under serving's `fused` placement (the
-  default on GPUs) it also holds the tower (`app.fused.FusedBackend`) and there is no encoder stage.
+  default on GPUs) it also holds the tower (`app.serving.fused.FusedBackend`) and there is no encoder stage.
 
 Each stage is called with a chunk of rows (`BatchConfig.chunk_rows`): a Ray call costs the driver
 about 2 ms of its one Python thread, so row-by-row calls capped a job near 490 rows/s on two and on
@@ -31,12 +31,12 @@ from ..api.answer import Answer
 from ..api.chat import ChatService
 from ..api.logprobs import TokenText
 from ..api.schemas import ChatRequest
+from ..checkpoints.model_builder import resolve_model
 from ..config import AppConfig
 from ..errors import ClientError
 from ..llm.sampling import MAX_CHOICES
 from ..media.spec import patch_spec_for
-from ..model_builder import resolve_model
-from ..placement import pinned_gpu
+from ..serving.placement import pinned_gpu
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class EncoderWorker:
     def __init__(self, config: dict, pin: tuple[int, int] | None = None):
         """`pin` = (actor index, GPUs per node): colocated with the LLM actors, this actor reserved no
         GPU in Ray and takes the node's GPU of its index in turn (as the serving encoder replicas do,
-        `app.placement.pinned_gpu`), before CUDA starts."""
+        `app.serving.placement.pinned_gpu`), before CUDA starts."""
         if pin is not None:
             device = pinned_gpu(pin[0], pin[1], os.environ.get("CUDA_VISIBLE_DEVICES"))
             if device is not None:
@@ -157,8 +157,8 @@ class EncoderWorker:
 class LLMWorker:
     def __init__(self, config: dict, fused: bool = False):
         """`fused`: this actor also holds the vision tower and encodes its rows' media itself, the
-        embeddings staying on the GPU (serving's `fused` placement, app/fused.py)."""
-        from ..fused import build_generation
+        embeddings staying on the GPU (serving's `fused` placement, app/serving/fused.py)."""
+        from ..serving.fused import build_generation
         from ..vision.service import pick_device
 
         cfg = AppConfig(**config)

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from ..capture import collection_paused
+from ..gpu.capture import collection_paused
 from .step_inputs import decode_buckets, step_buckets
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
-from .. import sdpa_backends
+from ..gpu import sdpa_backends
 from . import flash4
 
 try:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..capture import collection_paused
+from ..gpu.capture import collection_paused
 from .device_metadata import DeviceMetadataCache
 from .metadata import BatchLayout, Grid
 from .observed import EAGER, GRAPH, ObservedTimes

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from .. import sdpa_backends
+from ..gpu import sdpa_backends
 from . import attention
 from .kernels import add_bias_layernorm, linear_gelu_tanh, triton_available
 from .metadata import BatchLayout, Grid

@@ -6,7 +6,7 @@ import statistics
 
 import torch
 
-from ..capture import collection_paused
+from ..gpu.capture import collection_paused
 
 
 def cuda_times_ms(fn, runs: int, warmup: int = 3) -> list[float]:

@@ -7,7 +7,7 @@ reserve a whole GPU in Ray's accounting (two cannot share one, so Ray spreads th
 the encoder replicas reserve none: each pins itself to the GPU of its rank on the node
 (`pinned_gpu`). `split` is plain Ray accounting: whole GPUs for the encoder, the rest for the LLM. `fused` runs no
 VisionEncoder replicas: each LLM replica (a whole GPU) loads the tower itself and hands its
-embeddings to the engine on the GPU (app/fused.py), with no copy to the host, no serialisation and no
+embeddings to the engine on the GPU (app/serving/fused.py), with no copy to the host, no serialisation and no
 second call per request.
 
 No Ray import here: the builder (deployments/app.py) turns a Plan into deployment options.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .config import PlacementConfig
+from ..config import PlacementConfig
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .llm.lockstep import Channel
-from .llm.parallel import TensorParallel
-from .llm.spec import TextSpec
+from ..llm.lockstep import Channel
+from ..llm.parallel import TensorParallel
+from ..llm.spec import TextSpec
 
 
 @dataclass(frozen=True)

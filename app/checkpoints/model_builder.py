@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
+PRESET_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "models"
 DEFAULT_CACHE = Path(os.environ.get("VLM_SERVE_CACHE", Path.home() / ".cache" / "vlm-serve"))
 BUILDER_VERSION = 4  # bump when the built files change, so stale caches are rebuilt
 

@@ -11,7 +11,7 @@ anywhere the floor is 1, as before. The ceiling of the media replicas is half of
 summed. Ray Serve spreads a deployment's replicas over the nodes that fit them; these counts are the
 totals it spreads.
 
-The LLM replicas already follow each GPU (app/placement.py: `per_gpu` per GPU, tensor-parallel
+The LLM replicas already follow each GPU (app/serving/placement.py: `per_gpu` per GPU, tensor-parallel
 groups within one node).
 """
 

@@ -4,7 +4,7 @@
 Ray Serve's default policy sizes a deployment by requests in flight per replica, which misses two
 loads: an LLM replica whose KV cache a few long prompts have filled, and a Router's requests on its
 shared port, which never pass through Ray Serve. Reference a policy from an `autoscaling_config` as
-`policy: {policy_function: app.autoscaling:LLMAutoscalingPolicy}` (or `RouterAutoscalingPolicy`); Ray
+`policy: {policy_function: app.serving.autoscaling:LLMAutoscalingPolicy}` (or `RouterAutoscalingPolicy`); Ray
 applies min/max_replicas, upscale/downscale delays and scaling factors around it, as around its own.
 Ray pickles this module by value into its controller, so it imports nothing from the project.
 """

@@ -57,7 +57,7 @@ def processor_config(spec: dict) -> dict:
 def _random_vision(config: dict, seed: int):
     import torch
 
-    from .vision.minicpmv_tower import MiniCPMVision
+    from ..vision.minicpmv_tower import MiniCPMVision
 
     torch.manual_seed(seed)
     model = MiniCPMVision(config)

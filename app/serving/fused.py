@@ -26,12 +26,12 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
-from .config import AppConfig
-from .llm.async_engine import AsyncEngine
-from .llm.engine import Engine
-from .llm.sequence import GenerationRequest
-from .llm.stream import Chunk
-from .vision.service import EncoderService, pick_device
+from ..config import AppConfig
+from ..llm.async_engine import AsyncEngine
+from ..llm.engine import Engine
+from ..llm.sequence import GenerationRequest
+from ..llm.stream import Chunk
+from ..vision.service import EncoderService, pick_device
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class FusedBackend:
 def build_generation(cfg: AppConfig, checkpoint: str, fused: bool, **engine_kw) -> tuple[FusedBackend | None, AsyncEngine]:
     """What an LLM replica (or a batch job's LLM actor) generates with: the engine behind an event
     loop, and under `fused` the tower beside it (else None). `engine_kw`: the tensor-parallel rank
-    and lockstep channel of a replica that spans several GPUs (app/tensor_parallel.py)."""
+    and lockstep channel of a replica that spans several GPUs (app/serving/tensor_parallel.py)."""
     if fused:
         backend = FusedBackend.build(cfg, checkpoint, **engine_kw)
         return backend, backend.streams

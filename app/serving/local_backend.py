@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict
 
-from .llm.engine import Engine
-from .llm.sequence import GenerationRequest
-from .vision.service import EncoderService
+from ..llm.engine import Engine
+from ..llm.sequence import GenerationRequest
+from ..vision.service import EncoderService
 
 
 class LocalBackend:

@@ -1,5 +1,5 @@
 """The tokenizer, chat templates and generation config the embedded checkpoints ship
-(app/model_builder.py, app/minicpmv_builder.py): a byte-level BPE trained offline on a small fixed
+(app/checkpoints/model_builder.py, app/checkpoints/minicpmv_builder.py): a byte-level BPE trained offline on a small fixed
 corpus, Qwen's special tokens, ChatML with Qwen's tool calling per family, and Qwen3-VL-Instruct's
 recommended sampling.
 """

@@ -1,7 +1,7 @@
 """When the application may say it is ready (`GET /health`).
 
 A Router answers HTTP as soon as it is up, while the LLM replicas may still be loading weights,
-capturing graphs and warming up (app/warmup.py): a load balancer or client that trusted that answer
+capturing graphs and warming up (app/serving/warmup.py): a load balancer or client that trusted that answer
 sent traffic to an application that could only queue or refuse it. Ready means every deployment that
 has replicas has at least one running (Ray Serve marks a replica running only after its constructor,
 warm-up included, has returned and its health check passed); a deployment kept at zero replicas (the

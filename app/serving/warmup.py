@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .media.synthetic import image_bytes, mp4_bytes
+from ..media.synthetic import image_bytes, mp4_bytes
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +122,9 @@ def warm_llm_replica(cfg, checkpoint: str, backend, media: bool) -> WarmupReport
     own media preparation) over the replica's own backend."""
     from transformers import AutoTokenizer
 
-    from .api.chat import ChatService
-    from .media.pipeline import MediaPipeline
-    from .media.spec import patch_spec_for
+    from ..api.chat import ChatService
+    from ..media.pipeline import MediaPipeline
+    from ..media.spec import patch_spec_for
 
     chat = ChatService(cfg, AutoTokenizer.from_pretrained(checkpoint),
                        MediaPipeline(cfg.media, patch_spec_for(checkpoint)), backend)
@@ -138,7 +138,7 @@ def warm_llm_replica(cfg, checkpoint: str, backend, media: bool) -> WarmupReport
 def warm_media(pipeline) -> float:
     """A media replica's warm-up: a JPEG, a PNG and an MP4 prepared by its own pipeline (codecs, lazy
     imports, the worker pool's threads); seconds."""
-    from .media.ref import MediaRef
+    from ..media.ref import MediaRef
 
     refs = [MediaRef("image", _data_url(image_bytes(64, 64, 0, "JPEG"), "image/jpeg"), "warmup"),
             MediaRef("image", _data_url(image_bytes(64, 64, 0, "PNG"), "image/png"), "warmup"),
