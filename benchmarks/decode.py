@@ -122,6 +122,16 @@ def rank_main(rank: int, a, path: str, port: int, out: str) -> None:
     from app.llm.parallel import SINGLE, TensorParallel
 
     torch.cuda.set_device(rank)
+    if a.direct_config:
+        from app.llm import fused_moe
+
+        tiles, pick = json.loads(Path(a.direct_config).read_text()), fused_moe.moe_config
+        fused_moe.moe_config = lambda t, *rest: dict(tiles) if t <= fused_moe.DIRECT_MAX_TOKENS else pick(t, *rest)
+    if a.legacy_moe:
+        from app.llm import fused_moe, moe
+
+        fused_moe.DIRECT_MAX_TOKENS = 0
+        moe.route_topk = fused_moe.route_topk_torch
     tp = SINGLE
     if a.tp > 1:
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=a.tp,
@@ -130,7 +140,8 @@ def rank_main(rank: int, a, path: str, port: int, out: str) -> None:
     t0 = time.perf_counter()
     engine = Engine(path, "cuda", tp=tp, load_format="dummy", max_model_len=a.max_model_len,
                     max_num_seqs=a.max_num_seqs, gpu_memory_utilization=a.gpu_memory_utilization)
-    res = {"preset": a.preset, "layers": engine.spec.layers, "tp": a.tp, "moe": a.moe,
+    res = {"preset": a.preset, "layers": engine.spec.layers, "tp": a.tp, "moe": a.moe, "legacy_moe": a.legacy_moe,
+           "direct_config": json.loads(Path(a.direct_config).read_text()) if a.direct_config else None,
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "engine_start_s": time.perf_counter() - t0, "kv_blocks": engine.blocks.usable_blocks,
            "kv_tokens": engine.blocks.usable_blocks * engine.blocks.block_size,
@@ -184,6 +195,12 @@ def main() -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--cache", default=os.environ.get("VLM_SERVE_CACHE", "/tmp/vlm-serve-decode"))
     p.add_argument("--out", default="benchmarks/decode_results.json")
+    p.add_argument("--legacy-moe", action="store_true",
+                   help="the MoE path before the routing kernel and the unsorted decode path (torch's router ops, "
+                        "always sorted by expert): an A/B against today's in one device call")
+    p.add_argument("--direct-config", default=None, metavar="JSON_FILE",
+                   help="tiles for the unsorted few-token MoE path (e.g. moe_kernel.py --sweep's best) instead of "
+                        "moe_config's")
     p.add_argument("--profile", type=int, default=0, metavar="STREAMS",
                    help="also profile 64 decode steps of STREAMS streams with CUPTI (kernels per token, GPU share)")
     a = p.parse_args()

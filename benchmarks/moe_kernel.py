@@ -27,7 +27,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from app.llm.fused_moe import align_by_expert, fused_moe, moe_config, moe_reference  # noqa: E402
+from app.llm.fused_moe import (  # noqa: E402
+    DIRECT_MAX_TOKENS,
+    align_by_expert,
+    fused_moe,
+    moe_config,
+    moe_reference,
+)
 
 SHAPES = {"30b": (2048, 768, 128, 8), "235b-tp4": (4096, 384, 128, 8), "235b": (4096, 1536, 128, 8),
           "smoke": (64, 48, 8, 2)}  # hidden, intermediate, experts, top-k
@@ -76,7 +82,15 @@ def graph_ms(fn) -> float:
     return graph_us(fn, inner=10) / 1e3
 
 
-def sweep_configs():
+def sweep_configs(tokens: int):
+    if tokens <= DIRECT_MAX_TOKENS:  # unsorted: one 16-row block per assignment, the down kernel sums k
+        for vec, bn, bk in ((False, 16, 128), (True, 4, 256), (True, 8, 256), (True, 16, 256)):
+            for split, dbn, dbk, dwarps in ((True, 4, 256, 4), (True, 8, 256, 4), (True, 16, 256, 4), (True, 4, 128, 2),
+                                            (False, 4, 256, 4), (False, 8, 256, 4)):
+                yield {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
+                       "DIRECT": True, "VEC": vec, "DOWN_SPLIT": split, "DOWN_BLOCK_N": dbn, "DOWN_BLOCK_K": dbk,
+                       "DOWN_WARPS": dwarps}
+        return
     for bm, bn, bk, warps, stages in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4, 8), (3, 4)):
         if bm == 64 and bn == 128 and bk == 128:
             continue  # more shared memory than the stages leave room for
@@ -107,7 +121,7 @@ def measure(x, wgu, wd, ids, weights, bandwidth: float, cuda: bool, sweep: bool)
     row["of_floor"] = row["floor_ms"] / (row["graph_ms"] or row["fused_ms"])
     if sweep and cuda:
         swept = []
-        for c in sweep_configs():
+        for c in sweep_configs(t):
             try:
                 swept.append({"config": c, "ms": graph_ms(lambda c=c: fused(c))})
             except Exception as e:  # a config the GPU cannot hold (shared memory)

@@ -39,6 +39,35 @@ def moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     return out
 
 
+# ---------------------------------------------------------------------------- routing
+def route_topk(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (expert ids [T, k], weights [T, k] in `dtype`), as transformers routes:
+    softmax in float32, top-k, renormalised to sum 1 when the checkpoint says so, rounded to `dtype`.
+    On CUDA one Triton kernel; torch's ops take eight launches (softmax, two for top-k, the sum, the
+    division, casts), which at one decode token cost about 14 µs a layer against about 2."""
+    if triton is None or not logits.is_cuda or logits.shape[0] == 0:
+        return route_topk_torch(logits, k, renormalize, dtype)
+    t, e = logits.shape
+    ids = torch.empty(t, k, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(t, k, dtype=dtype, device=logits.device)
+    block_t = 4
+    _route_kernel[(triton.cdiv(t, block_t),)](logits, ids, weights, t, e, logits.stride(0), TOP_K=k,
+                                              K_PAD=triton.next_power_of_2(k), BLOCK_T=block_t,
+                                              BLOCK_E=triton.next_power_of_2(e), RENORM=renormalize, num_warps=4)
+    return ids, weights
+
+
+def route_topk_torch(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_topk` in torch ops: the CPU's, and the reference the kernel is tested against."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(dtype)
+
+
 # ---------------------------------------------------------------------------- alignment
 def align_capacity(assignments: int, num_experts: int, block_m: int) -> int:
     """Static length of the sorted, padded list: each non-empty bucket (the experts and one for
@@ -104,13 +133,28 @@ def align_by_expert_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 # ---------------------------------------------------------------------------- tiles
+DIRECT_MAX_TOKENS = 2
+
+
 def moe_config(tokens: int, k: int, experts: int, hidden: int, inter: int) -> dict:
     """Tiles for both GEMMs, by the average rows an expert gets (tokens * k / experts). Decode
     streams each hit expert's weights once for a handful of rows: one 16-row block, narrow N tiles
     so the few experts still spread over every SM, long K steps. Prefill reuses each weight tile
-    over many rows, so larger M tiles and grouped launch order (GROUP_M) for L2 reuse."""
+    over many rows, so larger M tiles and grouped launch order (GROUP_M) for L2 reuse.
+
+    Up to DIRECT_MAX_TOKENS tokens (single-stream decode) the assignments are not sorted at all
+    (`DIRECT`): each is its own block, read straight from the router's ids, and the down kernel
+    sums a token's k experts itself, so the layer is two launches instead of six. Two tokens rarely
+    share an expert, so nothing is read twice that sorting would have read once.
+    There VEC runs gate/up as matrix-vector products instead of 16-row tiles, and DOWN_BLOCK_N,
+    DOWN_BLOCK_K, DOWN_WARPS shape the down kernel (its grid is tokens x hidden / DOWN_BLOCK_N)."""
     rows = tokens * k / max(experts, 1)
-    if rows <= 4:
+    if tokens <= DIRECT_MAX_TOKENS:
+        # swept on an H100 at the 30B shape (benchmarks/moe_kernel.py --tokens 1 --sweep)
+        cfg = {"BLOCK_M": 16, "BLOCK_N": 4, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
+               "DIRECT": True, "VEC": True, "DOWN_SPLIT": True, "DOWN_BLOCK_N": 4, "DOWN_BLOCK_K": 256,
+               "DOWN_WARPS": 4}
+    elif rows <= 4:
         cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
     elif rows <= 16:
         cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
@@ -178,17 +222,24 @@ if triton is not None:
                         stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_ht,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        PRECISION: tl.constexpr, DIRECT: tl.constexpr):
         # h[a] = silu(x[a // k] @ gate_e^T) * (x[a // k] @ up_e^T) for the BLOCK_M sorted assignments
         # of one expert and BLOCK_N intermediate columns; gate and up tiles share the x tile.
+        # DIRECT: block m is assignment m alone (its first row), its expert read from the router's ids
+        # (`sorted_ptr`); out-of-range experts are skipped here and in the down kernel.
         pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
-        if pid_m * BLOCK_M >= tl.load(total_ptr):
-            return
-        expert = tl.load(block_expert_ptr + pid_m)
-        if expert >= num_experts:  # the out-of-range bucket: the down kernel zeroes its rows
-            return
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        a = tl.load(sorted_ptr + rows)
+        if DIRECT:
+            expert = tl.load(sorted_ptr + pid_m)
+            if (expert < 0) | (expert >= num_experts):
+                return
+            a = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, n_assign)
+        else:
+            if pid_m * BLOCK_M >= tl.load(total_ptr):
+                return
+            expert = tl.load(block_expert_ptr + pid_m)
+            if expert >= num_experts:  # the out-of-range bucket: the down kernel zeroes its rows
+                return
+            a = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         row_ok = a < n_assign  # padding rows hold n_assign
         tok = (a // TOP_K).to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -267,6 +318,202 @@ if triton is not None:
         tl.store(out_ptrs, y.to(dtype), mask=out_mask)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _route_kernel(logits_ptr, ids_ptr, weights_ptr, t, num_experts, stride_lt, TOP_K: tl.constexpr,
+                      K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
+        # BLOCK_T tokens: softmax over the experts in float32, the k largest one at a time (first index
+        # on ties), renormalised, rounded to the weights' dtype.
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.arange(0, BLOCK_E)
+        row_ok = rows < t
+        z = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lt + cols[None, :],
+                    mask=row_ok[:, None] & (cols < num_experts)[None, :], other=float("-inf")).to(tl.float32)
+        z = tl.where(row_ok[:, None], z, 0.0)  # rows past t: finite values, never stored
+        p = tl.exp(z - tl.max(z, 1)[:, None])
+        p = p / tl.sum(p, 1)[:, None]
+        slot = tl.arange(0, K_PAD)
+        top_w = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+        top_i = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            best = tl.argmax(p, 1)
+            top_w = tl.where(slot[None, :] == j, tl.max(p, 1)[:, None], top_w)
+            top_i = tl.where(slot[None, :] == j, best[:, None].to(tl.int32), top_i)
+            p = tl.where(cols[None, :] == best[:, None], -1.0, p)  # masked experts already hold 0
+        if RENORM:
+            top_w = top_w / tl.sum(top_w, 1)[:, None]
+        offs = rows[:, None] * TOP_K + slot[None, :]
+        ok = row_ok[:, None] & (slot < TOP_K)[None, :]
+        tl.store(ids_ptr + offs, top_i, mask=ok)
+        tl.store(weights_ptr + offs, top_w.to(weights_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _gate_up_vec_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, hidden, inter, num_experts,
+                            stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_ht,
+                            TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # The DIRECT path's gate/up as matrix-vector products on the CUDA cores: one assignment's row
+        # against BLOCK_N gate and up rows (no 16-row tile of which 15 rows would be padding).
+        num_n = tl.cdiv(inter, BLOCK_N)
+        a, pid_n = tl.program_id(0) // num_n, tl.program_id(0) % num_n
+        expert = tl.load(ids_ptr + a)
+        if (expert < 0) | (expert >= num_experts):
+            return
+        tok = (a // TOP_K).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < inter
+        ks = tl.arange(0, BLOCK_K)
+        w_e = w_ptr + expert.to(tl.int64) * stride_we
+        g_ptrs = w_e + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :] * stride_wk
+        u_ptrs = w_e + (cols + inter).to(tl.int64)[:, None] * stride_wn + ks[None, :] * stride_wk
+        x_ptrs = x_ptr + tok * stride_xt + ks * stride_xk
+        acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k_ok = ks < hidden - k0
+            xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            m = col_ok[:, None] & k_ok[None, :]
+            acc_g += tl.sum(tl.load(g_ptrs, mask=m, other=0.0).to(tl.float32) * xv[None, :], 1)
+            acc_u += tl.sum(tl.load(u_ptrs, mask=m, other=0.0).to(tl.float32) * xv[None, :], 1)
+            x_ptrs += BLOCK_K * stride_xk
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
+        dtype = h_ptr.dtype.element_ty  # rounded where transformers rounds (see _gate_up_kernel)
+        gate = acc_g.to(dtype).to(tl.float32)
+        up = acc_u.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        tl.store(h_ptr + a.to(tl.int64) * stride_ht + cols, (act * up).to(dtype), mask=col_ok)
+
+    @triton.jit
+    def _down_sum_kernel(h_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, hidden, inter, num_experts,
+                         stride_ht, stride_we, stride_wn, stride_wk, stride_ot,
+                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # The DIRECT path's down projection: out[t] = sum_j weight[t, j] * (h[t*k + j] @ down_{e_j}^T)
+        # for BLOCK_N hidden columns, as matrix-vector products; each term rounded as the sorted path
+        # rounds it (the GEMM's output, then the weighted product), the k terms summed in float32.
+        # The token's k experts and weights are read once, up front, and the loop runs over (expert,
+        # K step) pairs: no load inside it waits on another, so the pipeliner prefetches across experts
+        # (a loop per expert stalled on each expert's id, and ran at half the memory bandwidth).
+        num_n = tl.cdiv(hidden, BLOCK_N)
+        tok, pid_n = tl.program_id(0) // num_n, tl.program_id(0) % num_n
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < hidden
+        ks = tl.arange(0, BLOCK_K)
+        slot = tl.arange(0, K_PAD)
+        dtype = out_ptr.dtype.element_ty
+        assign = tok * TOP_K + slot
+        e_all = tl.load(ids_ptr + assign, mask=slot < TOP_K, other=-1)
+        wt_all = tl.load(weights_ptr + assign, mask=slot < TOP_K, other=0.0).to(tl.float32)
+        steps_per = tl.cdiv(inter, BLOCK_K)
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for step in range(0, TOP_K * steps_per):
+            j = step // steps_per
+            k0 = (step % steps_per) * BLOCK_K
+            pick = slot == j
+            expert = tl.sum(tl.where(pick, e_all, 0), 0)
+            # an expert held elsewhere (expert parallelism) reads nothing: its h row was never written
+            limit = tl.where((expert >= 0) & (expert < num_experts), inter, 0)
+            expert = tl.where(limit > 0, expert, 0).to(tl.int64)
+            k_ok = ks < limit - k0
+            a = (tok * TOP_K + j).to(tl.int64)
+            hv = tl.load(h_ptr + a * stride_ht + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+            w_ptrs = (w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+                      + (k0 + ks)[None, :] * stride_wk)
+            wd = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(wd * hv[None, :], 1)
+            if step % steps_per == steps_per - 1:  # this expert's last K step: round, weight, add
+                wt = tl.sum(tl.where(pick, wt_all, 0.0), 0)
+                total += (acc.to(dtype).to(tl.float32) * wt).to(dtype).to(tl.float32)
+                acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        tl.store(out_ptr + tok.to(tl.int64) * stride_ot + cols, total.to(dtype), mask=col_ok)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _down_vec_kernel(h_ptr, w_ptr, y_ptr, weights_ptr, ids_ptr, hidden, inter, num_experts,
+                         stride_ht, stride_we, stride_wn, stride_wk, stride_yt,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # The DIRECT path's down projection per assignment (matrix-vector): y[a] = weight[a] * (h[a] @
+        # down_e^T) for BLOCK_N hidden columns, rounded as the sorted path rounds it; zeros for an
+        # expert held elsewhere. One program per (assignment, N tile): k times the programs of a kernel
+        # that loops over a token's experts, which is what the memory system needs at one token.
+        num_n = tl.cdiv(hidden, BLOCK_N)
+        a, pid_n = tl.program_id(0) // num_n, tl.program_id(0) % num_n
+        expert = tl.load(ids_ptr + a)
+        limit = tl.where((expert >= 0) & (expert < num_experts), inter, 0)
+        expert = tl.where(limit > 0, expert, 0).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < hidden
+        ks = tl.arange(0, BLOCK_K)
+        h_ptrs = h_ptr + a.to(tl.int64) * stride_ht + ks
+        w_ptrs = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :] * stride_wk
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k_ok = ks < limit - k0
+            hv = tl.load(h_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            wd = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(wd * hv[None, :], 1)
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        dtype = y_ptr.dtype.element_ty
+        wt = tl.load(weights_ptr + a).to(tl.float32)
+        tl.store(y_ptr + a.to(tl.int64) * stride_yt + cols, (acc.to(dtype).to(tl.float32) * wt).to(dtype), mask=col_ok)
+
+    @triton.jit
+    def _sum_k_kernel(y_ptr, out_ptr, hidden, stride_yt, stride_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+        # out[t] = sum over the token's k rows of y, in float32, in slot order
+        num_n = tl.cdiv(hidden, BLOCK)
+        tok, pid_n = tl.program_id(0) // num_n, tl.program_id(0) % num_n
+        cols = pid_n * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < hidden
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            total += tl.load(y_ptr + (tok * TOP_K + j).to(tl.int64) * stride_yt + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + tok.to(tl.int64) * stride_ot + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _fused_moe_direct(x, w_gate_up, w_down, topk_ids, topk_weights, cfg, precision):
+    """A few tokens: no sorting. Gate/up per assignment (16-row tensor-core tiles, or matrix-vector
+    products with VEC), then the down projection summing each token's k experts (matrix-vector)."""
+    t, hidden = x.shape
+    num_experts, two_i, _ = w_gate_up.shape
+    inter, k = two_i // 2, topk_ids.shape[1]
+    n = t * k
+    ids = topk_ids.reshape(-1).contiguous()
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    strides = (x.stride(0), x.stride(1), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), h.stride(0))
+    if cfg.get("VEC"):
+        _gate_up_vec_kernel[(n * triton.cdiv(inter, bn),)](
+            x, w_gate_up, h, ids, hidden, inter, num_experts, *strides, TOP_K=k, BLOCK_N=bn, BLOCK_K=bk, **launch)
+    else:
+        _gate_up_kernel[(n * triton.cdiv(inter, bn),)](
+            x, w_gate_up, h, ids, ids, ids, n, n, hidden, inter, num_experts, *strides,
+            TOP_K=k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, EVEN_K=hidden % bk == 0,
+            PRECISION=precision, DIRECT=True, **launch)
+    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+    dbn, dbk = cfg.get("DOWN_BLOCK_N", 8), cfg.get("DOWN_BLOCK_K", 256)
+    weights = topk_weights.reshape(-1).contiguous()
+    if cfg.get("DOWN_SPLIT", True):  # per assignment, then the sum over k
+        y = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
+        _down_vec_kernel[(n * triton.cdiv(hidden, dbn),)](
+            h, w_down, y, weights, ids, hidden, inter, num_experts,
+            h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0),
+            BLOCK_N=dbn, BLOCK_K=dbk, num_warps=cfg.get("DOWN_WARPS", 4), num_stages=cfg["num_stages"])
+        _sum_k_kernel[(t * triton.cdiv(hidden, 1024),)](y, out, hidden, y.stride(0), out.stride(0), TOP_K=k,
+                                                         BLOCK=1024, num_warps=4)
+        return out
+    _down_sum_kernel[(t * triton.cdiv(hidden, dbn),)](
+        h, w_down, out, topk_weights.reshape(-1).contiguous(), ids, hidden, inter, num_experts,
+        h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), out.stride(0),
+        TOP_K=k, K_PAD=triton.next_power_of_2(k), BLOCK_N=dbn, BLOCK_K=dbk, num_warps=cfg.get("DOWN_WARPS", 4),
+        num_stages=cfg["num_stages"])
+    return out
+
+
 def _fused_moe_triton(x, w_gate_up, w_down, topk_ids, topk_weights, config):
     t, hidden = x.shape
     num_experts, two_i, _ = w_gate_up.shape
@@ -278,17 +525,19 @@ def _fused_moe_triton(x, w_gate_up, w_down, topk_ids, topk_weights, config):
     if n == 0:
         return torch.zeros_like(x)
     cfg = config or moe_config(t, k, num_experts, hidden, inter)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 tests keep full-precision dots
+    if cfg.get("DIRECT"):
+        return _fused_moe_direct(x, w_gate_up, w_down, topk_ids, topk_weights, cfg, precision)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     sorted_ids, expert_of_block, total = align_by_expert(topk_ids, num_experts, bm)
     blocks = expert_of_block.numel()
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 tests keep full-precision dots
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks * triton.cdiv(inter, bn),)](
         x, w_gate_up, h, sorted_ids, expert_of_block, total, n, blocks, hidden, inter, num_experts,
         x.stride(0), x.stride(1), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), h.stride(0),
         TOP_K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], EVEN_K=hidden % bk == 0,
-        PRECISION=precision, **launch)
+        PRECISION=precision, DIRECT=False, **launch)
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
     _down_kernel[(blocks * triton.cdiv(hidden, bn),)](

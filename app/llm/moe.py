@@ -17,18 +17,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fused_moe import fused_moe
+from .fused_moe import fused_moe, route_topk
 from .parallel import TensorParallel
 from .spec import TextSpec
 
 
 def route(h: torch.Tensor, router_weight: torch.Tensor, spec: TextSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (expert ids [T, k], weights [T, k] in h's dtype)."""
-    probs = F.softmax(F.linear(h, router_weight), dim=-1, dtype=torch.float)
-    weights, ids = torch.topk(probs, spec.experts_per_token, dim=-1)
-    if spec.norm_topk:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids, weights.to(h.dtype)
+    return route_topk(F.linear(h, router_weight), spec.experts_per_token, spec.norm_topk, h.dtype)
 
 
 def moe_forward(h: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
