@@ -9,6 +9,7 @@ itself, the embeddings staying on the GPU (app/serving/fused.py): the Router cal
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import asdict
 
 from ray import serve
@@ -17,6 +18,7 @@ from app.checkpoints.model_builder import resolve_model
 from app.config import AppConfig
 from app.llm.sequence import GenerationRequest
 from app.serving.fused import build_generation
+from app.serving.prometheus import RequestMetrics
 
 from .logs import route_app_logs
 from .metrics import EncoderMetrics, LLMMetrics
@@ -59,10 +61,12 @@ class LLM:
             self.encoder_metrics = EncoderMetrics(self.fused.encoder.stats)
             self.fused.encoder.batcher.on_batch = self.encoder_metrics.on_batch
         self.metrics = LLMMetrics(self.engine.load)
+        self.request_metrics = RequestMetrics(cfg.llm.max_model_len)  # GET /metrics (app/serving/prometheus.py)
 
     async def generate(self, gen: dict, encoded: list):
         """Async generator of chunk dicts; `encoded` arrives resolved from the encoder's response."""
-        async for chunk in self.streams.generate(GenerationRequest.from_router(gen, encoded)):
+        stream = self.streams.generate(GenerationRequest.from_router(gen, encoded))
+        async for chunk in self.request_metrics.observe(stream, len(gen["input_ids"]), gen["params"].get("n", 1)):
             yield asdict(chunk)
 
     async def generate_from_media(self, gen: dict, payload: list):
@@ -70,9 +74,12 @@ class LLM:
         items, nested so that Ray passes them unresolved) is encoded here, then generated from."""
         if self.fused is None:
             raise RuntimeError("generate_from_media needs the fused placement (this replica has no tower)")
+        t0 = time.perf_counter()  # the time to first token counts reading and encoding the media
         # a full queue: 503 before reading the media
         self.engine.check_admission(len(gen["input_ids"]), gen["params"].get("n", 1))
-        async for chunk in self.fused.chunks(gen, await resolve_payload(payload)):
+        stream = self.fused.chunks(gen, await resolve_payload(payload))
+        n = gen["params"].get("n", 1)
+        async for chunk in self.request_metrics.observe(stream, len(gen["input_ids"]), n, t0):
             yield asdict(chunk)
 
     def encoder_stats(self) -> dict:
@@ -81,6 +88,12 @@ class LLM:
             raise RuntimeError("encoder_stats needs the fused placement (this replica has no tower)")
         return {**self.fused.encoder.stats(), "replica": serve.get_replica_context().replica_id.unique_id,
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def metrics_snapshot(self) -> dict:
+        """This replica's request counters and histograms, engine load and (`fused`) tower counters:
+        GET /metrics sums every replica's (app/serving/prometheus.py)."""
+        return {**self.request_metrics.snapshot(), "load": self.engine.load(),
+                "encoder": self.fused.encoder.stats() if self.fused is not None else None}
 
     def check_health(self) -> None:
         """Serve replaces a replica whose check raises: a tensor-parallel replica with a follower gone

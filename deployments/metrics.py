@@ -7,11 +7,14 @@ README; Ray prefixes them with `ray_` in the Prometheus output.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
 
 from ray.serve.metrics import Counter, Gauge, Histogram
+
+from app.serving.prometheus import gather_within
 
 MS_BOUNDS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000]
 MAX_UNKNOWN_NAMES = 64  # distinct unknown parameter names a Router counts by name
@@ -140,3 +143,23 @@ class LLMMetrics:
         for counter, key in ((self.prefix_queried, "prefix_cache_queried_tokens"),
                              (self.prefix_hits, "prefix_cache_hit_tokens"), (self.preemptions, "preemptions")):
             _add_delta(counter, now, last, key)
+
+
+async def broadcast_within(handle, method: str, timeout_s: float) -> tuple[list, int]:
+    """Every replica's answer to `method` that comes within `timeout_s`, and how many replicas failed or
+    did not answer in time (GET /metrics: a slow or broken replica never holds up a scrape). Waits on
+    each replica's result apart where Ray Serve's broadcast response exposes them; else on the whole
+    broadcast (all answers or none)."""
+    start = time.monotonic()
+    response = handle.broadcast(method)
+    per_replica = getattr(response, "_fetch_replica_results_async", None)
+    try:
+        if per_replica is None:
+            answers = await response.results_async(timeout_s=timeout_s, return_exceptions=True)
+            ok = [a for a in answers if not isinstance(a, BaseException)]
+            return ok, len(answers) - len(ok)
+        calls = await asyncio.wait_for(per_replica(), timeout_s)
+    except Exception:  # no replica could be asked in time: one unanswered, at least
+        return [], 1
+    remaining = max(0.05, timeout_s - (time.monotonic() - start))
+    return await gather_within([call.get_async() for call in calls], remaining)

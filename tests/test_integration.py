@@ -481,6 +481,42 @@ def test_serving_benchmark_report_and_metrics_endpoint(server, tmp_path):
     assert all(p.stat().st_size > 0 for p in plot_sweep(reports, tmp_path))
 
 
+def test_metrics_on_the_serving_port_count_the_requests(server):
+    """GET /metrics on the serving port, where AIPerf looks for it, in vLLM's names, without a key: two
+    chat requests add two finished requests and exactly the tokens their usage reports."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    model = server.get("/v1/models").json()["data"][0]["id"]
+
+    def scrape() -> dict:
+        resp = server.get("/metrics")
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain"), resp.text
+        out = {}
+        for fam in text_string_to_metric_families(resp.text):
+            for s in fam.samples:
+                assert s.labels["model_name"] == model
+                out[(s.name, *sorted(v for k, v in s.labels.items() if k != "model_name"))] = s.value
+        return out
+
+    before = scrape()
+    usage = [expect_ok(chat(server, f"Say something about {topic}"))["usage"] for topic in ("cats", "boats")]
+    after = scrape()
+
+    def grew(*key):
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert grew("vllm:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usage)
+    assert grew("vllm:generation_tokens_total") == sum(u["completion_tokens"] for u in usage)
+    assert grew("vllm:request_success_total", "stop") + grew("vllm:request_success_total", "length") == 2
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
+        assert grew(f"{name}_count") == 2, name
+        assert grew(f"{name}_bucket", "+Inf") == 2, name
+    assert ("vllm:num_requests_running",) in after and 0 <= after[("vllm:kv_cache_usage_perc",)] <= 1
+    assert after[("vlm:metrics_replicas", "LLM")] >= 1 and after[("vlm:metrics_replicas_unanswered", "LLM")] == 0
+    assert ("vlm:encoder_batches_total",) in after  # the VisionEncoder replicas' (no fused placement on CPU)
+
+
 def test_more_streams_than_ray_serves_default_replica_limit_reach_the_llm_together(server):
     """Ray Serve lets a replica take 5 requests at once unless told otherwise, which capped the LLM's
     continuous batching at 5 (and the encoder's cross-request batching). Of 12 long streams opened at

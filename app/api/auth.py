@@ -1,4 +1,5 @@
-"""Optional API key: `Authorization: Bearer <key>` on every path but /health.
+"""Optional API key: `Authorization: Bearer <key>` on every path but /health and /metrics (Prometheus
+scrapes it without a key, as vLLM leaves it open).
 
 A pure ASGI middleware rather than Starlette's BaseHTTPMiddleware, which would wrap streaming
 responses and their disconnect handling. It protects every path except the open ones instead of
@@ -17,7 +18,7 @@ import os
 from ..errors import ClientError
 
 ENV_VAR = "VLM_API_KEY"
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 def resolve_api_key(configured) -> str | None:
