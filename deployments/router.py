@@ -22,9 +22,12 @@ from app.api import fastjson
 from app.api.auth import ApiKeyMiddleware, resolve_api_key
 from app.api.body import parse_json, read_body
 from app.api.chat import ChatService, unwrap_client_error
+from app.api.completions import CompletionService
+from app.api.responses import ResponseService
 from app.api.retry import RetryPolicy
 from app.api.shared_port import SCOPE_KEY as SHARED_PORT_SCOPE
 from app.api.shared_port import SharedPortServer, unless_client_leaves
+from app.api.tokenize import TokenizeService
 from app.checkpoints.model_builder import resolve_model
 from app.config import AppConfig
 from app.errors import ClientError
@@ -33,11 +36,12 @@ from app.media.pipeline import MediaPipeline
 from app.media.remote import RemoteMedia
 from app.media.spec import patch_spec_for
 from app.serving.cluster import node_router_port
+from app.serving.prometheus import scrape_text
 from app.serving.readiness import ReadinessProbe, serve_replica_states
 from app.serving.replica_stats import merge_encoder_stats, merge_llm_loads
 
 from .logs import route_app_logs
-from .metrics import RouterMetrics
+from .metrics import RouterMetrics, broadcast_within
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="vlm-serve")
@@ -86,6 +90,7 @@ def error_response(e: ClientError) -> JSONResponse:
 # at 5 tokens/s). An idle replica stops at once either way. The shared port's drain fits inside it.
 ANSWER_GRACE_S = 60
 SHARED_PORT_DRAIN_S = ANSWER_GRACE_S - 5
+METRICS_TIMEOUT_S = 2.0  # GET /metrics waits this long for the replicas' numbers, then renders what came
 
 
 @serve.deployment(name="Router", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=ANSWER_GRACE_S)
@@ -118,6 +123,9 @@ class Router:
         self.chat = ChatService(self.cfg, AutoTokenizer.from_pretrained(ckpt), source, RayBackend(encoder, llm, fused),
                                 observer=self.metrics.observe, on_unknown=self.metrics.unknown_parameter,
                                 checkpoint=str(ckpt))
+        # /v1/completions, /v1/responses, /tokenize and /detokenize: the chat path underneath
+        self.completions, self.responses = CompletionService(self.chat), ResponseService(self.chat)
+        self.tokens = TokenizeService(self.chat)
         self.encoder, self.llm, self.fused = encoder, llm, fused
         self.direct = None
         if self.cfg.router_http_port:
@@ -166,6 +174,18 @@ class Router:
         """Every LLM replica's engine load: requests summed, per replica under "replicas"."""
         return merge_llm_loads(await self.llm.broadcast("replica_load").results_async())
 
+    @api.get("/metrics")
+    async def prometheus_metrics(self) -> Response:
+        """Prometheus text with vLLM's metric names (app/serving/prometheus.py): every LLM replica's
+        counters and histograms and every tower's counters, summed now; a replica that does not answer
+        within METRICS_TIMEOUT_S is left out and counted. Open without the API key, as /health."""
+        asked = [broadcast_within(self.llm, "metrics_snapshot", METRICS_TIMEOUT_S)]
+        if not self.fused:  # under fused the LLM replicas' snapshots hold their towers' stats
+            asked.append(broadcast_within(self.encoder, "stats", METRICS_TIMEOUT_S))
+        answers = await asyncio.gather(*asked)
+        body, content_type = scrape_text(answers[0], answers[1] if len(answers) > 1 else None, self.cfg.model_name)
+        return Response(body, media_type=content_type)
+
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         t0 = time.perf_counter()
@@ -187,4 +207,61 @@ class Router:
                 log.exception("chat completion failed")
                 err = ClientError("internal server error", status=500, type="server_error")
             self.chat.record(id=None, status=err.status, e2e_s=time.perf_counter() - t0)
+            return error_response(err)
+
+    @api.post("/v1/completions")
+    async def completions_route(self, request: Request):
+        """OpenAI's text completions, as vLLM serves them (app/api/completions.py)."""
+        return await self._generate(request, self.completions, "completion")
+
+    @api.post("/v1/responses")
+    async def responses_route(self, request: Request):
+        """OpenAI's Responses API, run on the chat path (app/api/responses.py)."""
+        return await self._generate(request, self.responses, "response")
+
+    async def _generate(self, request: Request, service, what: str):
+        """A generating endpoint other than chat, handled as the chat route is: `service` has the chat
+        service's `prepare`, `open_stream` and `complete` (its request says whether it streams)."""
+        t0 = time.perf_counter()
+        try:
+            body = parse_json(await read_body(request.stream(), request.headers.get("content-length"),
+                                              self.cfg.max_request_bytes))
+            req = await service.prepare(body)
+            if req.stream:
+                return StreamingResponse(await service.open_stream(req, t0),
+                                         media_type="text/event-stream", headers=SSE_HEADERS)
+            work = service.complete(req, t0)
+            if not request.scope.get(SHARED_PORT_SCOPE):
+                return FastJSONResponse(await work)
+            answer = await unless_client_leaves(work, request.receive)  # uvicorn would not cancel it
+            return FastJSONResponse(answer) if answer is not None else Response(status_code=499)
+        except Exception as e:
+            err = unwrap_client_error(e)
+            if err is None:
+                log.exception("%s failed", what)
+                err = ClientError("internal server error", status=500, type="server_error")
+            self.chat.record(id=None, status=err.status, e2e_s=time.perf_counter() - t0)
+            return error_response(err)
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's: a prompt's or chat messages' token ids (app/api/tokenize.py). Not a generation: not
+        counted in the request metrics."""
+        return await self._tokens(request, self.tokens.tokenize)
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request):
+        """vLLM's: token ids' text."""
+        return await self._tokens(request, self.tokens.detokenize)
+
+    async def _tokens(self, request: Request, handle):
+        try:
+            body = parse_json(await read_body(request.stream(), request.headers.get("content-length"),
+                                              self.cfg.max_request_bytes))
+            return FastJSONResponse(handle(body))
+        except Exception as e:
+            err = unwrap_client_error(e)
+            if err is None:
+                log.exception("%s failed", request.url.path)
+                err = ClientError("internal server error", status=500, type="server_error")
             return error_response(err)

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from ..config import AppConfig
 from ..errors import ClientError
+from ..llm.sampling import SamplingParams
 from ..media.pipeline import PreparedItem, to_encoder_payload
 from ..media.preprocess import PatchSpec
 from . import fastjson
@@ -25,7 +26,7 @@ from .defaults import load_sampling_defaults
 from .logprobs import TokenText
 from .minicpmv_prompt import prompt_builder_for
 from .params import UnknownParameters
-from .prompt import IMAGE_TYPE, VIDEO_TYPE, template_variables
+from .prompt import IMAGE_TYPE, TEXT, VIDEO_TYPE, Prompt, template_variables
 from .retry import (
     RetryPolicy,
     cancel_stream,
@@ -75,6 +76,7 @@ class ChatService:
         each unknown parameter name a request carries (a metric). `checkpoint`: the folder whose
         generation_config.json gives the sampling defaults (default: the tokenizer's)."""
         self.cfg, self.media, self.backend, self.observer = cfg, media, backend, observer
+        self.tokenizer = tokenizer  # text completions and /tokenize use it as well (completions.py, tokenize.py)
         self.prompts = prompt_builder_for(tokenizer, media.spec)
         self.token_text = TokenText(tokenizer)  # log-probabilities' token texts, for requests that ask
         self.tool_tags = has_tag_tokens(tokenizer)  # forced tool calls name the tags as tokens
@@ -116,17 +118,22 @@ class ChatService:
                               "per request", param="messages", code="too_many_frames")
         prompt = self.prompts.build(req.messages, [it.slot(self.merge) for it in items],
                                     req.tools.tools if req.tools else None, req.template)
-        if len(prompt.input_ids) >= self.cfg.llm.max_model_len:
-            raise ClientError(f"prompt of {len(prompt.input_ids)} tokens exceeds max_model_len "
-                              f"{self.cfg.llm.max_model_len}", param="messages", code="context_length_exceeded")
+        self.check_length(len(prompt.input_ids), "messages")
         tower = [t for it in items for t in it.tower_inputs()]  # per tower item (MiniCPM-V: several per item)
-        gen = {"input_ids": prompt.input_ids, "mm_token_type_ids": prompt.mm_token_type_ids,
-               "grids": [g for _, g, _ in tower], "media_keys": [k for _, _, k in tower],
-               # Qwen2.5-VL's video temporal positions (None for images; other families ignore it)
-               "second_per_grid_ts": [s for it in items for s in it.tower_seconds()],
-               "params": asdict(req.params),
-               "image_tokens": prompt.count(IMAGE_TYPE), "video_tokens": prompt.count(VIDEO_TYPE)}
+        gen = _generation(prompt, req.params, tower, [s for it in items for s in it.tower_seconds()])
         return req, gen, to_encoder_payload(items)
+
+    def check_length(self, tokens: int, param: str) -> None:
+        """A 400 for a prompt that leaves no room to generate within `llm.max_model_len`."""
+        if tokens >= self.cfg.llm.max_model_len:
+            raise ClientError(f"prompt of {tokens} tokens exceeds max_model_len {self.cfg.llm.max_model_len}",
+                              param=param, code="context_length_exceeded")
+
+    def text_generation(self, input_ids: list[int], params: SamplingParams, param: str = "prompt") -> dict:
+        """The generation request of a text prompt given as token ids (text completions): what `prepare`
+        makes for a chat prompt, without media."""
+        self.check_length(len(input_ids), param)
+        return _generation(Prompt(list(input_ids), [TEXT] * len(input_ids)), params, [], [])
 
     async def complete(self, req: ChatRequest, gen: dict, payload: list, t0: float | None = None) -> dict:
         t0 = time.perf_counter() if t0 is None else t0
@@ -271,6 +278,17 @@ class ChatService:
                         prompt_tokens=prompt, completion_tokens=completion, retries=retries)
         if not done:
             yield _DONE
+
+
+def _generation(prompt: Prompt, params: SamplingParams, tower: list, seconds: list) -> dict:
+    """The generation request the backend takes (app.llm.sequence.GenerationRequest.from_router): the
+    prompt, and per tower item (MiniCPM-V: several per media item) its grid, cache key and seconds."""
+    return {"input_ids": prompt.input_ids, "mm_token_type_ids": prompt.mm_token_type_ids,
+            "grids": [g for _, g, _ in tower], "media_keys": [k for _, _, k in tower],
+            # Qwen2.5-VL's video temporal positions (None for images; other families ignore it)
+            "second_per_grid_ts": seconds,
+            "params": asdict(params),
+            "image_tokens": prompt.count(IMAGE_TYPE), "video_tokens": prompt.count(VIDEO_TYPE)}
 
 
 def _adds_special_tokens(tokenizer) -> bool:

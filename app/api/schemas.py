@@ -189,12 +189,46 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int, tool_tags:
     if len(media) > max_items:
         raise ClientError(f"{len(media)} media items exceed the limit of {max_items} per request", param="messages",
                           code="too_many_media_items")
-    d = server.defaults
     max_tokens = body.get("max_completion_tokens")  # clients may send the unset one as null
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
-    max_tokens = _num({"max_tokens": max_tokens}, "max_tokens", 1, 1 << 20, d.default_max_tokens(default_max_tokens),
-                      integer=True)
+    params = sampling_params(body, max_tokens, server.defaults.default_max_tokens(default_max_tokens), server)
+    params.logprobs = _logprobs(body)
+    params.grammar = structured_grammar(body)
+    tools = parse_tools(body)
+    if tools is not None and tools.forced:  # the calls are generated under a grammar
+        if params.grammar is not None:
+            raise ClientError("a forced 'tool_choice' cannot be combined with 'response_format' or "
+                              "'structured_outputs'", param="tool_choice", code="invalid_tool_choice")
+        params.grammar = tool_grammar(tools, tool_tags)
+    stream, include_usage, continuous_usage = stream_flags(body, server)
+    model = model_name(body)
+    media_options = _mm_processor_kwargs(body, {r.kind for r in media}, server)
+    if media_options is not None:
+        for r in media:
+            r.options = media_options
+    if _bool(body, "add_special_tokens", False) and server.adds_special_tokens:
+        raise unsupported("add_special_tokens", "the chat template writes the prompt's special tokens; this "
+                          "tokenizer's own (a BOS) are not added")
+    template = _template_options(body, server)
+    role = "assistant" if template.add_generation_prompt else messages[-1]["role"]
+    echo = _echo_text(messages[-1]) if _bool(body, "echo", False) and messages[-1]["role"] == role else None
+    req = ChatRequest(messages, media, params, stream, include_usage, model, tools,
+                      template=template, role=role, echo=echo, continuous_usage=continuous_usage,
+                      token_ids_as_text=_bool(body, "return_tokens_as_token_ids", False))
+    request_id = client_request_id(body)
+    if request_id is not None:  # as vLLM: the answer's id
+        req.id = f"chatcmpl-{request_id}"
+    return req
+
+
+def sampling_params(body: dict, max_tokens, default_max_tokens: int, server: ServerContext = DEFAULT_SERVER
+                    ) -> SamplingParams:
+    """The sampling parameters the generating endpoints share (chat and text completions): `max_tokens`
+    as the request gives it (None: `default_max_tokens`), the others read from `body`, omitted ones
+    taking the server's defaults. Log-probabilities and structured output are each endpoint's own."""
+    d = server.defaults
+    max_tokens = _num({"max_tokens": max_tokens}, "max_tokens", 1, 1 << 20, default_max_tokens, integer=True)
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -235,14 +269,11 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int, tool_tags:
     best_of = body.get("best_of")
     if best_of is not None and best_of != params.n:
         raise unsupported("best_of", "no best-of-n selection (send n)")
-    params.logprobs = _logprobs(body)
-    params.grammar = _structured(body)
-    tools = parse_tools(body)
-    if tools is not None and tools.forced:  # the calls are generated under a grammar
-        if params.grammar is not None:
-            raise ClientError("a forced 'tool_choice' cannot be combined with 'response_format' or "
-                              "'structured_outputs'", param="tool_choice", code="invalid_tool_choice")
-        params.grammar = tool_grammar(tools, tool_tags)
+    return params
+
+
+def stream_flags(body: dict, server: ServerContext = DEFAULT_SERVER) -> tuple[bool, bool, bool]:
+    """(`stream`, `stream_options.include_usage`, vLLM's `stream_options.continuous_usage_stats`)."""
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ClientError("'stream' must be a boolean", param="stream")
@@ -253,31 +284,28 @@ def parse_chat_request(body, default_max_tokens: int, max_items: int, tool_tags:
     if opts and not stream:  # as OpenAI answers
         raise ClientError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     _stream_options(opts, server.unknown)
+    return stream, bool(opts.get("include_usage")), opts.get("continuous_usage_stats") is True
+
+
+def model_name(body: dict) -> str | None:
+    """The request's `model` (any name: one model is served), checked."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ClientError("'model' must be a string", param="model")
     if model is not None:
         _unicode(model, "model")
-    media_options = _mm_processor_kwargs(body, {r.kind for r in media}, server)
-    if media_options is not None:
-        for r in media:
-            r.options = media_options
-    if _bool(body, "add_special_tokens", False) and server.adds_special_tokens:
-        raise unsupported("add_special_tokens", "the chat template writes the prompt's special tokens; this "
-                          "tokenizer's own (a BOS) are not added")
-    template = _template_options(body, server)
-    role = "assistant" if template.add_generation_prompt else messages[-1]["role"]
-    echo = _echo_text(messages[-1]) if _bool(body, "echo", False) and messages[-1]["role"] == role else None
-    req = ChatRequest(messages, media, params, stream, bool(opts.get("include_usage")), model, tools,
-                      template=template, role=role, echo=echo, continuous_usage=opts.get("continuous_usage_stats") is True,
-                      token_ids_as_text=_bool(body, "return_tokens_as_token_ids", False))
+    return model
+
+
+def client_request_id(body: dict) -> str | None:
+    """vLLM's `request_id`, which the answer's id is made of, checked."""
     request_id = body.get("request_id")
-    if request_id is not None:  # as vLLM: the answer's id
-        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
-            raise ClientError(f"'request_id' must be a string of 1 to {MAX_REQUEST_ID_CHARS} characters",
-                              param="request_id")
-        req.id = f"chatcmpl-{_unicode(request_id, 'request_id')}"
-    return req
+    if request_id is None:
+        return None
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        raise ClientError(f"'request_id' must be a string of 1 to {MAX_REQUEST_ID_CHARS} characters",
+                          param="request_id")
+    return _unicode(request_id, "request_id")
 
 
 def _top_k(body: dict, default: int) -> int:
@@ -300,7 +328,7 @@ def _stop_token_ids(body: dict) -> list[int]:
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-def _structured(body: dict) -> str | None:
+def structured_grammar(body: dict) -> str | None:
     """The grammar of OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_*
     parameters (the same as structured_outputs' keys); at most one of them (app/llm/grammar.py)."""
     grammar = grammar_for(body.get("response_format"))
