@@ -4,7 +4,7 @@
 # Run from the repository root on the GPU machine, with .gpu-deps carried:
 #   STAGES="tests kernel moe30b" bash benchmarks/gpu_moe_tp.sh          (results under $OUT)
 # Stages: tests, tptest (the multi-GPU test alone), kernel, moe30b, dense8b, dense32b_tp, moe30b_tp, moe235b_tp4 (reduced to
-# LAYERS_235B layers); served over HTTP (not run yet): serve_8b, serve_moe30b, serve_moe30b_tp2, serve_moe235b_tp4.
+# LAYERS_235B layers); served over HTTP: serve_8b, serve_moe30b, serve_moe30b_tp2 (run 2026-11-27), serve_moe235b_tp4 (not yet).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source .gpu-deps/activate
