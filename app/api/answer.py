@@ -1,15 +1,24 @@
-"""A whole (non-streamed) answer, assembled from a request's engine chunks: one OpenAI choice per
-chunk `index` (the request's `n`), and the usage over all of them.
+"""A chat answer built from a request's engine chunks, whole (`Answer`) or streamed (`StreamedAnswer`):
+one OpenAI choice per chunk `index` (the request's `n`), and the usage over all of them.
 
-The server (`ChatService.complete`) and batch jobs (app/batch/workers.py) both build their
-chat.completion objects here, so that a batch row equals what the server answers.
+This module is where an answer takes its OpenAI shape: it calls the log-probability entries
+(logprobs.py), the tool-call parsing (tools.py) and the JSON shapes (schemas.py). `ChatService`
+(chat.py) only runs the request: media, the backend, retries, the stream's lifetime. The server and
+batch jobs (app/batch/workers.py) both build their answers here, so a batch row equals the server's.
 """
 
 from __future__ import annotations
 
+from . import fastjson
 from .logprobs import TokenText
-from .schemas import ChatRequest, choice, completion_response, usage
-from .tools import split_tool_calls, tool_calls_finish
+from .schemas import ChatRequest, choice, completion_response, stream_chunk, usage
+from .tools import ToolCallStream, split_tool_calls, tool_calls_finish
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse_event(obj: dict) -> str:
+    return f"data: {fastjson.dumps(obj)}\n\n"
 
 
 class Answer:
@@ -59,3 +68,68 @@ class Answer:
                 finish = tool_calls_finish(finish, calls)
             choices.append(choice(i, text, finish, lp, calls, req.role))
         return completion_response(req, model, choices, self.usage(gen))
+
+
+class StreamedAnswer:
+    """A chat answer as server-sent events: `opening()` (each choice's role, and vLLM's `echo`), then
+    `events(chunk)` per engine chunk: its text (or, with tools, its tool-call deltas), its
+    log-probabilities, each choice's finish, and after the last choice the usage and [DONE]. Events
+    that are ready together come as one string, so the caller writes them at once (each write is one
+    HTTP chunk and a fixed cost in the proxy and the Router: benchmarks/RESULTS.md)."""
+
+    def __init__(self, req: ChatRequest, model: str, gen: dict, token_text: TokenText):
+        self.req, self.model, self.gen, self.token_text = req, model, gen, token_text
+        self.whole = Answer(req.params.n)  # only each choice's last chunk: the finishes and the usage
+        # per choice, the text's tool-call blocks become tool_calls deltas (app/api/tools.py)
+        self.calls = None if req.tools is None else [ToolCallStream(req.tools.names) for _ in range(req.params.n)]
+        self.generated, self.prompt_tokens = 0, len(gen["input_ids"])  # continuous usage: streamed so far
+        self.finished = False  # [DONE] went out
+
+    def _event(self, delta: dict, finish: str | None = None, **kw) -> str:
+        return sse_event(stream_chunk(self.req, self.model, delta, finish, **kw))
+
+    def opening(self) -> str:
+        req = self.req
+        return "".join(self._event({"role": req.role, "content": ""}, index=i)
+                       + (self._event({"content": req.echo}, index=i) if req.echo else "")
+                       for i in range(req.params.n))
+
+    def events(self, chunk: dict) -> str:
+        req, i = self.req, chunk.get("index", 0)
+        logprobs = None
+        if req.params.logprobs is not None:  # chunks from replicas that predate log-probabilities carry none
+            # a chunk whose tokens made no text yet (part of a character) still sends their logprobs
+            entries = chunk.get("logprobs")
+            logprobs = self.token_text.content(chunk["token_ids"], entries, req.token_ids_as_text) if entries else []
+        finish = chunk["finish_reason"]
+        if self.calls is None:
+            deltas = [{"content": chunk["text"]}] if chunk["text"] else []
+        else:
+            deltas = self.calls[i].feed(chunk["text"]) + (self.calls[i].finish() if finish else [])
+            finish = finish and tool_calls_finish(finish, self.calls[i].calls)
+        if logprobs and not deltas:
+            deltas = [{"content": ""}]
+        self.generated += len(chunk.get("token_ids") or ())
+        running = None
+        if req.continuous_usage:
+            running = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.generated,
+                       "total_tokens": self.prompt_tokens + self.generated}
+        out = "".join(self._event(delta, logprobs=None if k else logprobs, index=i, usage_=running)
+                      for k, delta in enumerate(deltas))  # the chunk's logprobs go with its first delta
+        if finish:
+            self.whole.finish(chunk)
+            out += self._event({}, finish, index=i)
+            if self.whole.done:
+                if req.include_usage:
+                    out += sse_event(stream_chunk(req, self.model, {}, usage_=self.whole.usage(self.gen),
+                                                  choices=False))
+                out, self.finished = out + DONE, True
+        return out
+
+    @property
+    def done(self) -> bool:
+        """Every choice finished."""
+        return self.whole.done
+
+    def tokens(self) -> tuple[int, int]:
+        return self.whole.tokens()

@@ -20,8 +20,7 @@ from ..errors import ClientError
 from ..llm.sampling import SamplingParams
 from ..media.pipeline import PreparedItem, to_encoder_payload
 from ..media.preprocess import PatchSpec
-from . import fastjson
-from .answer import Answer
+from .answer import DONE, Answer, StreamedAnswer, sse_event
 from .defaults import load_sampling_defaults
 from .logprobs import TokenText
 from .minicpmv_prompt import prompt_builder_for
@@ -36,11 +35,10 @@ from .retry import (
     is_replica_failure,
     replica_failed,
 )
-from .schemas import ChatRequest, ServerContext, parse_chat_request, stream_chunk
-from .tools import ToolCallStream, has_tag_tokens, tool_calls_finish
+from .schemas import ChatRequest, ServerContext, parse_chat_request
+from .tools import has_tag_tokens
 
 log = logging.getLogger(__name__)
-_DONE = "data: [DONE]\n\n"
 
 
 class MediaSource(Protocol):
@@ -147,12 +145,6 @@ class ChatService:
                     prompt_tokens=prompt, completion_tokens=completion, ttft_s=first_at - t0, retries=retries)
         return answer.response(req, self.cfg.model_name, gen)
 
-    def _logprobs(self, chunk: dict, as_ids: bool = False) -> list:
-        """OpenAI's `logprobs.content` for a chunk's tokens (chunks from replicas that predate
-        log-probabilities carry none); `as_ids`: tokens written `token_id:<id>`."""
-        entries = chunk.get("logprobs")
-        return self.token_text.content(chunk["token_ids"], entries, as_ids) if entries else []
-
     async def open_stream(self, req: ChatRequest, gen: dict, payload: list,
                           t0: float | None = None) -> AsyncIterator[str]:
         """Waits for the first generated chunk, so that errors before it (overload, bad input) still
@@ -186,9 +178,6 @@ class ChatService:
         stream is still read to its end (Ray Serve counts the call as running until then)."""
         model = self.cfg.model_name
 
-        def event(obj: dict) -> str:
-            return f"data: {fastjson.dumps(obj)}\n\n"
-
         async def chunks():
             nonlocal rest, retries
             c, shown = first, False
@@ -218,56 +207,26 @@ class ChatService:
                 yield c
                 c = None
 
-        answer = Answer(req.params.n)  # only each choice's last chunk: the finishes and the usage
-        # per choice, the text's tool-call blocks become tool_calls deltas (app/api/tools.py)
-        calls = None if req.tools is None else [ToolCallStream(req.tools.names) for _ in range(req.params.n)]
-        status, done, ended = 200, False, False
-        generated, prompt_tokens = 0, len(gen["input_ids"])  # continuous usage: the tokens streamed so far
-        pending = "".join(event(stream_chunk(req, model, {"role": req.role, "content": ""}, index=i))
-                          + (event(stream_chunk(req, model, {"content": req.echo}, index=i)) if req.echo else "")
-                          for i in range(req.params.n))
+        answer = StreamedAnswer(req, model, gen, self.token_text)
+        status, ended = 200, False
+        pending = answer.opening()
         try:
             async for chunk in chunks():
-                out, pending, i = pending, "", chunk.get("index", 0)
-                # a chunk whose tokens made no text yet (part of a character) still sends their logprobs
-                logprobs = self._logprobs(chunk, req.token_ids_as_text) if req.params.logprobs is not None else None
-                finish = chunk["finish_reason"]
-                if calls is None:
-                    deltas = [{"content": chunk["text"]}] if chunk["text"] else []
-                else:
-                    deltas = calls[i].feed(chunk["text"]) + (calls[i].finish() if finish else [])
-                    finish = finish and tool_calls_finish(finish, calls[i].calls)
-                if logprobs and not deltas:
-                    deltas = [{"content": ""}]
-                generated += len(chunk.get("token_ids") or ())
-                running = None
-                if req.continuous_usage:
-                    running = {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
-                               "total_tokens": prompt_tokens + generated}
-                for k, delta in enumerate(deltas):  # the chunk's logprobs go with its first delta
-                    out += event(stream_chunk(req, model, delta, logprobs=None if k else logprobs, index=i,
-                                              usage_=running))
-                if finish:
-                    answer.finish(chunk)
-                    out += event(stream_chunk(req, model, {}, finish, index=i))
-                    if answer.done:
-                        if req.include_usage:
-                            out += event(stream_chunk(req, model, {}, usage_=answer.usage(gen), choices=False))
-                        out, done = out + _DONE, True
+                out, pending = pending + answer.events(chunk), ""
                 if out:
                     yield out
             ended = True
         except Exception as e:  # the status line is already sent: report in-band
-            if done:  # the whole answer and [DONE] are out; nothing may follow them
+            if answer.finished:  # the whole answer and [DONE] are out; nothing may follow them
                 log.warning("request %s: its stream failed after the last chunk: %r", req.id, e)
             else:
                 err = unwrap_client_error(e) or (replica_failed(retries) if is_replica_failure(e) else None)
                 log.exception("request %s failed while streaming", req.id) if err is None else None
                 err = err or ClientError("internal error while generating", status=500, type="server_error")
                 status = err.status
-                yield pending + event(err.to_json())
+                yield pending + sse_event(err.to_json())
         finally:  # also when the client goes away (499, as nginx counts it)
-            if done and not ended:  # a client that left after [DONE]: the stream is still read to its end
+            if answer.finished and not ended:  # a client that left after [DONE]: the stream is still read to its end
                 drain_later(rest)
             elif not ended:  # it left mid-answer: stop the generation (through Ray Serve's proxy, Serve
                 cancel_stream(rest)  # cancels it too; on the Routers' own port nobody else would)
@@ -276,8 +235,8 @@ class ChatService:
             prompt, completion = answer.tokens()
             self.record(id=req.id, status=status, e2e_s=time.perf_counter() - t0, items=items, ttft_s=ttft,
                         prompt_tokens=prompt, completion_tokens=completion, retries=retries)
-        if not done:
-            yield _DONE
+        if not answer.finished:
+            yield DONE
 
 
 def _generation(prompt: Prompt, params: SamplingParams, tower: list, seconds: list) -> dict:
