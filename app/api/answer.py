@@ -14,11 +14,12 @@ from .logprobs import TokenText
 from .schemas import ChatRequest, choice, completion_response, stream_chunk, usage
 from .tools import ToolCallStream, split_tool_calls, tool_calls_finish
 
-DONE = "data: [DONE]\n\n"
+DONE = "[DONE]"  # the stream's last event
 
 
-def sse_event(obj: dict) -> str:
-    return f"data: {fastjson.dumps(obj)}\n\n"
+def sse(events: list) -> str:
+    """Events as server-sent `data:` lines, in one string (one write)."""
+    return "".join(f"data: {e if e == DONE else fastjson.dumps(e)}\n\n" for e in events)
 
 
 class Answer:
@@ -71,11 +72,12 @@ class Answer:
 
 
 class StreamedAnswer:
-    """A chat answer as server-sent events: `opening()` (each choice's role, and vLLM's `echo`), then
-    `events(chunk)` per engine chunk: its text (or, with tools, its tool-call deltas), its
-    log-probabilities, each choice's finish, and after the last choice the usage and [DONE]. Events
-    that are ready together come as one string, so the caller writes them at once (each write is one
-    HTTP chunk and a fixed cost in the proxy and the Router: benchmarks/RESULTS.md)."""
+    """A chat answer as stream events (`chat.completion.chunk` objects, then DONE): `opening()` (each
+    choice's role, and vLLM's `echo`), then `events(chunk)` per engine chunk: its text (or, with tools,
+    its tool-call deltas), its log-probabilities, each choice's finish, and after the last choice the
+    usage and DONE. Events that are ready together come as one list, so the caller writes them at once
+    (each write is one HTTP chunk and a fixed cost in the proxy and the Router: benchmarks/RESULTS.md).
+    /v1/completions and /v1/responses read these objects and write their own shapes."""
 
     def __init__(self, req: ChatRequest, model: str, gen: dict, token_text: TokenText):
         self.req, self.model, self.gen, self.token_text = req, model, gen, token_text
@@ -85,16 +87,18 @@ class StreamedAnswer:
         self.generated, self.prompt_tokens = 0, len(gen["input_ids"])  # continuous usage: streamed so far
         self.finished = False  # [DONE] went out
 
-    def _event(self, delta: dict, finish: str | None = None, **kw) -> str:
-        return sse_event(stream_chunk(self.req, self.model, delta, finish, **kw))
+    def _event(self, delta: dict, finish: str | None = None, **kw) -> dict:
+        return stream_chunk(self.req, self.model, delta, finish, **kw)
 
-    def opening(self) -> str:
-        req = self.req
-        return "".join(self._event({"role": req.role, "content": ""}, index=i)
-                       + (self._event({"content": req.echo}, index=i) if req.echo else "")
-                       for i in range(req.params.n))
+    def opening(self) -> list:
+        req, out = self.req, []
+        for i in range(req.params.n):
+            out.append(self._event({"role": req.role, "content": ""}, index=i))
+            if req.echo:
+                out.append(self._event({"content": req.echo}, index=i))
+        return out
 
-    def events(self, chunk: dict) -> str:
+    def events(self, chunk: dict) -> list:
         req, i = self.req, chunk.get("index", 0)
         logprobs = None
         if req.params.logprobs is not None:  # chunks from replicas that predate log-probabilities carry none
@@ -114,16 +118,16 @@ class StreamedAnswer:
         if req.continuous_usage:
             running = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.generated,
                        "total_tokens": self.prompt_tokens + self.generated}
-        out = "".join(self._event(delta, logprobs=None if k else logprobs, index=i, usage_=running)
-                      for k, delta in enumerate(deltas))  # the chunk's logprobs go with its first delta
+        out = [self._event(delta, logprobs=None if k else logprobs, index=i, usage_=running)
+               for k, delta in enumerate(deltas)]  # the chunk's logprobs go with its first delta
         if finish:
             self.whole.finish(chunk)
-            out += self._event({}, finish, index=i)
+            out.append(self._event({}, finish, index=i))
             if self.whole.done:
                 if req.include_usage:
-                    out += sse_event(stream_chunk(req, self.model, {}, usage_=self.whole.usage(self.gen),
-                                                  choices=False))
-                out, self.finished = out + DONE, True
+                    out.append(stream_chunk(req, self.model, {}, usage_=self.whole.usage(self.gen), choices=False))
+                out.append(DONE)
+                self.finished = True
         return out
 
     @property

@@ -20,7 +20,7 @@ from ..errors import ClientError
 from ..llm.sampling import SamplingParams
 from ..media.pipeline import PreparedItem, to_encoder_payload
 from ..media.preprocess import PatchSpec
-from .answer import DONE, Answer, StreamedAnswer, sse_event
+from .answer import DONE, Answer, StreamedAnswer, sse
 from .defaults import load_sampling_defaults
 from .logprobs import TokenText
 from .minicpmv_prompt import prompt_builder_for
@@ -146,9 +146,11 @@ class ChatService:
         return answer.response(req, self.cfg.model_name, gen)
 
     async def open_stream(self, req: ChatRequest, gen: dict, payload: list,
-                          t0: float | None = None) -> AsyncIterator[str]:
+                          t0: float | None = None, events: bool = False) -> AsyncIterator:
         """Waits for the first generated chunk, so that errors before it (overload, bad input) still
-        get their HTTP status; then returns the server-sent-event stream."""
+        get their HTTP status; then returns the server-sent-event stream: strings, one per write, or
+        with `events` each write's list of event objects (answer.StreamedAnswer's; an error object;
+        answer.DONE), which /v1/completions and /v1/responses rewrite in their own shapes."""
         t0 = time.perf_counter() if t0 is None else t0
 
         def start():
@@ -157,11 +159,12 @@ class ChatService:
         started = time.monotonic()  # the retry policy's clock
         first, stream, retries = await first_chunk(start, self.retry)
         return self._sse(req, gen, first, stream, t0, time.perf_counter() - t0, len(req.media), retries,
-                         (start, started))
+                         (start, started), (lambda evs: evs) if events else sse)
 
     async def _sse(self, req: ChatRequest, gen: dict, first: dict, rest: AsyncIterator[dict], t0: float,
                    ttft: float, items: int, retries: int,
-                   restart: tuple[Callable[[], AsyncIterator[dict]], float]) -> AsyncIterator[str]:
+                   restart: tuple[Callable[[], AsyncIterator[dict]], float],
+                   write: Callable[[list], object] = sse) -> AsyncIterator:
         """Server-sent events; errors after the first byte become an error event, then [DONE].
 
         The first token may have no text yet (the detokenizer holds back part of a character); until
@@ -212,9 +215,9 @@ class ChatService:
         pending = answer.opening()
         try:
             async for chunk in chunks():
-                out, pending = pending + answer.events(chunk), ""
+                out, pending = pending + answer.events(chunk), []
                 if out:
-                    yield out
+                    yield write(out)
             ended = True
         except Exception as e:  # the status line is already sent: report in-band
             if answer.finished:  # the whole answer and [DONE] are out; nothing may follow them
@@ -224,7 +227,7 @@ class ChatService:
                 log.exception("request %s failed while streaming", req.id) if err is None else None
                 err = err or ClientError("internal error while generating", status=500, type="server_error")
                 status = err.status
-                yield pending + sse_event(err.to_json())
+                yield write(pending + [err.to_json()])
         finally:  # also when the client goes away (499, as nginx counts it)
             if answer.finished and not ended:  # a client that left after [DONE]: the stream is still read to its end
                 drain_later(rest)
@@ -236,7 +239,7 @@ class ChatService:
             self.record(id=req.id, status=status, e2e_s=time.perf_counter() - t0, items=items, ttft_s=ttft,
                         prompt_tokens=prompt, completion_tokens=completion, retries=retries)
         if not answer.finished:
-            yield DONE
+            yield write([DONE])
 
 
 def _generation(prompt: Prompt, params: SamplingParams, tower: list, seconds: list) -> dict:

@@ -1,17 +1,15 @@
 """OpenAI's (legacy) text completions, `POST /v1/completions`, as vLLM serves them.
 
 A prompt is text or token ids, generated from as it is: no chat template, and its tokens are exactly
-the tokenizer's encoding of the text (with the tokenizer's own special tokens, `add_special_tokens`,
-as vLLM). Several prompts in one request each get `n` choices, indexed prompt by prompt
-(`prompt index x n + choice`), and their usage is summed.
+the tokenizer's encoding of the text (its own special tokens, `add_special_tokens`, as vLLM). Several
+prompts in one request each get `n` choices, indexed `prompt index x n + choice`, usage summed.
 
-Each prompt runs as a chat request without media would (`ChatService.text_generation`,
-`complete`, `open_stream`): the same sampling parameters and defaults (schemas.sampling_params), the
-same retries, streaming, cancellation and metrics. Only the shapes differ: `text_completion` objects,
-and log-probabilities in the legacy form (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
-
-Refused: `suffix` (no fill-in-the-middle), `best_of` other than `n`, and `echo` with `logprobs` (the
-prompt's log-probabilities, which the engine does not compute), with the chat path's other refusals.
+Each prompt runs as a chat request without media (`ChatService.text_generation`, `complete`,
+`open_stream`): the same sampling parameters and defaults (schemas.sampling_params), retries,
+streaming, cancellation and metrics; only the shapes differ (`text_completion` objects, legacy
+log-probabilities). Refused: `suffix` (no fill-in-the-middle), `best_of` other than `n`, and `echo`
+with `logprobs` (the prompt's log-probabilities, which the engine does not compute), with the chat
+path's other refusals.
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ from dataclasses import dataclass, field
 from ..errors import ClientError
 from ..llm.sampling import MAX_CHOICES, MAX_LOGPROBS
 from . import fastjson
+from .answer import DONE, sse
 from .chat import ChatService
 from .logprobs import TokenText
 from .minicpmv_prompt import UNK, MiniCPMVPromptBuilder
@@ -44,7 +43,6 @@ from .schemas import (
 from .text_checks import _unicode
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's for completions (never above the server's default)
-_DONE = "data: [DONE]\n\n"
 
 # what /v1/completions honours: OpenAI's parameters and vLLM's extensions to them; REFUSED and
 # LABELS (app/api/params.py) as on the chat path; anything else is an unknown parameter
@@ -203,16 +201,6 @@ async def _merge(streams: list[AsyncIterator[str]]) -> AsyncIterator[tuple[int, 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def chat_events(write: str) -> list:
-    """The events of one write of a chat stream (server-sent `data:` lines)."""
-    out = []
-    for block in write.split("\n\n"):
-        if block.startswith("data: "):
-            data = block[6:]
-            out.append(data if data == "[DONE]" else fastjson.loads(data))
-    return out
-
-
 class CompletionService:
     def __init__(self, chat: ChatService):
         self.chat = chat
@@ -330,7 +318,8 @@ class CompletionService:
         """Waits for every prompt's first chunk (errors before them keep their HTTP status), then returns
         the server-sent events."""
         t0 = time.perf_counter() if t0 is None else t0
-        streams = await _all([self.chat.open_stream(part, gen, [], t0) for part, gen in zip(req.parts, req.gens)],
+        streams = await _all([self.chat.open_stream(part, gen, [], t0, events=True)
+                              for part, gen in zip(req.parts, req.gens)],
                              abandon=_abandon_stream)
         return self._sse(req, streams)
 
@@ -355,11 +344,11 @@ class CompletionService:
         try:
             async for i, write in merged:
                 out = ""
-                for ev in chat_events(write):
-                    if ev == "[DONE]":
+                for ev in write:
+                    if ev == DONE:
                         continue
                     if "error" in ev:  # the chat stream's in-band error: the request ends here
-                        yield out + f"data: {fastjson.dumps(ev)}\n\n" + _DONE
+                        yield out + sse([ev, DONE])
                         return
                     if not ev["choices"]:  # the prompt's usage chunk: its last
                         finals[i] = ev["usage"]
@@ -386,7 +375,7 @@ class CompletionService:
                         chunk = {"id": req.id, "object": "text_completion", "created": req.created,
                                  "model": self.chat.cfg.model_name, "choices": [], "usage": usage}
                         out += f"data: {fastjson.dumps(chunk)}\n\n"
-                    yield out + _DONE
+                    yield out + sse([DONE])
                     return
                 if out:
                     yield out

@@ -3,14 +3,12 @@
 The engine sends ids and numbers (app/llm/stream.py: one `(logprob, top ids, top logprobs)` per
 token); text is made here, on the Router, only for requests that asked.
 
-`bytes` is the token's exact UTF-8 bytes, and `token` their text. One token can hold part of a
-character (byte-level BPE splits multi-byte characters); its `token` then shows U+FFFD for the
-missing part, and concatenating the `bytes` of consecutive tokens gives the exact text. Byte-level
-BPE tokenizers (Qwen's, GPT-2's) write each byte as one printable character; `_byte_level_alphabet`
-is that published mapping, so a token's bytes come from its vocabulary string without a decode.
-Added tokens (`<|im_end|>`...) and other tokenizers' pieces (SentencePiece) are decoded alone.
-With vLLM's `return_tokens_as_token_ids` a token is written `token_id:<id>` instead (its `bytes` those
-of that text), which a client can map back to the vocabulary whatever the token's text.
+`bytes` is the token's exact UTF-8 bytes, `token` their text: a token holding part of a character
+shows U+FFFD for the missing part, and consecutive tokens' `bytes` concatenate to the exact text.
+Byte-level BPE (Qwen's, GPT-2's) writes each byte as one printable character; `_byte_level_alphabet`
+is that mapping, so bytes come from the vocabulary string without a decode. Added tokens and other
+tokenizers' pieces (SentencePiece) are decoded alone. vLLM's `return_tokens_as_token_ids` writes a
+token as `token_id:<id>` (its `bytes` those of that text), which maps back to the vocabulary.
 """
 
 from __future__ import annotations

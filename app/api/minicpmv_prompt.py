@@ -1,23 +1,15 @@
 """MiniCPM-V's prompt: the chat template's `(<image>./</image>)` placeholders expanded to `<unk>` runs.
 
-The checkpoint's template renders one `(<image>./</image>)` per image part. Each is replaced, as the
-published processor does, by (with q = the resampler's queries per slice):
+As the published processor does, each image's placeholder becomes (q = the resampler's queries per
+slice) `<image_id>i</image_id><image> q x <unk> </image>`, then, if sliced into cols x rows, per row
+cols x `<slice> q x <unk> </slice>`, rows joined by a newline. A video (our choice: the 4.5 checkpoint
+format does not describe the published temporal resampler) is rendered as an image part whose
+placeholder becomes one `<image> q x <unk> </image>` per frame, no image id, no slicing. The LLM
+replaces the `<unk>` embeddings (`mm_token_type_ids` 1 image, 2 video); text between placeholders is
+tokenized piecewise, so the counts are exact by construction.
 
-    <image_id>i</image_id><image> q x <unk> </image>            (i counts the prompt's images from 0)
-    then, when the image was sliced into cols x rows: per row, cols x (<slice> q x <unk> </slice>),
-    rows joined by a newline.
-
-Videos (our choice; the published model's own video path packs frames with a temporal resampler that
-the 4.5 checkpoint format does not describe to us): a video part is rendered as an image part, and
-its placeholder becomes one `<image> q x <unk> </image>` per sampled frame, frames joined by a newline,
-with no image id and no slicing. The `<unk>` tokens are the ones whose embeddings the LLM replaces;
-their `mm_token_type_ids` are 1 (image) or 2 (video frames). Text between placeholders is tokenized
-piecewise, so the counts are exact by construction.
-
-Client text may not contain `<unk>` or the placeholder (a 400 `reserved_token`, as Qwen's vision
-markers are refused in app/api/schemas.py): the tokenizer reads `<unk>` as the token whose embedding
-the LLM replaces, and the template's placeholder would be expanded, so either forges media that no
-item backs (the engine or this builder then failed with a 500).
+Client text may not contain `<unk>` or the placeholder (400 `reserved_token`, as app/api/schemas.py
+refuses Qwen's vision markers): either would forge media that no item backs.
 """
 
 from __future__ import annotations

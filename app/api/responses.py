@@ -1,19 +1,14 @@
 """OpenAI's Responses API, `POST /v1/responses`, over the chat path.
 
 A request is translated into a chat-completions request and runs as one (`ChatService.prepare`,
-`complete`, `open_stream`): `input` (a string, or messages whose content is a string or `input_text`
-and `input_image` parts) becomes `messages`, `instructions` a system message first, `max_output_tokens`
-`max_tokens`, `text.format` (`json_schema`, `json_object`, `text`) `response_format`. So prompts, images,
-sampling defaults, structured output, retries and metrics are the chat path's own; an error names the
-Responses field it came from (`input[1].content[0].image_url`, `max_output_tokens`, `text.format`).
-
-Answers are `response` objects; streamed, the Responses event sequence (`response.created` ...
-`response.completed`, each with its `sequence_number`). As vLLM, the last event is `response.completed`
-also when the response is `incomplete` (`max_output_tokens` reached; its `incomplete_details` say so).
+`complete`, `open_stream`; `input` becomes `messages`, `instructions` a first system message,
+`text.format` `response_format`), so prompts, images, sampling, structured output, retries and metrics
+are the chat path's own; an error names the Responses field it came from. Streamed answers end with
+`response.completed` as vLLM's do, also when `incomplete` (`max_output_tokens` reached).
 
 Refused with a 400 naming the field, since this server keeps no state and runs no tools: `store: true`,
-`previous_response_id`, `conversation`, `background`, `tools` (function tools are served by
-/v1/chat/completions), `input_file` and `input_audio` parts, and the others in REFUSED below.
+`previous_response_id`, `conversation`, `background`, `tools` (served by /v1/chat/completions),
+`input_file` and `input_audio` parts, and the others in REFUSED below.
 """
 
 from __future__ import annotations
@@ -27,8 +22,8 @@ from dataclasses import dataclass, field
 from ..errors import ClientError
 from ..llm.sampling import SamplingParams
 from . import fastjson
+from .answer import DONE
 from .chat import ChatService, unwrap_client_error
-from .completions import chat_events
 from .params import unsupported
 from .schemas import ChatRequest
 
@@ -282,7 +277,7 @@ class ResponseService:
     async def open_stream(self, req: ResponseRequest, t0: float | None = None) -> AsyncIterator[str]:
         """Waits for the first generated chunk (errors before it keep their HTTP status), then returns
         the Responses events."""
-        return self._events(req, await self.chat.open_stream(req.chat, req.gen, req.payload, t0))
+        return self._events(req, await self.chat.open_stream(req.chat, req.gen, req.payload, t0, events=True))
 
     async def _events(self, req: ResponseRequest, chat: AsyncIterator[str]) -> AsyncIterator[str]:
         """The chat stream's chunks, rewritten as the Responses event sequence."""
@@ -301,8 +296,8 @@ class ResponseService:
                + event("response.content_part.added", part=_output_text(""), **where))
         try:
             async for write in chat:
-                for ev in chat_events(write):
-                    if ev == "[DONE]":
+                for ev in write:
+                    if ev == DONE:
                         continue
                     if "error" in ev:  # the chat stream's in-band error: the response fails here
                         err = ev["error"]

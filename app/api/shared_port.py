@@ -1,26 +1,15 @@
 """HTTP straight into each Router process, on one port that all of a node's Routers share.
 
-Why. Through Ray Serve's HTTP proxy a request costs two extra process hops: the proxy hands the request
-to a Router replica, the Router fetches the body back from the proxy with one more call, and every
-streamed chunk travels Router -> proxy -> client. On the 2-core machine those hops were 8-10 ms of a
-trivial request's 24-31 ms at concurrency 1 (benchmarks/ray_hops.py), and a node has one proxy process,
-whose single Python thread caps what every GPU of the node can serve.
+Why: Ray Serve's proxy adds process hops (handing the request over, the body fetched back, every chunk
+relayed), a large share of a small request's time (benchmarks/results/2026-11-23-ray-hops-routers-own-port-cpu.md),
+and a node's one proxy thread caps what all its GPUs serve. Each Router listens on the same port with
+SO_REUSEPORT (the kernel spreads connections), serving the same FastAPI app with uvicorn on its own
+loop, so routes, API key and errors match Ray Serve's port, which keeps working beside it.
 
-How. Each Router replica listens on the same port with SO_REUSEPORT, so the kernel spreads incoming
-connections over the node's Router processes; there is no proxy and no hop in between. The server is
-uvicorn on the replica's own event loop, running the same FastAPI app that Ray Serve calls, so the
-routes, the API key check and the error shapes are the same on both ports. Ray Serve's proxy port keeps
-working beside it.
-
-What it gives up, and what stands in for it:
-- Ray Serve does not count these requests. The server counts its requests in flight (`ongoing`); the
-  Router reports them (`record_autoscaling_stats`), and app.serving.autoscaling.RouterAutoscalingPolicy adds them
-  to Serve's own count, so the Routers still scale on their whole load.
-- Serve's `max_ongoing_requests` does not apply to them; the engine's own admission still answers 503.
-- A stopping Router must finish what came in here itself: `drain` stops taking connections and waits
-  for the requests in flight, since Serve's drain only waits for the requests it counted.
-- A client must reach a node that runs Routers.
-Off by default (`router_http_port`); the GPU presets turn it on.
+What it gives up: Serve neither counts these requests (the Router reports its `ongoing` ones and
+app.serving.autoscaling.RouterAutoscalingPolicy adds them, so scaling sees the whole load) nor applies
+`max_ongoing_requests` (the engine's admission still answers 503); `drain` must itself wait for them;
+a client must reach a node that runs Routers. Off by default (`router_http_port`); GPU presets turn it on.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """OpenAI tool calling (`tools`, `tool_choice`, `parallel_tool_calls`) in the Hermes format that
 Qwen3-VL and MiniCPM-V 4.5 are trained on (Qwen2.5-VL's published chat template lists no tools).
 
-- The checkpoint's chat template lists the tools in the system turn and renders earlier calls and
-  tool results (`PromptBuilder.build(..., tools=...)`).
-- The model calls a tool by writing `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
-  `ToolCallStream` cuts these blocks out of the text as it streams: the text between them is the
-  message's content, each block whose JSON names a known tool becomes one of OpenAI's `tool_calls`
-  (anything else stays content, as the model wrote it). A whole answer goes through the same parser
-  (`split_tool_calls`), so a streamed answer and a whole one carry the same calls and content.
-- `tool_choice: "required"` or a named function forces calls: a grammar (llguidance's Lark, with each
-  tool's parameters as a JSON schema) allows only call blocks, so even a weak model answers with a
-  valid call whose arguments match the schema. `"auto"` leaves the model free; `"none"` ignores the
-  tools (they are not shown to the model).
+- The chat template lists the tools in the system turn and renders earlier calls and results.
+- The model writes `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; `ToolCallStream`
+  cuts these blocks out of the streamed text, each naming a known tool becoming one of OpenAI's
+  `tool_calls` (anything else stays content). A whole answer goes through the same parser
+  (`split_tool_calls`), so streamed and whole answers carry the same calls and content.
+- `tool_choice: "required"` or a named function forces calls with a grammar (llguidance's Lark, each
+  tool's parameters as a JSON schema), so even a weak model answers with a valid call. `"auto"` leaves
+  the model free; `"none"` does not show the tools.
 """
 
 from __future__ import annotations
