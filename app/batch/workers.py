@@ -1,21 +1,15 @@
-"""The three stages' work, one class each, with no Ray in them: `pool.py` runs each class as Ray core
-actors. They are the serving code, not copies of it:
+"""The three stages' work, one class each, with no Ray in them (`pool.py` runs them as Ray core actors);
+they are the serving code, not copies of it:
+- `MediaWorker`: `ChatService.prepare` over a `BatchMediaPipeline`; returns the request and the patch
+  rows separately, so the driver never holds pixels.
+- `EncoderWorker`: `EncoderService.encode_async`; many rows in flight let the batcher fill its budgets.
+- `LLMWorker`: the `Engine` behind `AsyncEngine`, many rows in flight so continuous batching always has
+  sequences; under `fused` placement (the GPU default) it also holds the tower and there is no encoder stage.
 
-- `MediaWorker`: `ChatService.prepare` (request parsing, media fetch/decode/patchify, the prompt with
-  exact placeholder counts) over a `BatchMediaPipeline`; returns the small part (request, generation
-  dict) and the patch rows separately, so the driver never holds pixels.
-- `EncoderWorker`: `EncoderService.encode_async` (graph manager, cross-request batcher, embedding
-  cache); many rows in flight per actor let the batcher fill its token budgets.
-- `LLMWorker`: the `Engine` behind `AsyncEngine`, each row one request, many rows in flight, so the
-  engine's continuous batching always has sequences to run. Under serving's `fused` placement (the
-  default on GPUs) it also holds the tower (`app.serving.fused.FusedBackend`) and there is no encoder stage.
-
-Each stage is called with a chunk of rows (`BatchConfig.chunk_rows`): a Ray call costs the driver
-about 2 ms of its one Python thread, so row-by-row calls capped a job near 490 rows/s on two and on
-four GPUs alike. A chunk's rows still run concurrently inside the actor, each on its own.
-
-Client errors come back as values (`Failure`), never as raised exceptions, so a bad row costs one row;
-a row the engine had no room for comes back as `Busy`, which the driver sends again.
+Stages take chunks of rows (`BatchConfig.chunk_rows`), run concurrently inside the actor: each Ray call
+costs the driver's one Python thread milliseconds, which capped row-by-row jobs whatever the GPU count
+(benchmarks/results/2026-11-26-four-gpus-at-last.md). Client errors come back as values (`Failure`), so
+a bad row costs one row; a row the engine had no room for comes back as `Busy`, sent again.
 """
 
 from __future__ import annotations

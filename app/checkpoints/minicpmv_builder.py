@@ -2,14 +2,10 @@
 
 MiniCPM-V is not in transformers, so the checkpoint is written file by file in its published format:
 
-- `config.json`: `model_type` "minicpmv", `version` 4.5, the Qwen3 text keys at the top level,
-  `query_num`, `image_size`, `patch_size`, `slice_config` {max_slice_nums, scale_resolution,
-  patch_size}, `slice_mode`, `use_image_id`, `drop_vision_last_layer`, `batch_vision_input` and a
-  SigLIP `vision_config`;
-- `model.safetensors`: `vpm.*` (SigLIP), `resampler.*` and `llm.model.*` / `llm.lm_head.weight` (a
-  Qwen3 causal LM's own names under `llm.`);
-- `preprocessor_config.json`: the image processor's slicing and normalisation settings and the
-  placeholder tokens;
+- `config.json`: `model_type` "minicpmv", `version` 4.5, the Qwen3 text keys at the top level, the
+  vision and slicing keys (`query_num`, `slice_config`, `slice_mode`, ...) and a SigLIP `vision_config`;
+- `model.safetensors`: `vpm.*` (SigLIP), `resampler.*` and `llm.*` (a Qwen3 causal LM's own names);
+- `preprocessor_config.json`: the processor's slicing and normalisation settings, placeholder tokens;
 - a byte-level BPE tokenizer with ChatML's and MiniCPM-V's special tokens (`<unk>` is the placeholder
   the LLM's embeddings replace) and a chat template that renders each image as `(<image>./</image>)`.
 """

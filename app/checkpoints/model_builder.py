@@ -6,9 +6,8 @@ weight values). A preset's `model_type` picks the family:
 
 - `qwen3_vl` (`tiny`, `qwen3-vl-2b`, `qwen3-vl-8b`), `qwen3_vl_moe` (`tiny-qwen3-vl-moe`,
   `qwen3-vl-30b-a3b`, `qwen3-vl-235b-a22b`) and `qwen2_5_vl` (`tiny-qwen2.5-vl`, `qwen2.5-vl-3b`,
-  `qwen2.5-vl-7b`): transformers' own classes save the weights; the folder loads through
-  `from_pretrained` exactly like a real one. The large MoE shapes are built with `--config-only` and
-  served with `llm.load_format: dummy` (weights made on the GPU);
+  `qwen2.5-vl-7b`): transformers' own classes save the weights, loadable by `from_pretrained`; the
+  large MoE shapes are `--config-only`, served with `llm.load_format: dummy` (weights made on the GPU);
 - `minicpmv` (`tiny-minicpm-v-4.5`, `minicpm-v-4.5`): MiniCPM-V is remote code on the Hub, not in
   transformers, so `minicpmv_builder.py` writes its published config keys and parameter names itself.
 """

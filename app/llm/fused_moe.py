@@ -44,8 +44,9 @@ def route_topk(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.dty
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (expert ids [T, k], weights [T, k] in `dtype`), as transformers routes:
     softmax in float32, top-k, renormalised to sum 1 when the checkpoint says so, rounded to `dtype`.
-    On CUDA one Triton kernel; torch's ops take eight launches (softmax, two for top-k, the sum, the
-    division, casts), which at one decode token cost about 14 µs a layer against about 2."""
+    On CUDA one Triton kernel, since torch's eight launches a layer (softmax, top-k, sum, division,
+    casts) take several times as long at one decode token
+    (benchmarks/results/2026-11-27-models-beyond-one-gpu.md)."""
     if triton is None or not logits.is_cuda or logits.shape[0] == 0:
         return route_topk_torch(logits, k, renormalize, dtype)
     t, e = logits.shape

@@ -1,18 +1,15 @@
 """Keeping the engines of a tensor-parallel replica in step.
 
-Each rank of a tensor-parallel group runs a whole engine over its share of the model: scheduler,
-block manager, runner, sampler. Requests reach rank 0's (the leader's) only. At every turn of its
-loop the leader sends the others (followers) a `Tick`: the sequences it took from its queue (their
-request, seed, ...), which sequences were cancelled, or the word to stop; the vision embeddings
-those sequences carry follow as tensors from rank 0. Each rank then runs the same step: the
-scheduler is deterministic given the same queue, the logits are identical on every rank (gathered
-whole) and sampling noise is a function of (seed, position, token), so every rank samples the same
-tokens and plans the same next step, and their collectives meet. Nothing but the queue's changes
-crosses between ranks per step; only the leader's outputs reach clients.
+Each rank of a tensor-parallel group runs a whole engine over its share of the model; requests reach
+only rank 0's (the leader). Every turn the leader sends the followers a `Tick`: the sequences it took
+from its queue, those cancelled, or the word to stop, their vision embeddings following as tensors.
+Each rank then runs the same step: the scheduler is deterministic given the same queue, the logits are
+identical (gathered whole) and sampling noise is a function of (seed, position, token), so every rank
+samples the same tokens, plans the same next step, and their collectives meet. Only the queue's changes
+cross between ranks; only the leader's outputs reach clients.
 
-Ticks travel over a CPU (gloo) group as pickles (an empty one, most decode steps, is one small
-broadcast); the embeddings over the device group (NCCL on GPUs). Cancellation is sampled once per turn on the leader and applied from the tick on every
-rank (a cancel arriving mid-step waits for the next turn), so no rank drops a request alone.
+Ticks are pickles over a CPU (gloo) group, embeddings go over the device group (NCCL). Cancellation is
+read once per turn on the leader and applied from the tick on every rank, so no rank drops a request alone.
 """
 
 from __future__ import annotations

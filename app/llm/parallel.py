@@ -1,18 +1,14 @@
 """Tensor parallelism: which part of each weight a rank holds, and the collectives that join them.
 
-A model too large for one GPU is split across N ranks (GPUs of one node), each holding 1/N of every
-large matrix, Megatron-style, so a layer needs two all-reduces and nothing else:
-- qkv and gate/up are split by output rows (attention heads, MLP units), so each rank computes its
-  own heads and units from the full hidden state without talking to the others;
-- o and down are split by input columns to match, so each rank's product is a partial sum of the
-  full output: one all-reduce after each;
-- KV heads are split like the query heads; where there are fewer KV heads than ranks, each rank keeps
-  the one KV head its query heads read (replicated), as the others do;
-- the embedding and the LM head are split by vocabulary rows (a lookup masked to the rank's rows,
-  then an all-reduce; logits all-gathered);
-- MoE layers split every expert's units the same way (`moe: "tp"`), or give whole experts to ranks
-  (`"ep"`), the other ranks' experts routed nowhere; either ends in the same all-reduce.
-With N = 1 every helper is the identity, and nothing imports torch.distributed's machinery.
+A model too large for one GPU is split Megatron-style across N ranks (GPUs of one node), each holding
+1/N of every large matrix, so a layer needs two all-reduces and nothing else:
+- qkv and gate/up split by output rows (heads, units): each rank computes its own without talking;
+- o and down split by input columns to match: each product is a partial sum, one all-reduce after;
+- KV heads split like the query heads; with fewer KV heads than ranks each rank keeps (replicates)
+  the one its query heads read;
+- embedding and LM head split by vocabulary rows (a masked lookup, then an all-reduce; logits gathered);
+- MoE layers split every expert's units (`moe: "tp"`) or give whole experts to ranks (`"ep"`); either
+  ends in the same all-reduce. With N = 1 every helper is the identity, without torch.distributed.
 """
 
 from __future__ import annotations

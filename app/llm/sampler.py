@@ -1,23 +1,15 @@
 """Sampling for a whole step's batch on the device: penalties, temperature, min-p, top-k, top-p, seeds.
 
-One call per step for every request that samples, with no per-request kernels and no host round
-trip: the host learns only the chosen token ids (one copy, after the step), plus, for steps where a
-request asked for them, log-probabilities (logprobs.py).
-
-In order, as vLLM applies them: `min_tokens` (the end-of-sequence and stop token ids at -inf while a
-row has fewer output tokens), the repetition penalty (transformers' and vLLM's rule: a logit of a token
-in the prompt or the output so far is divided by the penalty when positive, multiplied when not),
-frequency and presence penalties (OpenAI's: minus the penalty x the token's output count, minus the
-penalty once it occurs), the greedy choice, then for sampled rows temperature, min-p (tokens less
-likely than min_p x the most likely one, after temperature, at -inf: in logits, x < max(x) + log(min_p)),
-top-k and top-p. Per-row state lives in per-row tensors indexed by each request's row: output-token
-counts, the prompt's tokens (repetition penalty) and the ids `min_tokens` holds back; a request
-writes its row once, when it takes it (`admit`), from pinned memory without waiting for the device.
+One call per step, no per-request kernels, no host round trip: the host learns only the chosen ids
+(one copy after the step), plus log-probabilities where asked (logprobs.py). In vLLM's order:
+`min_tokens` (end and stop ids at -inf until reached), the repetition penalty (transformers' rule),
+frequency and presence penalties (OpenAI's), the greedy choice, then for sampled rows temperature,
+min-p, top-k and top-p. Per-row state (output counts, prompt tokens, held-back ids) lives in tensors
+indexed by the request's row, written once at `admit` from pinned memory without a device wait.
 
 Randomness is counter-based: the noise for token `v` of a request's `n`-th output is a hash of
-(seed, n, v), turned into Gumbel noise, and the sample is argmax(logits / T + noise), which draws
-from softmax(logits / T) over the tokens top-k and top-p leave. A seed thus gives the same output
-whatever else shares the batch, and after a preemption.
+(seed, n, v) made Gumbel, and argmax(logits / T + noise) draws from softmax(logits / T) over what
+top-k and top-p leave, so a seed gives the same output whatever shares the batch, and after a preemption.
 """
 
 from __future__ import annotations

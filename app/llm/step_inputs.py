@@ -77,8 +77,8 @@ class StepInputs:
     views. On the CPU the views are the host arrays themselves.
 
     Every array starts on a 16-byte boundary: Triton compiles a kernel per combination of its pointer
-    arguments' 16-byte alignment, so arrays at arbitrary offsets made new compilations (about 0.5 s
-    each, on an H200) appear at random while serving."""
+    arguments' 16-byte alignment, so arrays at arbitrary offsets made slow new compilations appear at
+    random while serving (benchmarks/results/2026-11-21-llm-engine.md)."""
 
     def __init__(self, device: torch.device, capacity: int):
         self.device = device

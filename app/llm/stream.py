@@ -1,21 +1,14 @@
 """The consumer side of a request: token ids from the engine become text chunks.
 
-The engine thread only hands over token ids (one batch of them per step, for every request). Text
-is made where the chunks are read, by whoever reads them (the LLM replica's event loop, or a
-caller's thread), so detokenization and stop strings never lengthen a step:
-
-- `Detokenizer` turns ids into text incrementally, decoding a small window of recent ids rather
-  than the whole output each time, and holds back an incomplete UTF-8 sequence;
-- stop strings are searched in the new text only (plus the few characters before it a stop string
-  could start in), and text that may begin one is held back until it is known not to; a stop token id
-  (`stop_token_ids`) ends the answer before it, or with it under `include_stop_str_in_output`, which
-  keeps a stop string too; neither ends an answer of fewer than `min_tokens` tokens (vLLM's rules);
-- `OutputStream.push` takes everything that has arrived since the last read at once, so a reader
-  that falls behind gets one chunk for many tokens instead of one message per token.
-
-A stop string or stop token id ends the request here; the reader then cancels it, and the engine
-frees its blocks at its next step (tokens it made meanwhile are dropped). The end-of-sequence token is
-the engine's to see: it ends the request there and never reaches the text.
+The engine thread only hands over token ids, once per step; text is made by whoever reads the chunks
+(the replica's event loop, or a caller's thread), so detokenization and stop strings never lengthen a step:
+- `Detokenizer` decodes a small window of recent ids, not the whole output, and holds back an
+  incomplete UTF-8 sequence;
+- stop strings are searched in the new text only, text that may begin one held back until known not
+  to; stop strings and `stop_token_ids` follow vLLM's rules (`include_stop_str_in_output`, `min_tokens`);
+- `OutputStream.push` takes all that arrived since the last read, so a reader that falls behind gets
+  one chunk for many tokens. A stop ends the request here and the reader cancels it (the engine frees
+  its blocks next step, dropping tokens made meanwhile); end-of-sequence ends it in the engine.
 """
 
 from __future__ import annotations

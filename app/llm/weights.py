@@ -1,19 +1,14 @@
 """transformers' tensors into our parameters: by name, each rank reading only its share.
 
-Our layout fuses what runs as one GEMM (q/k/v into `qkv`, gate/up into `gate_up`); a checkpoint
-tensor therefore lands in rows of one of our parameters, after the rank's slice is taken from it
-(parallel.py says which). Sources are read through `TensorSource`s, so a safetensors file gives
-only the rows or columns asked for (`get_slice`): under tensor parallelism no rank reads the whole
-of a large tensor.
+Our layout fuses what runs as one GEMM (`qkv`, `gate_up`), so a checkpoint tensor lands in rows of one
+of our parameters, after the rank's slice is taken (parallel.py). `TensorSource`s read only the rows or
+columns asked for (`get_slice`): no rank reads the whole of a large tensor.
 
-Experts come in three shapes: per-expert tensors (`mlp.experts.E.gate_proj.weight`, Qwen3-MoE),
-stacked tensors as checkpoint files hold them (`mlp.experts.gate_up_proj` [E, hidden, 2 units],
-`down_proj` [E, units, hidden]), or stacked as transformers' modules hold them in memory (the
-last two dimensions swapped). The shape tells which wherever hidden != 2 units; otherwise the
-file layout is assumed unless the caller says `module_layout`.
-
-`init_random` fills the parameters in place on the device instead, for shapes whose checkpoints
-could not even be written to disk (a 235B model is ~470 GB in bf16): speed does not depend on values.
+Experts come per expert (`mlp.experts.E.gate_proj.weight`, Qwen3-MoE), stacked as files hold them
+(`gate_up_proj` [E, hidden, 2 units], `down_proj` [E, units, hidden]) or stacked as transformers'
+modules hold them (last two dimensions swapped); the shape tells which unless hidden == 2 units, where
+the file layout is assumed unless the caller says `module_layout`. `init_random` fills parameters on
+the device instead, for checkpoints too large to write (235B is ~470 GB in bf16): speed ignores values.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Decoding and resizing are CPU-bound; they never run on the asyncio loop. Items leave as raw uint8
 patch rows: the encoder normalises them on its device, so a quarter of float32's bytes crosses Ray
-(one 448^2 image: 1.2 instead of 4.8 MB, a Ray call 2.1-2.3x faster on 2 cores; benchmarks/payload.py).
+and each call is faster (benchmarks/results/2026-11-21-router-media-preparation.md).
 
 `MediaPipeline` runs in one process (the MediaPreprocessor replicas, and the in-process path without
 Ray); `app/media/remote.py` asks MediaPreprocessor replicas for the same items from the ingress.
@@ -81,10 +81,9 @@ _SERVER_SETTINGS = MediaOptions()
 def cache_key(kind: str, frames: np.ndarray, spec: PatchSpec) -> str:
     """Hash of the tower's input: the resized uint8 frames and the settings that turn them into rows.
     Equal keys mean equal embeddings; hashing after the resize also reads far fewer bytes than the
-    decoded original (a 12-megapixel photo: 36 MB against 3 MB). SHA-256, not BLAKE2: OpenSSL's
-    SHA-256 uses the CPU's SHA instructions, CPython's BLAKE2 is portable C (a 448^2 image's 602 KB:
-    0.42 against 1.14 ms; a 1024^2 image's 3 MB: 2.4 against 6.7 ms). A collision-resistant hash,
-    since one client's key must not be able to name another's embeddings."""
+    decoded original. SHA-256, not BLAKE2: OpenSSL's SHA-256 uses the CPU's SHA instructions,
+    CPython's BLAKE2 is portable C (benchmarks/results/2026-11-23-one-h200-gpu-ceiling-host-path.md).
+    A collision-resistant hash, since one client's key must not be able to name another's embeddings."""
     h = hashlib.sha256()
     h.update(repr((kind, frames.shape, str(frames.dtype), spec)).encode())
     h.update(np.ascontiguousarray(frames).data)

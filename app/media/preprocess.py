@@ -89,10 +89,10 @@ def patchify(frames: np.ndarray, spec: PatchSpec, normalize: bool = True) -> Pat
 
     The patch layout is gathered on the uint8 frames (a quarter of the bytes of float32). With
     `normalize` (the reference processor's float32 rows), rescale and normalise then run as one
-    multiply-add into the output, x * (1 / (255 std)) - mean / std: converting to float first and
-    transposing after, as the processor does, took 4-5x longer (a 448^2 image: 8.2 -> 1.7 ms on the
-    2-core development machine). Without it the rows stay uint8 and the encoder normalises them on
-    its device (`column_norm`): the router sends a quarter of the bytes.
+    multiply-add into the output, x * (1 / (255 std)) - mean / std: several times faster than the
+    processor's convert-then-transpose (benchmarks/results/2026-11-21-router-media-preparation.md).
+    Without it the rows stay uint8 and the encoder normalises them on its device (`column_norm`):
+    the router sends a quarter of the bytes.
     """
     n, hh, ww, c = frames.shape
     p, m, tp = spec.patch, spec.merge, spec.temporal

@@ -1,19 +1,14 @@
 """MiniCPM-V's image slicing, on the router: a source image becomes a thumbnail and up to
 `max_slices` slices, each an image of its own for the vision tower (64 embeddings each).
 
-The published scheme, from the image processor's settings (`preprocessor_config.json`):
-
-- the thumbnail is the image resized to at most `scale_resolution`^2 pixels, aspect ratio kept, each
-  side rounded to a multiple of the patch size; an image no larger than that is not sliced, and its
-  thumbnail may be upscaled to that area;
-- otherwise the slice count is ceil(area / scale_resolution^2), capped at `max_slices`; among the
-  (cols, rows) factorisations of that count and its two neighbours (not 1, not above the cap), the grid
-  whose log aspect ratio is nearest the image's wins (the first one on ties);
-- the image is resized so that each grid cell is a patch-multiple, about `scale_resolution`^2 pixels
-  in area (upscaling allowed), and cut into cols x rows equal slices, row by row.
-
-Resizes are PIL bicubic, as the published processor does. Rows and normalisation then follow
-`patchify` with temporal patch 1 and merge 1 (patch rows in row-major order, (C, P, P) each).
+The published scheme, from `preprocessor_config.json` (resizes PIL bicubic, as the processor does):
+- the thumbnail is the image resized to at most `scale_resolution`^2 pixels, aspect kept, sides patch
+  multiples; an image no larger is not sliced (its thumbnail may be upscaled to that area);
+- else the count is ceil(area / scale_resolution^2), capped at `max_slices`; among the (cols, rows)
+  factorisations of it and its two neighbours (not 1, not above the cap), the grid whose log aspect
+  ratio is nearest the image's wins (the first on ties);
+- the image is resized so each cell is a patch-multiple of about `scale_resolution`^2 pixels and cut
+  into cols x rows slices, row by row. Rows then follow `patchify` with temporal patch 1 and merge 1.
 """
 
 from __future__ import annotations

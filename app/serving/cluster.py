@@ -1,18 +1,12 @@
 """Replica counts on a Ray cluster of several nodes, from each node's own GPUs and cores (no Ray here).
 
-The builder (deployments/app.py) used to size the CPU deployments from the cluster's totals: the
-Routers' and media replicas' floor was `per_gpu x GPUs`, capped at a quarter of *all* cores. On a
-cluster whose nodes differ that is wrong both ways: a head or CPU-only node's cores raised the cap of
-GPU nodes that have few cores, and a GPU node could end up with no Router while the cap came from
-cores elsewhere. Here each node counts on its own: a node with GPUs holds `per_gpu` replicas per GPU,
-at most a quarter of *its* cores, at least one (so every GPU node's `router_http_port` answers); a
-node without GPUs adds none to the floor (on KubeRay the head runs with `num-cpus: 0`). Without GPUs
-anywhere the floor is 1, as before. The ceiling of the media replicas is half of each node's cores,
-summed. Ray Serve spreads a deployment's replicas over the nodes that fit them; these counts are the
-totals it spreads.
-
-The LLM replicas already follow each GPU (app/serving/placement.py: `per_gpu` per GPU, tensor-parallel
-groups within one node).
+Each node counts on its own, since cluster totals are wrong both ways when nodes differ (a CPU-only
+node's cores would raise the cap of GPU nodes with few cores, and a GPU node could get no Router). A
+node with GPUs holds the Routers' and media replicas' `per_gpu` per GPU, at most a quarter of *its*
+cores, at least one (so every GPU node's `router_http_port` answers); a node without GPUs adds none
+(on KubeRay the head runs with `num-cpus: 0`); without GPUs anywhere the floor is 1. The media
+replicas' ceiling is half of each node's cores, summed. These are totals that Ray Serve spreads over
+the nodes that fit them; the LLM replicas already follow each GPU (app/serving/placement.py).
 """
 
 from __future__ import annotations

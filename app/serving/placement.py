@@ -1,14 +1,12 @@
 """Placement policy: how many encoder and LLM replicas, and what share of a GPU each takes.
 
-Ray gives a fractional GPU request the *best-fitting* GPU (the one left fullest), so two 0.5-GPU
-encoders land on the same GPU and the two 0.5-GPU LLMs on the next: fractional shares cannot pair an
-encoder with an LLM on every GPU of a multi-GPU node. `colocate` therefore lets each LLM replica
-reserve a whole GPU in Ray's accounting (two cannot share one, so Ray spreads them one per GPU) and
-the encoder replicas reserve none: each pins itself to the GPU of its rank on the node
-(`pinned_gpu`). `split` is plain Ray accounting: whole GPUs for the encoder, the rest for the LLM. `fused` runs no
-VisionEncoder replicas: each LLM replica (a whole GPU) loads the tower itself and hands its
-embeddings to the engine on the GPU (app/serving/fused.py), with no copy to the host, no serialisation and no
-second call per request.
+Ray gives a fractional GPU request the *best-fitting* GPU (the fullest), so fractional shares cannot
+pair an encoder with an LLM on every GPU of a node. `colocate` therefore lets each LLM replica reserve
+a whole GPU in Ray's accounting (so Ray spreads them one per GPU) and the encoders none: each pins
+itself to the GPU of its rank (`pinned_gpu`). `split` is plain accounting: whole GPUs for the encoder,
+the rest for the LLM. `fused` runs no VisionEncoder replicas: each LLM replica loads the tower and
+hands embeddings to the engine on the GPU (app/serving/fused.py), with no host copy, no serialisation
+and no second call per request.
 
 No Ray import here: the builder (deployments/app.py) turns a Plan into deployment options.
 """
@@ -41,7 +39,9 @@ class Plan:
                 f"{self.llm_replicas} LLM x {self.llm_num_gpus:g} GPU{pin}")
 
 
-AUTO_POLICY = "fused"  # measured on one H200 against colocate (README, "Placement"); split unmeasured
+# measured on one H200 against colocate (benchmarks/results/2026-11-23-serving-fused-placement.md);
+# split unmeasured
+AUTO_POLICY = "fused"
 
 
 def _share(replicas: int, gpus: int) -> float:

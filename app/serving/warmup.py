@@ -1,18 +1,15 @@
 """Warming a replica before it reports ready, so that ready means ready.
 
-A fresh replica answers its first requests slowly: kernels compile and autotune at their first shapes
-(Triton), libraries pick algorithms at their first sizes (cuBLAS, cuDNN), the sampler's branches
-(top-k, top-p, penalties), log-probabilities and the structured-output grammar compiler (about a
-second for its first grammar) run for the first time, the allocator grows, media decoders import
-their codecs. Under Poisson load at half capacity that meant 503s and multi-second TTFTs in the
-first 20 s after `/health` turned green (issue "Real traffic").
+A fresh replica answers its first requests slowly: kernels compile and autotune, libraries pick
+algorithms, the sampler's branches and the grammar compiler run for the first time, the allocator
+grows, decoders import codecs. At half capacity that meant 503s and multi-second TTFTs in the first
+20 s after `/health` turned green (issue 45, "Real traffic").
 
-So each LLM replica sends itself, before its constructor returns (Ray Serve routes to a replica only
-after that), a set of real requests through the real path: the chat API's parsing and prompt, media
-preparation and the tower (under `fused`: images at a small and a large size, a video), chunked
-prefill longer than a step's budget, several decodes at once, sampling with every filter,
-log-probabilities, a JSON schema, several choices, a stream. A media replica decodes one item of
-each kind. What the warm-up did is logged and kept (`WarmupReport`).
+So each LLM replica sends itself real requests through the real path before its constructor returns
+(Ray Serve routes to it only after that): the chat API, media and the tower (under `fused`: a small
+and a large image, a video), prefill longer than a step's budget, concurrent decodes, every sampling
+filter, log-probabilities, a JSON schema, several choices, a stream. A media replica decodes one item
+of each kind. What the warm-up did is logged and kept (`WarmupReport`).
 """
 
 from __future__ import annotations
