@@ -19,9 +19,12 @@ One invocation, one app (`--start`: Ray and the application started here, as ben
      exception, `unfinished` for those still running `--drain-s` after the last arrival) over all of
      the point's requests;
    - server side over the window: encoder counters' change (/v1/encoder/stats), the LLM queue
-     sampled each second (/v1/llm/load), GPU time per request where the server reports cumulative
-     counters named `*gpu_ms_total` (none does yet: NVML's "busy" is reported but it says a kernel ran,
-     not how much work was done), and benchmarks/monitor.py's GPU utilisation and CPU per process.
+     sampled each second (/v1/llm/load), GPU time per request: the change over the window of the
+     engines' and the towers' cumulative device time (`engine_gpu_ms_total` in /v1/llm/load,
+     `encoder_gpu_ms_total` in /v1/encoder/stats, summed over replicas: CUDA events around every engine
+     step and tower batch, app/gpu/timing.py) over the window's completions, `engine_gpu_ms_per_request`
+     and `encoder_gpu_ms_per_request` (NVML's "busy" is reported too, but it says a kernel ran, not how
+     much work was done), and benchmarks/monitor.py's GPU utilisation and CPU per process.
    Between points the server settles (the LLM's running and waiting at 0). A point passes when
    served >= `--min-served` (0.98) x offered, TTFT p99 <= the workload's bound and nothing failed.
    The search: the coarse rates (`--rates`, or `--fractions` of S), in order, until one fails (all
@@ -356,6 +359,50 @@ def gpu_counters(stats: dict | None) -> dict[str, float]:
 
 GPU_TIME_NOTE = ("the server reports no GPU time (no '*gpu_ms_total' counter in /v1/encoder/stats or /v1/llm/load); "
                  "NVML utilisation only says a kernel ran")
+# what app/gpu/timing.py reports, per kind: (prefix, unit of its brackets, one of them)
+GPU_KINDS = (("engine", "steps", "step"), ("encoder", "batches", "batch"))
+
+
+def gpu_totals(stats: dict | None) -> dict:
+    """The GPU-time counters of a stats answer (/v1/llm/load or /v1/encoder/stats), summed over its
+    replicas: `<kind>_gpu_ms_total`, `<kind>_timed_<unit>`, `<kind>_gpu_interleaved`, `<kind>_gpu_dropped`,
+    and `<kind>_gpu_clock` (the replicas' sources, joined). Only the counters some replica reports."""
+    if not stats:
+        return {}
+    sources = stats.get("replicas") or [stats]
+    out: dict = {}
+    for kind, unit, _ in GPU_KINDS:
+        for key in (f"{kind}_gpu_ms_total", f"{kind}_timed_{unit}", f"{kind}_gpu_interleaved", f"{kind}_gpu_dropped"):
+            values = [r[key] for r in sources if isinstance(r.get(key), (int, float))]
+            if values:
+                out[key] = sum(values)
+        clocks = sorted({str(r[f"{kind}_gpu_clock"]) for r in sources if r.get(f"{kind}_gpu_clock")})
+        if clocks:
+            out[f"{kind}_gpu_clock"] = ",".join(clocks)
+    return out
+
+
+def gpu_per_request(start: dict, end: dict, completions: int) -> dict:
+    """Per kind (engine, encoder) measured at both ends of the window (`gpu_totals` at its start and
+    end): the device ms spent in the window, the steps or batches timed, ms per served request (the
+    window's completions: in a steady state the work done in the window is what its completions cost),
+    ms per step or batch, steps or batches per request, and those that overlapped another bracket on
+    the same stream (`interleaved`: each may hold some of the other's work) or were not timed."""
+    out: dict = {}
+    for kind, unit, one in GPU_KINDS:
+        ms_key, n_key = f"{kind}_gpu_ms_total", f"{kind}_timed_{unit}"
+        if ms_key not in start or ms_key not in end:
+            continue
+        ms = end[ms_key] - start[ms_key]
+        n = end.get(n_key, 0) - start.get(n_key, 0)
+        out[kind] = {"gpu_ms": ms, unit: n,
+                     "ms_per_request": ms / completions if completions else None,
+                     f"ms_per_{one}": ms / n if n else None,
+                     f"{unit}_per_request": n / completions if completions else None,
+                     "interleaved": end.get(f"{kind}_gpu_interleaved", 0) - start.get(f"{kind}_gpu_interleaved", 0),
+                     "dropped": end.get(f"{kind}_gpu_dropped", 0) - start.get(f"{kind}_gpu_dropped", 0),
+                     "clock": end.get(f"{kind}_gpu_clock")}
+    return out
 
 
 async def watch_window(url: str, t0: float, lo: float, hi: float, monitor: bool) -> dict:
@@ -393,13 +440,15 @@ async def watch_window(url: str, t0: float, lo: float, hi: float, monitor: bool)
             "waiting_mean": sum(x.get("waiting", 0) for x in loads) / len(loads),
             "waiting_max": max(x.get("waiting", 0) for x in loads),
             "kv_usage_max": max(float(x.get("kv_usage_max", x.get("kv_usage", 0.0))) for x in loads)}
-    g0 = {**gpu_counters(enc0), **gpu_counters(llm0)}
-    g1 = {**gpu_counters(enc1), **gpu_counters(llm1)}
-    out["gpu_ms"] = {k: g1[k] - g0.get(k, 0.0) for k in g1}
+    # the GPU-time counters at the window's two edges (a side that did not answer at both is left out)
+    g0 = {**gpu_totals(enc0 if enc1 is not None else None), **gpu_totals(llm0 if llm1 is not None else None)}
+    g1 = {**gpu_totals(enc1 if enc0 is not None else None), **gpu_totals(llm1 if llm0 is not None else None)}
+    out["gpu_totals"] = {"start": g0, "end": g1}
+    out["gpu_ms"] = {k: g1[k] - g0[k] for k in g1 if k.endswith("gpu_ms_total") and k in g0}
     if mon is not None:
         s = asdict(mon.summary())
         out["resources"] = {k: s[k] for k in ("duration_s", "gpu_source", "gpu_indices", "gpu_mean", "host_cores",
-                                              "host_busy", "groups", "verdict")}
+                                              "host_busy", "groups", "processes", "verdict")}
     return out
 
 
@@ -592,9 +641,13 @@ class Bench:
         out = {"rate": rate, "arrival": a.arrival, "cv": a.cv if a.arrival == "gamma" else 1.0, "ramp_s": ramp_s,
                **analyse(sent, ramp_s, ramp_s + window_s), "server": extra.get("watch", {}),
                "build_s": build_s, "settle_s": settled, "schedule": self.n}
-        gpu = out["server"].get("gpu_ms") or {}
-        done = out["window_completions"]
-        out["gpu_ms_per_request"] = {k: v / done for k, v in gpu.items()} if gpu and done else None
+        totals = out["server"].get("gpu_totals") or {}
+        gpu = gpu_per_request(totals.get("start", {}), totals.get("end", {}), out["window_completions"])
+        out["gpu_time"] = gpu
+        for kind, _, _ in GPU_KINDS:
+            out[f"{kind}_gpu_ms_per_request"] = gpu.get(kind, {}).get("ms_per_request")
+        per_request = {k: g["ms_per_request"] for k, g in gpu.items() if g["ms_per_request"] is not None}
+        out["gpu_ms_per_request"] = per_request or None
         if not gpu:
             out["gpu_time_note"] = GPU_TIME_NOTE
         return out
@@ -691,22 +744,53 @@ def coarse_rates(a, saturation: float | None) -> list[float]:
     return [round(f * saturation, 2) for f in sorted(a.fractions)]
 
 
+def gpu_cell(point: dict) -> str:
+    """`engine, tower` GPU ms per served request ("-" where unmeasured); "(host clock)" when the
+    server timed without CUDA events, "*" when some brackets overlapped on a shared stream."""
+    gpu = point.get("gpu_time") or {}
+    cells = []
+    for kind, _, _ in GPU_KINDS:
+        g = gpu.get(kind) or {}
+        v = g.get("ms_per_request")
+        cells.append("-" if v is None else f"{v:.2f}{'*' if g.get('interleaved') else ''}")
+    clocks = {g.get("clock") for g in gpu.values()} - {None}
+    host = " (host clock)" if any("host_clock" in c for c in clocks) else ""
+    return ", ".join(cells) + host
+
+
+def cpu_cell(groups: dict | None, top: int = 4) -> str:
+    """The monitor's CPU cores per process group (deployment), busiest first: `LLM 1.05 (1), Router 0.40 (2)`
+    with the processes in each group."""
+    if not groups:
+        return "-"
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1]["cores"])[:top]
+    return ", ".join(f"{name} {g['cores']:.2f} ({g['processes']})" for name, g in ranked)
+
+
 def summary_lines(results: dict) -> list[str]:
     lines = ["| workload | offered req/s | served req/s | served % | TTFT p50 / p99 ms | TPOT p50 / p99 ms | errors "
-             "| GPU busy % | pass |", "|---|---|---|---|---|---|---|---|---|"]
+             "| GPU ms / request: engine, tower | GPU busy % | CPU cores by process | pass |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, w in results.get("workloads", {}).items():
         for p in w.get("search", {}).get("points", []):
-            busy = "/".join(f"{u:.0f}" for u in p["server"].get("resources", {}).get("gpu_mean", [])) or "-"
+            res = p["server"].get("resources", {})
+            busy = "/".join(f"{u:.0f}" for u in res.get("gpu_mean", [])) or "-"
             errs = ", ".join(f"{k} x{v}" for k, v in p["errors"].items()) or "0"
             lines.append(f"| {label} | {p['rate']:g} ({p['offered_rps']:.1f}) | {p['served_rps']:.1f} | "
                          f"{100 * p['served_ratio']:.1f} | {p['ttft_ms']['p50']:.0f} / {p['ttft_ms']['p99']:.0f} | "
-                         f"{p['tpot_ms']['p50']:.1f} / {p['tpot_ms']['p99']:.1f} | {errs} | {busy} | "
-                         f"{'yes' if p['passes'] else 'no'} |")
+                         f"{p['tpot_ms']['p50']:.1f} / {p['tpot_ms']['p99']:.1f} | {errs} | {gpu_cell(p)} | {busy} | "
+                         f"{cpu_cell(res.get('groups'))} | {'yes' if p['passes'] else 'no'} |")
         s = w.get("search", {})
         sat = w.get("closed_loop", {}).get("steady_request_throughput")
         ratio = f", {s.get('goodput', 0) / sat:.2f} of closed-loop saturation {sat:.1f}" if sat else ""
         lines.append(f"| **{label} goodput** | **{s.get('goodput', 0):g} req/s** (fails at {s.get('fails_at')}; "
-                     f"TTFT p99 bound {w.get('ttft_p99_bound_ms'):.0f} ms{ratio}) | | | | | | | |")
+                     f"TTFT p99 bound {w.get('ttft_p99_bound_ms'):.0f} ms{ratio}) | | | | | | | | | |")
+    if any(p.get("gpu_time") for w in results.get("workloads", {}).values()
+           for p in w.get("search", {}).get("points", [])):
+        lines += ["", "GPU ms / request: the device time of the engines' steps and of the towers' batches (CUDA "
+                  "events around each, app/gpu/timing.py) in the window, over the window's completions; `*`: some "
+                  "of them overlapped another on the same stream (the `fused` tower on the engine's stream), so "
+                  "each may include part of the other's work.", ""]
     for c in results.get("cold_start", []):
         s = c.get("summary", {})
         if "per_second" not in c:
@@ -917,7 +1001,8 @@ def main(argv: list[str] | None = None) -> dict:
                 p["passes"], p["why_not"] = verdict(p, bound, a.min_served)
                 print(f"{wl.label}: {rate:g} req/s offered {p['offered_rps']:.2f} served {p['served_rps']:.2f}, TTFT "
                       f"p50/p99 {p['ttft_ms']['p50']:.0f}/{p['ttft_ms']['p99']:.0f} ms, TPOT p99 "
-                      f"{p['tpot_ms']['p99']:.1f} ms, errors {p['errors'] or 0}: "
+                      f"{p['tpot_ms']['p99']:.1f} ms, errors {p['errors'] or 0}, GPU ms/request (engine, tower) "
+                      f"{gpu_cell(p)}: "
                       f"{'pass' if p['passes'] else 'fail: ' + '; '.join(p['why_not'])}", flush=True)
                 entry.setdefault("search", {"points": []})["points"].append(p)
                 save()

@@ -90,9 +90,9 @@ class LLM:
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def metrics_snapshot(self) -> dict:
-        """This replica's request counters and histograms, engine load and (`fused`) tower counters:
-        GET /metrics sums every replica's (app/serving/prometheus.py)."""
-        return {**self.request_metrics.snapshot(), "load": self.engine.load(),
+        """This replica's request counters and histograms, engine load and GPU time, and (`fused`) tower
+        counters: GET /metrics sums every replica's (app/serving/prometheus.py)."""
+        return {**self.request_metrics.snapshot(), "load": {**self.engine.load(), **self.engine.gpu_time()},
                 "encoder": self.fused.encoder.stats() if self.fused is not None else None}
 
     def check_health(self) -> None:
@@ -105,9 +105,12 @@ class LLM:
 
     # ------------------------------------------------------------ routing and autoscaling
     def replica_load(self) -> dict:
-        """This replica's engine load with its id and GPU (`/v1/llm/load` merges every replica's)."""
+        """This replica's engine load with its id and GPU, and its engine's cumulative GPU time
+        (`engine_gpu_ms_total`, `engine_timed_steps`: app/gpu/timing.py): `/v1/llm/load` merges every
+        replica's."""
         return {"replica": serve.get_replica_context().replica_id.unique_id,
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **self._load()}
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **self._load(),
+                **self.engine.gpu_time()}
 
     def record_routing_stats(self) -> dict:
         """Ray Serve calls this every `request_routing_stats_period_s`; the routers' LeastLoadedRouter

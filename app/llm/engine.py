@@ -36,6 +36,7 @@ import torch
 
 from ..config import LLMConfig
 from ..errors import ClientError, Overloaded
+from ..gpu.timing import GpuTimer
 from .block_manager import BlockManager
 from .grammar import Grammars
 from .loader import load_checkpoint, load_in_memory, resolve_dtype, vision_token_ids
@@ -97,6 +98,8 @@ class Engine:
         self.steps = self.graph_steps = self.step_graph_steps = 0  # steps; replayed from decode / step graphs
         # per step: seqs, tokens, graph ("decode", "step" or "" for eager), host s, wall s
         self.step_log: deque[tuple[int, int, str, float, float]] = deque(maxlen=STEP_LOG)
+        # device time of each launched step, from CUDA events around the launch (app/gpu/timing.py)
+        self.gpu_timer = GpuTimer(self.device)
         # The engine thread shares the GIL with whoever reads the outputs (the replica's event loop). When
         # a step's device work is done it must get the GIL back at once, and the loop its turn, not after
         # CPython's default 5 ms switch interval (which, with a busy reader, became most of a batch-64
@@ -273,7 +276,13 @@ class Engine:
         for seqs, _, _, host, _ in list(self.step_log):
             by_batch.setdefault(seqs, []).append(host)
         out["host_ms_median_by_batch"] = {b: round(1e3 * float(np.median(v)), 3) for b, v in sorted(by_batch.items())}
-        return out
+        return out | self.gpu_time()
+
+    def gpu_time(self) -> dict:
+        """Cumulative device time of the launched steps (`engine_gpu_ms_total`, `engine_timed_steps`, ...:
+        GpuTimer.snapshot): read at two moments, their difference over the requests served between is
+        the engine's GPU time per request (benchmarks/goodput.py)."""
+        return self.gpu_timer.snapshot("engine", "steps")
 
     def shutdown(self) -> None:
         with self._cv:
@@ -371,14 +380,17 @@ class Engine:
         previous, self._inflight = self._inflight, None
         launched = None
         if plan.seqs:
+            mark = self.gpu_timer.start()
             try:
                 launched = self.runner.launch(plan, previous)
             except Exception as e:
+                self.gpu_timer.cancel(mark)
                 log.exception("step of %d requests failed", len(plan.seqs))
                 if previous is not None:  # queued before this one: its tokens stand
                     self._complete(previous)
                 self._fail(plan.seqs, e)
                 return
+            self.gpu_timer.stop(mark)
             launched.host_s += launched.started - t0  # the scheduling counts as the step's host time
             self._commit(launched)
         if previous is not None:

@@ -211,10 +211,10 @@ def _add_histogram(into: dict | None, h: dict) -> dict:
 
 def merge_snapshots(reports: list[dict]) -> dict:
     """LLM replicas' `metrics_snapshot()`s summed: counters and histogram buckets add up; `load` holds
-    the engines' summed queue, KV blocks and prefix-cache counts; `encoders` their towers' stats
-    (the `fused` placement)."""
+    the engines' summed queue, KV blocks and prefix-cache counts; `engine_gpu_ms_total` their steps'
+    device time; `encoders` their towers' stats (the `fused` placement)."""
     out = {"prompt_tokens": 0, "generation_tokens": 0, "finished": dict.fromkeys(FINISH_REASONS, 0),
-           "histograms": {}, "load": dict.fromkeys(LOAD_COUNTS, 0), "encoders": []}
+           "histograms": {}, "load": dict.fromkeys(LOAD_COUNTS, 0), "encoders": [], "engine_gpu_ms_total": 0.0}
     for r in reports:
         out["prompt_tokens"] += r.get("prompt_tokens", 0)
         out["generation_tokens"] += r.get("generation_tokens", 0)
@@ -224,6 +224,7 @@ def merge_snapshots(reports: list[dict]) -> dict:
             out["histograms"][name] = _add_histogram(out["histograms"].get(name), h)
         for key in LOAD_COUNTS:
             out["load"][key] += r.get("load", {}).get(key, 0)
+        out["engine_gpu_ms_total"] += r.get("load", {}).get("engine_gpu_ms_total", 0.0)  # app/gpu/timing.py
         if r.get("encoder"):
             out["encoders"].append(r["encoder"])
     return out
@@ -267,6 +268,9 @@ def _families(llm: dict, encoder: dict | None, model: str, replicas: dict[str, t
                   load["prefix_cache_hit_tokens"])
     yield counter("vllm:num_preemptions", "Requests preempted for KV blocks (recomputed later).",
                   load["preemptions"])
+    yield counter("vlm:engine_gpu_seconds", "Device time of the LLM engines' steps in seconds, from CUDA events "
+                  "around each step (the host clock without CUDA), summed over LLM replicas.",
+                  llm.get("engine_gpu_ms_total", 0.0) / 1e3)
     yield counter("vllm:prompt_tokens", "Prompt tokens of requests that produced a first token.",
                   llm["prompt_tokens"])
     yield counter("vllm:generation_tokens", "Generated tokens (as the responses' usage counts them).",
@@ -301,6 +305,9 @@ def _families(llm: dict, encoder: dict | None, model: str, replicas: dict[str, t
                 ("cache_hits", "encoder_cache_hits", "Items served from the embedding cache."),
                 ("cache_misses", "encoder_cache_misses", "Items that had to be encoded.")):
             yield counter(f"vlm:{name}", doc, encoder.get(key, 0))
+        yield counter("vlm:encoder_gpu_seconds", "Device time of the vision encoder's batches in seconds, from CUDA "
+                      "events around each batch (the host clock without CUDA).",
+                      encoder.get("encoder_gpu_ms_total", 0) / 1e3)
         fallbacks = CounterMetricFamily("vlm:encoder_eager_fallbacks", "Eager batches by reason.",
                                         labels=["model_name", "reason"])
         for reason, n in sorted(encoder.get("eager_reasons", {}).items()):

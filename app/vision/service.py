@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from ..config import AppConfig
+from ..gpu.timing import GpuTimer
 from ..llm.loader import resolve_dtype
 from ..media.spec import patch_spec_for
 from .batcher import EncodeBatcher
@@ -61,6 +62,8 @@ class EncoderService:
             eager_margin=enc.eager_margin, observe_dispatch=enc.observe_dispatch, uint8_pixels=True,
             pinned_staging=enc.pinned_pixel_copy, pinned_min_rows=enc.pinned_copy_min_rows))
         self.manager.capture()
+        # device time of each batch, from CUDA events on the stream it runs on (app/gpu/timing.py)
+        self.gpu_timer = GpuTimer(device)
         self.keep_on_device = keep_on_device
         self.cache = EmbeddingCache(enc.cache_bytes)
         # `fused`: the engine's steps run on the device's default stream, from their own thread. On that
@@ -82,7 +85,10 @@ class EncoderService:
 
     def _encode_batch(self, items: list[VisionItem]) -> tuple[list[VisionEmbedding], int]:
         """The batcher's worker thread: one batch, on the engine's stream or the tower's own."""
-        return self.manager.encode_batch(items) if self._stream is None else self._encode_on_own_stream(items)
+        if self._stream is not None:
+            return self._encode_on_own_stream(items)
+        with self.gpu_timer.timed():
+            return self.manager.encode_batch(items)
 
     def _encode_on_own_stream(self, items: list[VisionItem]) -> tuple[list[VisionEmbedding], int]:
         """The batcher's worker thread, `fused` on a GPU: one batch on the tower's stream, each item's
@@ -96,7 +102,8 @@ class EncoderService:
         to a later tower batch only after the work queued there at their release has run."""
         reader = torch.cuda.current_stream(self._stream.device)  # this thread's: the default, the engine's
         with torch.cuda.stream(self._stream):
-            outs, padded = self.manager.encode_batch(items)
+            with self.gpu_timer.timed():  # its events on the tower's stream
+                outs, padded = self.manager.encode_batch(items)
             copies = [VisionEmbedding(*_on_device(o)) for o in outs]
             done = torch.cuda.Event(blocking=True)
             done.record(self._stream)
@@ -109,7 +116,8 @@ class EncoderService:
     def encode(self, items: list[tuple[np.ndarray, tuple[int, int, int]]]) -> list[EncodedItem]:
         """One request's items (uint8 patch rows, grid) as one batch, synchronously (no cache, no
         cross-request batching)."""
-        outs = self.manager.encode([VisionItem(torch.from_numpy(px), tuple(grid)) for px, grid in items])
+        with self.gpu_timer.timed():
+            outs = self.manager.encode([VisionItem(torch.from_numpy(px), tuple(grid)) for px, grid in items])
         return [_to_cpu(o) for o in outs]
 
     async def encode_async(self, items: list[tuple[np.ndarray, tuple[int, int, int], str | None]]
@@ -129,7 +137,10 @@ class EncoderService:
         return results
 
     def stats(self) -> dict:
+        """Counters (cumulative), among them the tower's device time: `encoder_gpu_ms_total` over
+        `encoder_timed_batches` batches (GpuTimer.snapshot)."""
         return {**self.manager.stats.as_dict(), **self.batcher.stats.as_dict(), **self.cache.stats(),
+                **self.gpu_timer.snapshot("encoder", "batches"),
                 "budgets": self.manager.budgets,
                 "captured": sorted(self.manager.graphs), "capture_seconds": self.manager.capture_seconds,
                 "uniform_graphs": [list(k) for k in self.manager.uniform_graphs],
