@@ -1,34 +1,13 @@
-"""Device time spent on bracketed work (the engine's steps, the tower's batches), summed without the
-host ever waiting for the device.
+"""Device time of bracketed work (the engine's steps, the tower's batches), summed without the host
+ever waiting for the device. NVML's utilisation only says some kernel ran (96% busy at 100 req/s on
+a GPU that sustains 240, issue 45); this is the time the stream spent on the work.
 
-Why not NVML. Its "utilisation" is the share of time *some* kernel ran: it read 96% at 100 req/s on a
-GPU that sustains 240 (issue 45). What a request costs the GPU is the time its stream spent on the work
-queued for it, so each step or batch is bracketed by two CUDA events on the stream it runs on, and the
-elapsed time between them is added up.
-
-How it stays off the critical path:
-- `start()` records an event on the current stream and `stop()` another one: two event records per
-  step. Neither waits. Under CUDA-graph replay the events are recorded outside the graph, around the
-  replay call (and a bracket begun while the stream captures a graph is not timed at all).
-- The pairs wait in a deque. Each `stop()`, and each `snapshot()` (the stats endpoints), resolves the
-  oldest pairs whose end event has passed (`query()` is True; they resolve in order, stream order),
-  reading `start.elapsed_time(end)`; an unfinished event is never read. A pair that would make more
-  than `max_pending` wait is dropped and counted (`..._gpu_dropped`): the device is that far behind, or
-  nobody reads.
-- Events come back to a pool once read, so steady state allocates none.
-
-What the number is: for each bracket, the time from the moment the stream reached the start event to
-the moment it reached the end event. That is the bracket's kernels and copies, plus any gap in which
-the device waited for the host inside the bracket (preparing a step's inputs when the device was
-idle at its start; a launch-bound eager step), plus whatever another thread queued on the same
-stream between the two records. The last happens under the `fused` placement with `encoder.stream:
-shared`, where the tower's batches and the engine's steps share the device's default stream: brackets
-on one stream that overlapped in host time are counted (`..._gpu_interleaved`, on both timers), since
-each may include a part of the other's work.
-
-Without CUDA (the CPU server, the tests) the same interface reads `time.perf_counter()` around the
-call, which on the CPU is the work itself; `..._gpu_clock` says which ("cuda_events" or "host_clock").
-There, brackets overlapping in time on any thread count as interleaved (they share the host's cores).
+Each bracket is two CUDA events on the stream the work runs on (outside any graph replay); pairs wait
+in a bounded deque and are read once their end event has passed, never before; events are pooled.
+A bracket also counts device idle time inside it and work another thread queued on the same stream
+meanwhile (`fused` with `encoder.stream: shared`): such overlaps are counted as `..._gpu_interleaved`
+on both timers. Without CUDA the same interface reads `time.perf_counter()` (`..._gpu_clock` says
+which: "cuda_events" or "host_clock"). Details: docs/guides/goodput.md, "GPU time per request".
 """
 
 from __future__ import annotations

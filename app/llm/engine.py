@@ -1,24 +1,14 @@
 """The LLM engine: requests in, token ids out, one step at a time on a thread of its own.
 
-    submit() ──> inbox ──> Scheduler.schedule() ──> ModelRunner.run() ──> step outputs ──> emit()
-                          (block_manager.py)        (model.py, sampler.py)      (one call per step)
+    submit() ──> inbox ──> Scheduler.schedule() ──> ModelRunner.launch/collect ──> emit()
 
-A step is a plan from the scheduler (decodes plus prefill chunks under a token budget), run by the
-model runner (one host-to-device copy, a CUDA graph per decode batch bucket or per step token bucket,
-batched sampling, one device-to-host copy), then turned into one `TokenDelta` per request that advanced. `emit` gets the
-whole step's deltas in one call: by default each goes to its request's reader (`Sequence.next_chunk`
-on any thread); the LLM deployment replaces it with one hand-off to its event loop per step.
-
-What a request needs beyond the step (M-RoPE positions, prefix-cache keys, its vision embeddings on
-the device, validation) is prepared in `submit`, on the caller's thread.
-
-Overlapped steps (`llm.overlap_steps`, on for CUDA): a synchronous loop leaves the GPU idle while
-the host reads step N's tokens, emits them and plans step N+1 (one fused replica on an H200 served
-1024² images at 50.2 req/s that way, 59.4 overlapped; benchmarks/RESULTS.md). Here step N+1 is planned and launched before step N's tokens are
-read: every sequence that sampled in step N gets a placeholder token, which step N+1 takes from
-step N's output on the device. Then step N is collected: placeholders become tokens, and a
-sequence that hit its end-of-sequence token is finished, its token from step N+1 dropped unseen.
-Sequences whose placeholder is their last token (`max_tokens`) are not scheduled again.
+A step is the scheduler's plan (decodes plus prefill chunks under a token budget), run by the model
+runner, then turned into one `TokenDelta` per request that advanced; `emit` gets the whole step's
+deltas in one call (the LLM deployment hands them to its event loop once per step). What a request
+needs beyond the step (M-RoPE positions, prefix-cache keys, its embeddings on the device,
+validation) is prepared in `submit`, on the caller's thread. With `llm.overlap_steps` step N+1 is
+planned and launched before step N's tokens are read: a sequence's token from step N is a
+placeholder that step N+1 takes on the device (docs/concepts/engine.md, "Overlapped steps").
 """
 
 from __future__ import annotations

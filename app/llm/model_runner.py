@@ -1,22 +1,13 @@
 """Runs one planned step on the device: inputs in, sampled token ids out.
 
-Host time per step is what caps a Python engine, so a step does little on the host:
-- every input of the step goes to the device in one copy (step_inputs.py);
-- decode-only steps replay a CUDA graph of the whole forward and LM head for the smallest batch
-  bucket that holds them; every other step (prefill chunks, alone or beside decodes) replays a step
-  graph over the smallest token bucket that holds its tokens, padded (cuda_graphs.py). Logits and
-  sampling run after that replay, on the step's sampling rows only;
-- sampling for the whole batch runs on the device, and the token ids come back in one copy (and,
-  in steps where a request asked for them, the rows' log-probabilities in one more).
-
-A step is launched (`launch`) and collected (`collect`) separately, so the engine can prepare and
-queue step N+1 while step N runs (`llm.overlap_steps`): a token sampled in step N that step N+1
-feeds back is a placeholder on the host, -(k + 1) for step N's k-th sampled row, and is taken from
-step N's token tensor on the device. Pinned host buffers come in pairs for that: step N's copies
-may still be queued while step N+1 fills the other one.
-
-Words: a request's *row* is its block-table row (block_tables.py) and penalty-count row; a token's
-*KV slot* is its place in the KV cache (block x block_size + offset).
+Host time per step caps a Python engine, so the host does little: every input goes to the device in
+one copy (step_inputs.py); a decode-only step replays the CUDA graph of the smallest batch bucket
+that holds it, any other step a step graph over the smallest token bucket (cuda_graphs.py); sampling
+runs on the device and the token ids come back in one copy. `launch` and `collect` are apart so the
+engine can queue step N+1 while step N runs: a token step N+1 feeds back is a placeholder on the
+host, -(k + 1) for step N's k-th sampled row, read from step N's tokens on the device; pinned host
+buffers come in pairs for that. Words: a request's *row* is its block-table and penalty row; a
+token's *KV slot* is its place in the KV cache (block x block_size + offset).
 """
 
 from __future__ import annotations

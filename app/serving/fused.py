@@ -1,23 +1,13 @@
 """The `fused` placement's LLM replica: the vision tower and the engine in one process, on one GPU.
 
-Why. Under `colocate` the encoder and the LLM are separate replicas on the same GPU, and each item's
-embeddings make a round trip through the host: the encoder copies them off the GPU (3.2 MB for a 448²
-image at the 2B width: the main rows plus three deepstack layers), Ray serialises them into the
-object store, and the LLM replica reads, pins and copies them back to the same GPU. Each request also
-costs the Router a second replica call. On an H200 that host path, not the GPU, was the queue
-(benchmarks/RESULTS.md, "Serving: the bottleneck sweep").
-
-Here the tower's output is handed to the engine as device tensors. By default
-(`encoder.stream: shared`) no event or host wait is needed: the encoder's batches (a worker thread)
-and the engine's steps (its thread) both run on the device's default stream, so the engine's first
-prefill of a request is queued behind the batch that made its embeddings. With `own` the batches
-run on a stream of their own, beside the steps, and a request reaches the engine once the GPU has
-made its embeddings (`EncoderService._encode_on_own_stream`).
-
-What it gives up: the encoder's host work (batching, copying patch rows to the GPU) now shares this
-process's GIL with the engine thread and the event loop. Graphs captured while serving are turned
-off here (`encoder.uniform_capture_after`): a capture would run while the engine launches kernels
-from its own thread.
+Why: under `colocate` each item's embeddings go through the host (off the GPU, through Ray's object
+store, back onto the same GPU) and each request costs a second replica call; on an H200 that host
+path, not the GPU, was the queue (benchmarks/RESULTS.md, "Serving: the bottleneck sweep"). Here the
+tower's output reaches the engine as device tensors. With `encoder.stream: shared` (default) the
+tower's batches and the engine's steps share the default stream, so a prefill queues behind the batch
+that made its embeddings; with `own` a request reaches the engine once its embeddings are made.
+Given up: the tower's host work shares this process's GIL with the engine thread and the event
+loop, and graphs are not captured while serving (a capture would race the engine's launches).
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
-"""Prometheus text for `GET /metrics` on the serving port, with vLLM's metric names where the meaning is
-the same, so that tools and dashboards built for vLLM (NVIDIA AIPerf's server metrics, Grafana boards
-of `vllm:*` series) work against this server.
+"""Prometheus text for `GET /metrics` on the serving port, in vLLM's metric names where the meaning is
+the same, so tools and dashboards built for vLLM (AIPerf's server metrics, `vllm:*` Grafana boards) work.
 
-Where the numbers come from:
-
-- Each LLM replica keeps `RequestMetrics`: cumulative counters and fixed-bucket histograms of its
-  requests (time to first token, end-to-end latency, inter-token latency, prompt and generated tokens,
-  finished requests by reason). They are updated per chunk a request streams (chunks carry several
-  tokens; app/llm/async_engine.py), never per token, under one lock the scrape shares.
-- A scrape reaches one Router replica, which asks every LLM replica for its snapshot (`snapshot()`
-  plus the engine's `load()`, and under the `fused` placement its tower's stats) and every
-  VisionEncoder replica for its stats, each within a short timeout, and sums them: counters and
-  histogram buckets add up, the KV use is the pooled fraction of all replicas' blocks. The answer does
-  not depend on which Router the scrape reached; a replica that did not answer in time is left out
-  and counted (`vlm:metrics_replicas_unanswered`).
-
-Only `model_name` labels the series (and `finished_reason`, `reason`, `deployment` where named):
-nothing per replica, so the number of series does not grow with the replicas. Ray's own export
-(deployments/metrics.py, the `ray_vlm_*` series on Ray's metrics port) is separate and unchanged.
+Each LLM replica keeps `RequestMetrics` (counters and fixed-bucket histograms of its requests,
+updated per streamed chunk, never per token). A scrape reaches one Router, which asks every LLM
+replica (and every VisionEncoder replica) for its snapshot within a short timeout and sums them, so
+the answer does not depend on the Router; a replica that did not answer is left out and counted
+(`vlm:metrics_replicas_unanswered`). Only `model_name` (and `finished_reason`, `reason`,
+`deployment`) labels the series: nothing per replica. Ray's own export (deployments/metrics.py,
+`ray_vlm_*` on Ray's metrics port) is separate and unchanged.
 """
 
 from __future__ import annotations
