@@ -49,7 +49,7 @@ class LLM:
 
             engine_kw, self.followers = start_group(cfg, checkpoint)
         self.fused, self.streams = build_generation(cfg, checkpoint, fused, **engine_kw)
-        self.warmup = None
+        self.warmup, self.first_request_at = None, None
         # the builder resolves None from the cluster's GPUs; a replica built elsewhere decides by its device
         warm = cfg.warmup if cfg.warmup is not None else self.streams.engine.device.type == "cuda"
         if warm:
@@ -62,9 +62,17 @@ class LLM:
             self.fused.encoder.batcher.on_batch = self.encoder_metrics.on_batch
         self.metrics = LLMMetrics(self.engine.load)
         self.request_metrics = RequestMetrics(cfg.llm.max_model_len)  # GET /metrics (app/serving/prometheus.py)
+        # Serve routes to a replica once this constructor returns, warm-up included: replica_load reports
+        # both times so that a test can hold that a replica added under load takes nothing while cold
+        self.ready_at = time.time()
+
+    def _first_request(self) -> None:
+        if self.first_request_at is None:
+            self.first_request_at = time.time()
 
     async def generate(self, gen: dict, encoded: list):
         """Async generator of chunk dicts; `encoded` arrives resolved from the encoder's response."""
+        self._first_request()
         stream = self.streams.generate(GenerationRequest.from_router(gen, encoded))
         async for chunk in self.request_metrics.observe(stream, len(gen["input_ids"]), gen["params"].get("n", 1)):
             yield asdict(chunk)
@@ -74,6 +82,7 @@ class LLM:
         items, nested so that Ray passes them unresolved) is encoded here, then generated from."""
         if self.fused is None:
             raise RuntimeError("generate_from_media needs the fused placement (this replica has no tower)")
+        self._first_request()
         t0 = time.perf_counter()  # the time to first token counts reading and encoding the media
         # a full queue: 503 before reading the media
         self.engine.check_admission(len(gen["input_ids"]), gen["params"].get("n", 1))
@@ -105,12 +114,13 @@ class LLM:
 
     # ------------------------------------------------------------ routing and autoscaling
     def replica_load(self) -> dict:
-        """This replica's engine load with its id and GPU, and its engine's cumulative GPU time
-        (`engine_gpu_ms_total`, `engine_timed_steps`: app/gpu/timing.py): `/v1/llm/load` merges every
-        replica's."""
+        """This replica's engine load with its id and GPU, its engine's cumulative GPU time
+        (`engine_gpu_ms_total`, `engine_timed_steps`: app/gpu/timing.py), whether it warmed up, when it
+        became ready and when its first request came (wall clock): `/v1/llm/load` merges every replica's."""
         return {"replica": serve.get_replica_context().replica_id.unique_id,
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **self._load(),
-                **self.engine.gpu_time()}
+                **self.engine.gpu_time(), "ready_at": self.ready_at, "first_request_at": self.first_request_at,
+                "warmed": self.warmup is not None}
 
     def record_routing_stats(self) -> dict:
         """Ray Serve calls this every `request_routing_stats_period_s`; the routers' LeastLoadedRouter

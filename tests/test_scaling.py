@@ -1,8 +1,9 @@
 """The application started the way `serve run serve_config.yaml` starts it (the repository's config file,
 deployed through Ray Serve's config path), on the CPU: the config file's deployment options are
-honoured, the LLM scales up under load and back down, requests go to the least-loaded LLM replica,
-and the official `openai` client works against it. Ray is told the machine has 2 GPUs (it has none:
-replicas still run on the CPU), so that the `colocate` placement runs as on a 2-GPU node."""
+honoured, the LLM scales up under load (the new replica warmed up before its first request) and back
+down, requests go to the least-loaded LLM replica, and the official `openai` client works against it.
+Ray is told the machine has 2 GPUs (it has none: replicas still run on the CPU), so that the
+`colocate` placement runs as on a 2-GPU node."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def scaling_config():
     app["args"]["encoder"].update({"min_budget": 64, "max_budget": 1024})
     app["args"]["llm"].update({"max_model_len": 8192})
     app["args"]["placement"].update({"policy": "colocate", "num_cpus": 0.25})
+    app["args"]["warmup"] = True  # as on GPUs: a replica added under load must be warm before it is routed
     deployments = {d["name"]: d for d in app["deployments"]}
     for name in ("Router", "MediaPreprocessor"):
         deployments[name]["autoscaling_config"].update({"min_replicas": 1, "max_replicas": 1})
@@ -171,6 +173,9 @@ def test_llm_scales_up_under_load_routes_to_the_idle_replica_and_scales_back_dow
         assert sum(r["running"] + r["waiting"] for r in per_replica) >= 6
         # each LLM replica reserved a whole GPU, so Ray gave them different ones
         assert {r["cuda_visible_devices"] for r in per_replica} == {"0", "1"}
+        # the replica added under load warmed up first and took its first request only once ready
+        assert all(r["warmed"] for r in per_replica)
+        assert all(r["first_request_at"] >= r["ready_at"] for r in per_replica), per_replica
     finally:
         streams.stop()
     assert not streams.errors, streams.errors
