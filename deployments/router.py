@@ -11,6 +11,7 @@ Several Router replicas run behind Ray Serve's HTTP proxy (autoscaled)."""
 import asyncio
 import logging
 import time
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -188,52 +189,36 @@ class Router:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        t0 = time.perf_counter()
-        try:
-            body = parse_json(await read_body(request.stream(), request.headers.get("content-length"),
-                                              self.cfg.max_request_bytes))
-            req, gen, payload = await self.chat.prepare(body)
-            if req.stream:
-                return StreamingResponse(await self.chat.open_stream(req, gen, payload, t0),
-                                         media_type="text/event-stream", headers=SSE_HEADERS)
-            work = self.chat.complete(req, gen, payload, t0)
-            if not request.scope.get(SHARED_PORT_SCOPE):
-                return FastJSONResponse(await work)
-            answer = await unless_client_leaves(work, request.receive)  # uvicorn would not cancel it
-            return FastJSONResponse(answer) if answer is not None else Response(status_code=499)
-        except Exception as e:
-            err = unwrap_client_error(e)
-            if err is None:
-                log.exception("chat completion failed")
-                err = ClientError("internal server error", status=500, type="server_error")
-            self.chat.record(id=None, status=err.status, e2e_s=time.perf_counter() - t0)
-            return error_response(err)
+        return await self._generate(request, self._chat_work, "chat completion")
 
     @api.post("/v1/completions")
     async def completions_route(self, request: Request):
         """OpenAI's text completions, as vLLM serves them (app/api/completions.py)."""
-        return await self._generate(request, self.completions, "completion")
+        return await self._generate(request, partial(_service_work, self.completions), "completion")
 
     @api.post("/v1/responses")
     async def responses_route(self, request: Request):
         """OpenAI's Responses API, run on the chat path (app/api/responses.py)."""
-        return await self._generate(request, self.responses, "response")
+        return await self._generate(request, partial(_service_work, self.responses), "response")
 
-    async def _generate(self, request: Request, service, what: str):
-        """A generating endpoint other than chat, handled as the chat route is: `service` has the chat
-        service's `prepare`, `open_stream` and `complete` (its request says whether it streams)."""
+    async def _chat_work(self, body):
+        req, gen, payload = await self.chat.prepare(body)
+        return req.stream, partial(self.chat.open_stream, req, gen, payload), partial(self.chat.complete, req, gen, payload)
+
+    async def _generate(self, request: Request, work, what: str):
+        """One generating request: `work(body)` prepares it and gives (streams?, open the stream(t0),
+        the whole answer(t0)); errors become OpenAI error JSON, a streamed answer server-sent events."""
         t0 = time.perf_counter()
         try:
             body = parse_json(await read_body(request.stream(), request.headers.get("content-length"),
                                               self.cfg.max_request_bytes))
-            req = await service.prepare(body)
-            if req.stream:
-                return StreamingResponse(await service.open_stream(req, t0),
-                                         media_type="text/event-stream", headers=SSE_HEADERS)
-            work = service.complete(req, t0)
+            stream, open_stream, complete = await work(body)
+            if stream:
+                return StreamingResponse(await open_stream(t0), media_type="text/event-stream", headers=SSE_HEADERS)
+            answer = complete(t0)
             if not request.scope.get(SHARED_PORT_SCOPE):
-                return FastJSONResponse(await work)
-            answer = await unless_client_leaves(work, request.receive)  # uvicorn would not cancel it
+                return FastJSONResponse(await answer)
+            answer = await unless_client_leaves(answer, request.receive)  # uvicorn would not cancel it
             return FastJSONResponse(answer) if answer is not None else Response(status_code=499)
         except Exception as e:
             err = unwrap_client_error(e)
@@ -265,3 +250,10 @@ class Router:
                 log.exception("%s failed", request.url.path)
                 err = ClientError("internal server error", status=500, type="server_error")
             return error_response(err)
+
+
+async def _service_work(service, body):
+    """What `Router._generate` needs from a service with `prepare`, `open_stream(req, t0)` and
+    `complete(req, t0)` (completions, responses)."""
+    req = await service.prepare(body)
+    return req.stream, partial(service.open_stream, req), partial(service.complete, req)

@@ -126,3 +126,32 @@ def local_chat(cfg, checkpoint, backend=None):
         backend = LocalBackend(EncoderService(cfg, str(checkpoint)), Engine(str(checkpoint)))
     return ChatService(cfg, AutoTokenizer.from_pretrained(checkpoint),
                        MediaPipeline(cfg.media, patch_spec_for(checkpoint)), backend)
+
+
+def world_chat(world, encoder=None, tokenizer=None, on_unknown=None, **cfg):
+    """ChatService over the `world` fixture's engine, tokenizer and patch spec, in this process (an
+    encoder of the tiny checkpoint unless one is given); `cfg` overrides AppConfig's fields."""
+    from app.api.chat import ChatService
+    from app.config import AppConfig
+    from app.media.pipeline import MediaPipeline
+    from app.serving.local_backend import LocalBackend
+    from app.vision.service import EncoderService
+
+    checkpoint = world["tok"].name_or_path
+    config = AppConfig(model=str(checkpoint), **cfg)
+    encoder = encoder or EncoderService(config, str(checkpoint))
+    return ChatService(config, tokenizer or world["tok"], MediaPipeline(config.media, world["spec"]),
+                       LocalBackend(encoder, world["engine"]), on_unknown=on_unknown, checkpoint=checkpoint)
+
+
+def sse_data(writes: list[str]) -> list:
+    """The `data:` payloads of server-sent event writes, parsed (`[DONE]` kept as the string)."""
+    import json
+
+    out = []
+    for w in writes:
+        for block in w.split("\n\n"):
+            if block.startswith("data: "):
+                data = block[len("data: "):]
+                out.append(data if data == "[DONE]" else json.loads(data))
+    return out

@@ -10,24 +10,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.api.chat import ChatService
 from app.api.completions import CompletionService
-from app.config import AppConfig
 from app.errors import ClientError
-from app.media.pipeline import MediaPipeline
-from app.serving.local_backend import LocalBackend
+from helpers import sse_data, world_chat
 
 USER = [{"role": "user", "content": "Tell me a story"}]
 
 
 @pytest.fixture(scope="module")
-def chat(world, tiny_checkpoint):
-    from app.vision.service import EncoderService
-
-    config = AppConfig(model=str(tiny_checkpoint))
-    encoder = EncoderService(config, str(tiny_checkpoint))
-    return ChatService(config, world["tok"], MediaPipeline(config.media, world["spec"]),
-                       LocalBackend(encoder, world["engine"]), checkpoint=str(tiny_checkpoint))
+def chat(world):
+    return world_chat(world)
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +27,7 @@ def svc(chat):
     return CompletionService(chat)
 
 
-def events(writes: list[str]) -> list:
-    out = []
-    for w in writes:
-        for block in w.split("\n\n"):
-            if block.startswith("data: "):
-                data = block[len("data: "):]
-                out.append(data if data == "[DONE]" else json.loads(data))
-    return out
+events = sse_data
 
 
 def run(service, body: dict):

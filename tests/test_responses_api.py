@@ -12,11 +12,8 @@ import pytest
 
 from app.api.chat import ChatService
 from app.api.responses import ResponseService
-from app.config import AppConfig
 from app.errors import ClientError
-from app.media.pipeline import MediaPipeline
-from app.serving.local_backend import LocalBackend
-from helpers import png_bytes
+from helpers import png_bytes, world_chat
 
 IMAGE = "data:image/png;base64," + base64.b64encode(png_bytes(64, 96, seed=3)).decode()
 SCHEMA = {"type": "object", "properties": {"label": {"enum": ["cat", "dog"]}}, "required": ["label"],
@@ -24,13 +21,8 @@ SCHEMA = {"type": "object", "properties": {"label": {"enum": ["cat", "dog"]}}, "
 
 
 @pytest.fixture(scope="module")
-def chat(world, tiny_checkpoint):
-    from app.vision.service import EncoderService
-
-    config = AppConfig(model=str(tiny_checkpoint))
-    encoder = EncoderService(config, str(tiny_checkpoint))
-    return ChatService(config, world["tok"], MediaPipeline(config.media, world["spec"]),
-                       LocalBackend(encoder, world["engine"]), checkpoint=str(tiny_checkpoint))
+def chat(world):
+    return world_chat(world)
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +158,10 @@ def test_text_format_json_schema_goes_through_structured_output(svc):
      "input[0].content[0].image_url", None),
     ({"input": [{"role": "assistant", "content": [{"type": "input_image", "image_url": IMAGE}]}]},
      "input[0].content[0].type", None),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options", "unsupported_parameter"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options",
+     "unsupported_parameter"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options", "unsupported_parameter"),
     ({"input": "look: <|image_pad|>"}, "input", "reserved_token"),
     ({"instructions": "<|vision_start|>"}, "instructions", "reserved_token"),
     ({"input": [{"role": "user", "content": "<|image_pad|>"}]}, "input[0].content", "reserved_token"),
@@ -184,3 +180,13 @@ def test_off_values_and_labels_are_accepted(svc):
     ok(run(svc, {"input": "Hello", "max_output_tokens": 2, "store": False, "tools": [], "tool_choice": "auto",
                  "previous_response_id": None, "truncation": "disabled", "metadata": {"k": "v"}, "user": "me",
                  "text": {"format": {"type": "text"}}, "parallel_tool_calls": True}))
+
+
+def test_stream_options_of_chat_clients_are_accepted(svc):
+    """AIPerf's `responses` endpoint type sends chat's `stream_options: {"include_usage": true}` (vLLM ignores
+    it): accepted, and the usage is in `response.completed` as always."""
+    body = {"input": "Hello", "max_output_tokens": 2, "stream": True}
+    for opts in ({"include_usage": True}, {"include_usage": False, "include_obfuscation": False}, {}):
+        evs = run(svc, body | {"stream_options": opts})
+        assert not isinstance(evs, ClientError), (opts, evs)
+        assert evs[-1]["type"] == "response.completed" and evs[-1]["response"]["usage"]["output_tokens"] == 2

@@ -7,24 +7,16 @@ import asyncio
 
 import pytest
 
-from app.api.chat import ChatService
 from app.api.tokenize import TokenizeService
-from app.config import AppConfig
 from app.errors import ClientError
-from app.media.pipeline import MediaPipeline
-from app.serving.local_backend import LocalBackend
+from helpers import world_chat
 
 TEXT = "Hello world, ünïcode and 日本語 text: 1 2 3"
 
 
 @pytest.fixture(scope="module")
-def chat(world, tiny_checkpoint):
-    from app.vision.service import EncoderService
-
-    config = AppConfig(model=str(tiny_checkpoint))
-    encoder = EncoderService(config, str(tiny_checkpoint))
-    return ChatService(config, world["tok"], MediaPipeline(config.media, world["spec"]),
-                       LocalBackend(encoder, world["engine"]), checkpoint=str(tiny_checkpoint))
+def chat(world):
+    return world_chat(world)
 
 
 @pytest.fixture(scope="module")

@@ -24,10 +24,8 @@ from app.checkpoints.checkpoint_tokenizer import GENERATION_DEFAULTS
 from app.config import AppConfig
 from app.errors import ClientError
 from app.media.decode import sample_indices
-from app.media.pipeline import MediaPipeline
 from app.media.preprocess import smart_resize
-from app.serving.local_backend import LocalBackend
-from helpers import mp4_bytes, png_bytes
+from helpers import mp4_bytes, png_bytes, sse_data, world_chat
 
 USER = [{"role": "user", "content": "Tell me a story"}]
 BASE = {"messages": USER, "max_tokens": 6, "temperature": 0}
@@ -43,10 +41,7 @@ def encoder(tiny_checkpoint):
 
 
 def make_chat(world, encoder, tokenizer=None, on_unknown=None, **cfg) -> ChatService:
-    config = AppConfig(model=str(world["tok"].name_or_path), **cfg)
-    return ChatService(config, tokenizer or world["tok"], MediaPipeline(config.media, world["spec"]),
-                       LocalBackend(encoder, world["engine"]), on_unknown=on_unknown,
-                       checkpoint=world["tok"].name_or_path)
+    return world_chat(world, encoder, tokenizer, on_unknown, **cfg)
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +49,7 @@ def chat(world, encoder):
     return make_chat(world, encoder)
 
 
-def events(writes: list[str]) -> list:
-    out = []
-    for w in writes:
-        for block in w.split("\n\n"):
-            if block.startswith("data: "):
-                data = block[len("data: "):]
-                out.append(data if data == "[DONE]" else json.loads(data))
-    return out
+events = sse_data
 
 
 def run(chat: ChatService, body: dict):
