@@ -42,6 +42,16 @@ def _none(v) -> bool:
     return v is None
 
 
+def _stream_options_off(v) -> bool:
+    """OpenAI's `include_obfuscation: false`, and chat's `include_usage`, which clients written for chat
+    completions send here too (AIPerf's `responses` endpoint type: `{"include_usage": true}`; vLLM ignores it):
+    the Responses stream carries the usage in `response.completed` whatever it says."""
+    if v is None:
+        return True
+    return isinstance(v, dict) and all((k == "include_obfuscation" and x is False)
+                                       or (k == "include_usage" and isinstance(x, bool)) for k, x in v.items())
+
+
 # name -> (whether a value asks for nothing, why the others are refused)
 REFUSED = {
     "store": (lambda v: v is None or v is False, "responses are not stored (send 'store': false)"),
@@ -58,8 +68,9 @@ REFUSED = {
     "prompt": (_none, "no stored prompt templates"),
     "truncation": (lambda v: v in (None, "disabled"), "inputs are never truncated"),
     "top_logprobs": (lambda v: v in (None, 0), "no log-probabilities in responses (/v1/chat/completions has them)"),
-    "stream_options": (lambda v: v is None or v == {} or v == {"include_obfuscation": False},
-                       "events carry no obfuscation"),
+    "stream_options": (_stream_options_off, "only 'include_usage' (the usage is in "
+                       "response.completed either way) and 'include_obfuscation': false are taken: events "
+                       "carry no obfuscation"),
 }
 KNOWN = HONOURED | LABELS | frozenset(REFUSED)
 
