@@ -86,6 +86,14 @@ def error_response(e: ClientError) -> JSONResponse:
     return FastJSONResponse(e.to_json(), status_code=e.status, headers=e.headers)
 
 
+async def _service_work(service, body):
+    """What `Router._generate` needs from a service with `prepare`, `open_stream(req, t0)` and
+    `complete(req, t0)` (completions, responses). Defined above the Router: Serve pickles the class
+    when it is decorated, and a name defined below it would be missing in the replica."""
+    req = await service.prepare(body)
+    return req.stream, partial(service.open_stream, req), partial(service.complete, req)
+
+
 # A Router that is stopped (scaled down, redeployed) lets the answers in flight finish: Ray Serve kills the
 # replica after graceful_shutdown_timeout_s whatever is still open, so it covers a long answer (256 tokens
 # at 5 tokens/s). An idle replica stops at once either way. The shared port's drain fits inside it.
@@ -250,10 +258,3 @@ class Router:
                 log.exception("%s failed", request.url.path)
                 err = ClientError("internal server error", status=500, type="server_error")
             return error_response(err)
-
-
-async def _service_work(service, body):
-    """What `Router._generate` needs from a service with `prepare`, `open_stream(req, t0)` and
-    `complete(req, t0)` (completions, responses)."""
-    req = await service.prepare(body)
-    return req.stream, partial(service.open_stream, req), partial(service.complete, req)
