@@ -302,6 +302,10 @@ class AppConfig(_Strict):
         False, description="a request parameter this server does not know (nor a chat_template_kwargs name its "
         "chat template reads) is a 400 unsupported_parameter; false: it is ignored, logged once per name and "
         "counted in vlm_unknown_parameters_total")
+    enable_prompt_tokens_details: bool = Field(
+        False, description="usage.prompt_tokens_details.cached_tokens (Responses: input_tokens_details) says how "
+        "many prompt tokens the prefix cache served, as vLLM's --enable-prompt-tokens-details; off by default as "
+        "there (a repeated prompt's usage then differs from its first)")
     warmup: bool | None = Field(None, description="before a replica reports ready, it sends itself real requests "
                                 "through the real path (app/serving/warmup.py: the LLM replica every sampling, log-probability, "
                                 "structured-output and, under fused, media path; a media replica each codec), so its "

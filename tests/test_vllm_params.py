@@ -460,3 +460,37 @@ def test_a_slicing_model_refuses_pixel_bounds_but_takes_fps():
     assert (e.value.code, e.value.param) == ("unsupported_parameter", "mm_processor_kwargs.max_pixels")
     req = parse_chat_request(body | {"mm_processor_kwargs": {"fps": 1}}, 16, 4, server=ServerContext(slices_images=True))
     assert asdict(req.media[0].options) == {"min_pixels": None, "max_pixels": None, "fps": 1.0}
+
+
+def test_usage_says_how_many_prompt_tokens_the_prefix_cache_served_when_asked(world, encoder):
+    """vLLM's --enable-prompt-tokens-details: off, no `cached_tokens` (a repeated prompt's usage equals its
+    first); on, the whole blocks of a repeated prompt, less the token whose logits are computed again."""
+    import uuid
+
+    from app.api.completions import CompletionService
+    from app.api.responses import ResponseService
+
+    words = " ".join(f"w{uuid.uuid4().hex[:6]}" for _ in range(40))  # a prompt the cache has never seen
+    body = {"messages": [{"role": "user", "content": words}], "max_tokens": 2, "temperature": 0}
+    off = ok(run(make_chat(world, encoder), body)).out["usage"]
+    assert "cached_tokens" not in off["prompt_tokens_details"]
+    chat = make_chat(world, encoder, enable_prompt_tokens_details=True)
+    again = ok(run(chat, body)).out["usage"]
+    n, block = again["prompt_tokens"], world["engine"].blocks.block_size
+    assert again["prompt_tokens_details"]["cached_tokens"] == (n - 1) // block * block > 0
+    streamed = ok(run(chat, {**body, "stream": True, "stream_options": {"include_usage": True}})).out
+    assert streamed[-2]["usage"] == again  # the usage chunk, before [DONE]
+    unseen = {**body, "messages": [{"role": "user", "content": "x" + uuid.uuid4().hex}]}
+    assert ok(run(chat, unseen)).out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # text completions and Responses report the same count in their own shapes
+    ids = ok(run(chat, body)).gen["input_ids"]
+    completion = asyncio.run(_complete(CompletionService(chat), {"prompt": ids, "max_tokens": 2, "temperature": 0}))
+    assert completion["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(ids) - 1) // block * block
+    response = asyncio.run(_complete(ResponseService(chat), {"input": words, "max_output_tokens": 2,
+                                                             "temperature": 0}))
+    assert response["usage"]["input_tokens_details"]["cached_tokens"] == again["prompt_tokens_details"][
+        "cached_tokens"]
+
+
+async def _complete(service, body: dict) -> dict:
+    return await service.complete(await service.prepare(body))

@@ -23,11 +23,13 @@ def sse(events: list) -> str:
 
 
 class Answer:
-    def __init__(self, choices: int, token_text: TokenText | None = None, token_ids_as_text: bool = False):
+    def __init__(self, choices: int, token_text: TokenText | None = None, token_ids_as_text: bool = False,
+                 cached_tokens: bool = False):
         """`token_text`: makes the entries of requests that asked for log-probabilities (None: the
         request did not ask, and its choices carry `"logprobs": null`); `token_ids_as_text`: their
-        tokens written `token_id:<id>` (vLLM's `return_tokens_as_token_ids`)."""
-        self.token_text, self.as_ids = token_text, token_ids_as_text
+        tokens written `token_id:<id>` (vLLM's `return_tokens_as_token_ids`); `cached_tokens`: the usage
+        says how many prompt tokens the prefix cache served (`enable_prompt_tokens_details`)."""
+        self.token_text, self.as_ids, self.cached_tokens = token_text, token_ids_as_text, cached_tokens
         self.texts: list[list[str]] = [[] for _ in range(choices)]
         self.logprobs: list[list[dict]] = [[] for _ in range(choices)]
         self.last: list[dict | None] = [None] * choices  # each choice's chunk with its finish reason
@@ -56,7 +58,9 @@ class Answer:
 
     def usage(self, gen: dict) -> dict:
         prompt, completion = self.tokens()
-        return usage(prompt, completion, gen["image_tokens"], gen["video_tokens"], self.last[0]["vision_embeddings"])
+        first = self.last[0]
+        return usage(prompt, completion, gen["image_tokens"], gen["video_tokens"], first["vision_embeddings"],
+                     first.get("cached_tokens", 0) if self.cached_tokens else None)
 
     def response(self, req: ChatRequest, model: str, gen: dict) -> dict:
         lps = self.logprobs if self.token_text is not None else [None] * len(self.texts)
@@ -79,9 +83,10 @@ class StreamedAnswer:
     (each write is one HTTP chunk and a fixed cost in the proxy and the Router: benchmarks/RESULTS.md).
     /v1/completions and /v1/responses read these objects and write their own shapes."""
 
-    def __init__(self, req: ChatRequest, model: str, gen: dict, token_text: TokenText):
+    def __init__(self, req: ChatRequest, model: str, gen: dict, token_text: TokenText, cached_tokens: bool = False):
         self.req, self.model, self.gen, self.token_text = req, model, gen, token_text
-        self.whole = Answer(req.params.n)  # only each choice's last chunk: the finishes and the usage
+        # only each choice's last chunk: the finishes and the usage
+        self.whole = Answer(req.params.n, cached_tokens=cached_tokens)
         # per choice, the text's tool-call blocks become tool_calls deltas (app/api/tools.py)
         self.calls = None if req.tools is None else [ToolCallStream(req.tools.names) for _ in range(req.params.n)]
         self.generated, self.prompt_tokens = 0, len(gen["input_ids"])  # continuous usage: streamed so far

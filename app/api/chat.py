@@ -137,7 +137,8 @@ class ChatService:
         t0 = time.perf_counter() if t0 is None else t0
         n = req.params.n
         chunks, first_at, retries = await collect(lambda: self.backend.stream(gen, payload), self.retry, n)
-        answer = Answer(n, self.token_text if req.params.logprobs is not None else None, req.token_ids_as_text)
+        answer = Answer(n, self.token_text if req.params.logprobs is not None else None, req.token_ids_as_text,
+                        self.cfg.enable_prompt_tokens_details)
         for c in chunks:
             answer.add(c)
         prompt, completion = answer.tokens()
@@ -210,7 +211,7 @@ class ChatService:
                 yield c
                 c = None
 
-        answer = StreamedAnswer(req, model, gen, self.token_text)
+        answer = StreamedAnswer(req, model, gen, self.token_text, self.cfg.enable_prompt_tokens_details)
         status, ended = 200, False
         pending = answer.opening()
         try:

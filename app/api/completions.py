@@ -300,7 +300,7 @@ class CompletionService:
 
     async def complete(self, req: CompletionRequest, t0: float | None = None) -> dict:
         answers = await _all([self.chat.complete(part, gen, [], t0) for part, gen in zip(req.parts, req.gens)])
-        choices, prompt_tokens, completion_tokens = [], 0, 0
+        choices, prompt_tokens, completion_tokens, cached = [], 0, 0, None
         for i, answer in enumerate(answers):
             for c in answer["choices"]:
                 lp = self._legacy(req, i)
@@ -311,8 +311,9 @@ class CompletionService:
                                 "finish_reason": c["finish_reason"]})
             prompt_tokens += answer["usage"]["prompt_tokens"]
             completion_tokens += answer["usage"]["completion_tokens"]
+            cached = _add_cached(cached, answer["usage"])
         return {"id": req.id, "object": "text_completion", "created": req.created, "model": self.chat.cfg.model_name,
-                "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+                "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached)}
 
     async def open_stream(self, req: CompletionRequest, t0: float | None = None) -> AsyncIterator[str]:
         """Waits for every prompt's first chunk (errors before them keep their HTTP status), then returns
@@ -370,8 +371,11 @@ class CompletionService:
                         out += self._chunk(req, k, delta.get("content") or "", lp, c["finish_reason"], running)
                 if len(finals) == n:
                     if req.include_usage:
+                        cached = None
+                        for u in finals.values():
+                            cached = _add_cached(cached, u)
                         usage = _usage(sum(u["prompt_tokens"] for u in finals.values()),
-                                       sum(u["completion_tokens"] for u in finals.values()))
+                                       sum(u["completion_tokens"] for u in finals.values()), cached)
                         chunk = {"id": req.id, "object": "text_completion", "created": req.created,
                                  "model": self.chat.cfg.model_name, "choices": [], "usage": usage}
                         out += f"data: {fastjson.dumps(chunk)}\n\n"
@@ -383,5 +387,16 @@ class CompletionService:
             await merged.aclose()
 
 
-def _usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int | None = None) -> dict:
+    """OpenAI's usage; `cached`: prompt tokens the prefix cache served (a whole answer's usage only)."""
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+def _add_cached(total: int | None, chat_usage: dict) -> int | None:
+    """`total` plus the prefix cache's prompt tokens in a chat usage, if it reports them
+    (`enable_prompt_tokens_details`)."""
+    n = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return total if n is None else (total or 0) + n

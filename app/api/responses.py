@@ -258,7 +258,8 @@ class ResponseService:
     def _usage(self, usage: dict | None) -> dict | None:
         if usage is None:
             return None
-        return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)  # the prefix cache's
+        return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
                 "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
 

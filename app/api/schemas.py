@@ -496,14 +496,17 @@ def _logprobs(body: dict) -> int | None:
     return top
 
 
-def usage(prompt: int, completion: int, image_tokens: int, video_tokens: int, vision_embeddings: int) -> dict:
+def usage(prompt: int, completion: int, image_tokens: int, video_tokens: int, vision_embeddings: int,
+          cached_tokens: int | None = None) -> dict:
+    # placeholders counted in the prompt, and the embeddings the encoder produced for them; with
+    # `enable_prompt_tokens_details`, OpenAI's cached prompt tokens (served by the prefix cache)
+    details = {} if cached_tokens is None else {"cached_tokens": cached_tokens}
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        # placeholders counted in the prompt, and the embeddings the encoder produced for them
-        "prompt_tokens_details": {"image_tokens": image_tokens, "video_tokens": video_tokens,
-                                  "vision_embeddings": vision_embeddings},
+        "prompt_tokens_details": details | {"image_tokens": image_tokens, "video_tokens": video_tokens,
+                                            "vision_embeddings": vision_embeddings},
     }
 
 

@@ -167,6 +167,7 @@ class LLMWorker:
         self.fused, self.streams = build_generation(cfg, _checkpoint(cfg), fused)
         self.engine = self.streams.engine
         self.model_name = cfg.model_name
+        self.prompt_tokens_details = cfg.enable_prompt_tokens_details
         self.token_text = TokenText(self.engine.tokenizer)  # for requests that ask for logprobs
 
     def ready(self) -> bool:
@@ -215,7 +216,7 @@ class LLMWorker:
     async def _complete(self, prepared: Prepared, chunks) -> dict | Failure:
         params = prepared.req.params
         answer = Answer(params.n, self.token_text if params.logprobs is not None else None,
-                        prepared.req.token_ids_as_text)
+                        prepared.req.token_ids_as_text, self.prompt_tokens_details)
         try:
             async for chunk in chunks():
                 answer.add(asdict(chunk))

@@ -431,7 +431,8 @@ class Engine:
         for (seq, i), tok, lp in zip(step.placed, result.tokens, logprobs):
             if seq.status is Status.FINISHED:  # cancelled, failed or stopped since: the token is dropped
                 continue
-            if seq.first_token_time is None:
+            first = seq.first_token_time is None
+            if first:
                 seq.first_token_time = t0
             if tok in eos and not seq.params.ignore_eos:
                 del seq.token_ids[i:]  # and the placeholder of a step queued after this one
@@ -451,6 +452,8 @@ class Engine:
                         delta = TokenDelta([], error=e)
                 if delta is None:
                     delta = TokenDelta([tok], reason, logprobs=None if lp is None else [lp])
+            if first:  # the prefix cache's share of the prompt is known since admission (OpenAI's usage)
+                delta.cached_tokens = seq.num_cached
             outputs.append((seq, delta))
             if delta.finish_reason or delta.error is not None:
                 self._finish(seq)

@@ -32,6 +32,7 @@ class Chunk:
     # with `SamplingParams.logprobs`: one (log-probability, top ids, top log-probabilities) per token id
     logprobs: list | None = None
     index: int = 0  # which of the request's choices (OpenAI's `n`) this chunk belongs to
+    cached_tokens: int = 0  # on the last one: prompt tokens taken from the prefix cache (OpenAI's usage)
 
 
 @dataclass
@@ -42,6 +43,7 @@ class TokenDelta:
     finish_reason: str | None = None  # "stop" (EOS), "length", "cancelled"
     error: BaseException | None = None
     logprobs: list | None = None  # one entry per token id, for requests that asked (model_runner.StepResult)
+    cached_tokens: int | None = None  # on a request's first delta: its prompt tokens from the prefix cache
 
 
 class Cancelled(Exception):
@@ -124,6 +126,7 @@ class OutputStream:
         self.stop_ids = frozenset(params.stop_token_ids)
         self.min_tokens, self.include_stop = params.min_tokens, params.include_stop_str_in_output
         self.prompt_tokens, self.vision_embeddings = prompt_tokens, vision_embeddings
+        self.cached_tokens = 0
         self.text = ""
         self.emitted = 0
         self.ids: list[int] = []
@@ -140,6 +143,8 @@ class OutputStream:
         new: list[int] = []
         new_lps: list = []
         for d in deltas:
+            if d.cached_tokens is not None:
+                self.cached_tokens = d.cached_tokens
             if d.error is not None:
                 self.finished = True
                 raise d.error
@@ -185,7 +190,7 @@ class OutputStream:
         if finish:
             self.finished = True
             return Chunk(delta, self.ids[self.sent_ids:], finish, self.prompt_tokens, len(self.ids),
-                         self.vision_embeddings, self._logprobs_since())
+                         self.vision_embeddings, self._logprobs_since(), cached_tokens=self.cached_tokens)
         if delta or first:  # the first token always goes out: it marks the time to first token
             chunk = Chunk(delta, self.ids[self.sent_ids:], logprobs=self._logprobs_since())
             self.sent_ids = len(self.ids)
