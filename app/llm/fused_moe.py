@@ -147,8 +147,10 @@ def moe_config(tokens: int, k: int, experts: int, hidden: int, inter: int) -> di
     (`DIRECT`): each is its own block, read straight from the router's ids, and the down kernel
     sums a token's k experts itself, so the layer is two launches instead of six. Two tokens rarely
     share an expert, so nothing is read twice that sorting would have read once.
-    There VEC runs gate/up as matrix-vector products instead of 16-row tiles, and DOWN_BLOCK_N,
-    DOWN_BLOCK_K, DOWN_WARPS shape the down kernel (its grid is tokens x hidden / DOWN_BLOCK_N)."""
+    There VEC runs gate/up as matrix-vector products instead of 16-row tiles; DOWN_SPLIT (on) runs the
+    down projection per assignment and then a k-sum kernel, off one kernel that loops over a token's
+    experts (half the bandwidth at one token: too few programs); DOWN_BLOCK_N, DOWN_BLOCK_K and
+    DOWN_WARPS shape the down kernel. The sweep in benchmarks/moe_kernel.py covers these choices."""
     rows = tokens * k / max(experts, 1)
     if tokens <= DIRECT_MAX_TOKENS:
         # swept on an H100 at the 30B shape (benchmarks/moe_kernel.py --tokens 1 --sweep)
