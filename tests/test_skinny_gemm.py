@@ -20,6 +20,11 @@ def test_off_the_gpu_or_past_two_rows_it_is_f_linear_exactly():
         assert torch.equal(skinny.linear(x, w, None, enabled=False), F.linear(x, w))
 
 
+def test_small_layers_get_narrower_tiles_so_they_still_spread_over_the_gpu():
+    assert skinny._block_n(5120) == 8 and skinny._block_n(2048) == 8  # 640 and 256 programs
+    assert skinny._block_n(768) == 4 and skinny._block_n(128) == 2  # the MoE router: 64 programs of 2 rows
+
+
 def test_the_config_reaches_the_model(tiny_checkpoint):
     from app.llm.engine import Engine
 

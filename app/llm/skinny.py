@@ -29,10 +29,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _matvec(x, weight, bias)
 
 
-def _matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int = 8,
+def _block_n(n: int, programs: int = 128) -> int:
+    """Weight rows per program: 8, or fewer so that a small layer (the MoE router's 128 rows) still
+    spreads over about `programs` SMs; at least 2."""
+    bn = 8
+    while bn > 2 and -(-n // bn) < programs:
+        bn //= 2
+    return bn
+
+
+def _matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int | None = None,
             block_k: int = 256, num_warps: int = 4) -> torch.Tensor:
     t, k = x.shape
     n = weight.shape[0]
+    block_n = block_n or _block_n(n)
     assert weight.shape[1] == k and weight.stride(1) == 1, "weight [N, K], rows contiguous"
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     _matvec_kernel[(triton.cdiv(n, block_n),)](
