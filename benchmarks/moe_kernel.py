@@ -83,13 +83,11 @@ def graph_ms(fn) -> float:
 
 
 def sweep_configs(tokens: int):
-    if tokens <= DIRECT_MAX_TOKENS:  # unsorted: one 16-row block per assignment, the down kernel sums k
+    if tokens <= DIRECT_MAX_TOKENS:  # unsorted: each assignment alone, then the sum over k
         for vec, bn, bk in ((False, 16, 128), (True, 4, 256), (True, 8, 256), (True, 16, 256)):
-            for split, dbn, dbk, dwarps in ((True, 4, 256, 4), (True, 8, 256, 4), (True, 16, 256, 4), (True, 4, 128, 2),
-                                            (False, 4, 256, 4), (False, 8, 256, 4)):
+            for dbn, dbk, dwarps in ((4, 256, 4), (8, 256, 4), (16, 256, 4), (4, 128, 2)):
                 yield {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
-                       "DIRECT": True, "VEC": vec, "DOWN_SPLIT": split, "DOWN_BLOCK_N": dbn, "DOWN_BLOCK_K": dbk,
-                       "DOWN_WARPS": dwarps}
+                       "DIRECT": True, "VEC": vec, "DOWN_BLOCK_N": dbn, "DOWN_BLOCK_K": dbk, "DOWN_WARPS": dwarps}
         return
     for bm, bn, bk, warps, stages in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4, 8), (3, 4)):
         if bm == 64 and bn == 128 and bk == 128:

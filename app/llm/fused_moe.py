@@ -147,16 +147,16 @@ def moe_config(tokens: int, k: int, experts: int, hidden: int, inter: int) -> di
     (`DIRECT`): each is its own block, read straight from the router's ids, and the down kernel
     sums a token's k experts itself, so the layer is two launches instead of six. Two tokens rarely
     share an expert, so nothing is read twice that sorting would have read once.
-    There VEC runs gate/up as matrix-vector products instead of 16-row tiles; DOWN_SPLIT (on) runs the
-    down projection per assignment and then a k-sum kernel, off one kernel that loops over a token's
-    experts (half the bandwidth at one token: too few programs); DOWN_BLOCK_N, DOWN_BLOCK_K and
-    DOWN_WARPS shape the down kernel. The sweep in benchmarks/moe_kernel.py covers these choices."""
+    There VEC runs gate/up as matrix-vector products instead of 16-row tiles; the down projection runs
+    per assignment, then a k-sum kernel (one kernel looping over a token's experts had too few programs:
+    benchmarks/results/2026-11-27-models-beyond-one-gpu.md); DOWN_BLOCK_N, DOWN_BLOCK_K and DOWN_WARPS
+    shape it.
+    The sweep in benchmarks/moe_kernel.py covers these choices."""
     rows = tokens * k / max(experts, 1)
     if tokens <= DIRECT_MAX_TOKENS:
         # swept on an H100 at the 30B shape (benchmarks/moe_kernel.py --tokens 1 --sweep)
         cfg = {"BLOCK_M": 16, "BLOCK_N": 4, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
-               "DIRECT": True, "VEC": True, "DOWN_SPLIT": True, "DOWN_BLOCK_N": 4, "DOWN_BLOCK_K": 256,
-               "DOWN_WARPS": 4}
+               "DIRECT": True, "VEC": True, "DOWN_BLOCK_N": 4, "DOWN_BLOCK_K": 256, "DOWN_WARPS": 4}
     elif rows <= 4:
         cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
     elif rows <= 16:
@@ -387,50 +387,6 @@ if triton is not None:
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         tl.store(h_ptr + a.to(tl.int64) * stride_ht + cols, (act * up).to(dtype), mask=col_ok)
 
-    @triton.jit
-    def _down_sum_kernel(h_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, hidden, inter, num_experts,
-                         stride_ht, stride_we, stride_wn, stride_wk, stride_ot,
-                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # The DIRECT path's down projection: out[t] = sum_j weight[t, j] * (h[t*k + j] @ down_{e_j}^T)
-        # for BLOCK_N hidden columns, as matrix-vector products; each term rounded as the sorted path
-        # rounds it (the GEMM's output, then the weighted product), the k terms summed in float32.
-        # The token's k experts and weights are read once, up front, and the loop runs over (expert,
-        # K step) pairs: no load inside it waits on another, so the pipeliner prefetches across experts
-        # (a loop per expert stalled on each expert's id, and ran at half the memory bandwidth).
-        num_n = tl.cdiv(hidden, BLOCK_N)
-        tok, pid_n = tl.program_id(0) // num_n, tl.program_id(0) % num_n
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < hidden
-        ks = tl.arange(0, BLOCK_K)
-        slot = tl.arange(0, K_PAD)
-        dtype = out_ptr.dtype.element_ty
-        assign = tok * TOP_K + slot
-        e_all = tl.load(ids_ptr + assign, mask=slot < TOP_K, other=-1)
-        wt_all = tl.load(weights_ptr + assign, mask=slot < TOP_K, other=0.0).to(tl.float32)
-        steps_per = tl.cdiv(inter, BLOCK_K)
-        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for step in range(0, TOP_K * steps_per):
-            j = step // steps_per
-            k0 = (step % steps_per) * BLOCK_K
-            pick = slot == j
-            expert = tl.sum(tl.where(pick, e_all, 0), 0)
-            # an expert held elsewhere (expert parallelism) reads nothing: its h row was never written
-            limit = tl.where((expert >= 0) & (expert < num_experts), inter, 0)
-            expert = tl.where(limit > 0, expert, 0).to(tl.int64)
-            k_ok = ks < limit - k0
-            a = (tok * TOP_K + j).to(tl.int64)
-            hv = tl.load(h_ptr + a * stride_ht + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            w_ptrs = (w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-                      + (k0 + ks)[None, :] * stride_wk)
-            wd = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(wd * hv[None, :], 1)
-            if step % steps_per == steps_per - 1:  # this expert's last K step: round, weight, add
-                wt = tl.sum(tl.where(pick, wt_all, 0.0), 0)
-                total += (acc.to(dtype).to(tl.float32) * wt).to(dtype).to(tl.float32)
-                acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        tl.store(out_ptr + tok.to(tl.int64) * stride_ot + cols, total.to(dtype), mask=col_ok)
-
 
 if triton is not None:
 
@@ -479,7 +435,7 @@ if triton is not None:
 
 def _fused_moe_direct(x, w_gate_up, w_down, topk_ids, topk_weights, cfg, precision):
     """A few tokens: no sorting. Gate/up per assignment (16-row tensor-core tiles, or matrix-vector
-    products with VEC), then the down projection summing each token's k experts (matrix-vector)."""
+    products with VEC), then the down projection per assignment (matrix-vector) and the sum over k."""
     t, hidden = x.shape
     num_experts, two_i, _ = w_gate_up.shape
     inter, k = two_i // 2, topk_ids.shape[1]
@@ -500,20 +456,13 @@ def _fused_moe_direct(x, w_gate_up, w_down, topk_ids, topk_weights, cfg, precisi
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     dbn, dbk = cfg.get("DOWN_BLOCK_N", 8), cfg.get("DOWN_BLOCK_K", 256)
     weights = topk_weights.reshape(-1).contiguous()
-    if cfg.get("DOWN_SPLIT", True):  # per assignment, then the sum over k
-        y = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
-        _down_vec_kernel[(n * triton.cdiv(hidden, dbn),)](
-            h, w_down, y, weights, ids, hidden, inter, num_experts,
-            h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0),
-            BLOCK_N=dbn, BLOCK_K=dbk, num_warps=cfg.get("DOWN_WARPS", 4), num_stages=cfg["num_stages"])
-        _sum_k_kernel[(t * triton.cdiv(hidden, 1024),)](y, out, hidden, y.stride(0), out.stride(0), TOP_K=k,
-                                                         BLOCK=1024, num_warps=4)
-        return out
-    _down_sum_kernel[(t * triton.cdiv(hidden, dbn),)](
-        h, w_down, out, topk_weights.reshape(-1).contiguous(), ids, hidden, inter, num_experts,
-        h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), out.stride(0),
-        TOP_K=k, K_PAD=triton.next_power_of_2(k), BLOCK_N=dbn, BLOCK_K=dbk, num_warps=cfg.get("DOWN_WARPS", 4),
-        num_stages=cfg["num_stages"])
+    y = torch.empty(n, hidden, dtype=x.dtype, device=x.device)  # per assignment, then the sum over k
+    _down_vec_kernel[(n * triton.cdiv(hidden, dbn),)](
+        h, w_down, y, weights, ids, hidden, inter, num_experts,
+        h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0),
+        BLOCK_N=dbn, BLOCK_K=dbk, num_warps=cfg.get("DOWN_WARPS", 4), num_stages=cfg["num_stages"])
+    _sum_k_kernel[(t * triton.cdiv(hidden, 1024),)](y, out, hidden, y.stride(0), out.stride(0), TOP_K=k,
+                                                     BLOCK=1024, num_warps=4)
     return out
 
 
