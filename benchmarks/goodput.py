@@ -344,19 +344,6 @@ async def _get_json(client: aiohttp.ClientSession, path: str) -> dict | None:
         return None
 
 
-def gpu_counters(stats: dict | None) -> dict[str, float]:
-    """Cumulative GPU-time counters (`*gpu_ms_total`) of a stats answer, summed over its replicas."""
-    if not stats:
-        return {}
-    sources = stats.get("replicas") or [stats]
-    out: dict[str, float] = {}
-    for r in sources:
-        for k, v in r.items():
-            if k.endswith("gpu_ms_total") and isinstance(v, (int, float)):
-                out[k] = out.get(k, 0.0) + float(v)
-    return out
-
-
 GPU_TIME_NOTE = ("the server reports no GPU time (no '*gpu_ms_total' counter in /v1/encoder/stats or /v1/llm/load); "
                  "NVML utilisation only says a kernel ran")
 # what app/gpu/timing.py reports, per kind: (prefix, unit of its brackets, one of them)

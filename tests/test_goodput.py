@@ -26,7 +26,7 @@ from benchmarks.goodput import (
     Sent,
     analyse,
     cold_summary,
-    gpu_counters,
+    gpu_totals,
     main,
     per_second,
     search_goodput,
@@ -248,10 +248,10 @@ def test_guidellms_report_is_read_as_per_request_records():
 
 
 def test_gpu_time_counters_are_summed_over_replicas():
-    assert gpu_counters({"replicas": [{"tower_gpu_ms_total": 5.0, "batches": 3}, {"tower_gpu_ms_total": 2.5}]}) == \
-        {"tower_gpu_ms_total": 7.5}
-    assert gpu_counters({"running": 1, "engine_gpu_ms_total": 4}) == {"engine_gpu_ms_total": 4.0}
-    assert gpu_counters(None) == {} and gpu_counters({"batches": 2}) == {}
+    assert gpu_totals({"replicas": [{"encoder_gpu_ms_total": 5.0, "batches": 3}, {"encoder_gpu_ms_total": 2.5}]}) == \
+        {"encoder_gpu_ms_total": 7.5}
+    assert gpu_totals({"running": 1, "engine_gpu_ms_total": 4}) == {"engine_gpu_ms_total": 4}
+    assert gpu_totals(None) == {} and gpu_totals({"batches": 2}) == {}
 
 
 # ---------------------------------------------------------------------------- a fake streaming server
