@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 from ..errors import ClientError
 from ..llm.sampling import MAX_CHOICES, MAX_LOGPROBS
-from . import fastjson
 from .answer import DONE, sse
 from .chat import ChatService
 from .logprobs import TokenText
@@ -330,7 +329,7 @@ class CompletionService:
                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
         if usage is not None or req.include_usage:  # as OpenAI: null on every chunk but the usage one
             out["usage"] = usage
-        return f"data: {fastjson.dumps(out)}\n\n"
+        return sse([out])
 
     async def _sse(self, req: CompletionRequest, streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
         """The prompts' chat streams, rewritten as `text_completion` chunks and merged; one usage chunk
@@ -378,7 +377,7 @@ class CompletionService:
                                        sum(u["completion_tokens"] for u in finals.values()), cached)
                         chunk = {"id": req.id, "object": "text_completion", "created": req.created,
                                  "model": self.chat.cfg.model_name, "choices": [], "usage": usage}
-                        out += f"data: {fastjson.dumps(chunk)}\n\n"
+                        out += sse([chunk])
                     yield out + sse([DONE])
                     return
                 if out:
