@@ -155,3 +155,22 @@ def sse_data(writes: list[str]) -> list:
                 data = block[len("data: "):]
                 out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+def run_endpoint(service, body: dict, parse_stream):
+    """A service's answer to `body` (completions, responses: `prepare`, then `complete` or
+    `open_stream`), a stream's writes through `parse_stream`; or the ClientError it raised."""
+    import asyncio
+
+    from app.errors import ClientError
+
+    async def go():
+        req = await service.prepare(body)
+        if req.stream:
+            return parse_stream([w async for w in await service.open_stream(req)])
+        return await service.complete(req)
+
+    try:
+        return asyncio.run(go())
+    except ClientError as e:
+        return e

@@ -12,7 +12,7 @@ import pytest
 
 from app.api.completions import CompletionService
 from app.errors import ClientError
-from helpers import sse_data, world_chat
+from helpers import run_endpoint, sse_data, world_chat
 
 USER = [{"role": "user", "content": "Tell me a story"}]
 
@@ -32,16 +32,7 @@ events = sse_data
 
 def run(service, body: dict):
     """The answer (a stream: its events), or the ClientError."""
-    async def go():
-        req = await service.prepare(body)
-        if req.stream:
-            return events([w async for w in await service.open_stream(req)])
-        return await service.complete(req)
-
-    try:
-        return asyncio.run(go())
-    except ClientError as e:
-        return e
+    return run_endpoint(service, body, events)
 
 
 def ok(r):

@@ -13,7 +13,7 @@ import pytest
 from app.api.chat import ChatService
 from app.api.responses import ResponseService
 from app.errors import ClientError
-from helpers import png_bytes, world_chat
+from helpers import png_bytes, run_endpoint, world_chat
 
 IMAGE = "data:image/png;base64," + base64.b64encode(png_bytes(64, 96, seed=3)).decode()
 SCHEMA = {"type": "object", "properties": {"label": {"enum": ["cat", "dog"]}}, "required": ["label"],
@@ -45,16 +45,7 @@ def sse(writes: list[str]) -> list[dict]:
 
 
 def run(service, body: dict):
-    async def go():
-        req = await service.prepare(body)
-        if req.stream:
-            return sse([w async for w in await service.open_stream(req)])
-        return await service.complete(req)
-
-    try:
-        return asyncio.run(go())
-    except ClientError as e:
-        return e
+    return run_endpoint(service, body, sse)
 
 
 def chat_answer(chat: ChatService, messages: list, **kw) -> dict:
