@@ -40,13 +40,9 @@ def encoder(tiny_checkpoint):
     return EncoderService(AppConfig(model=str(tiny_checkpoint)), str(tiny_checkpoint))
 
 
-def make_chat(world, encoder, tokenizer=None, on_unknown=None, **cfg) -> ChatService:
-    return world_chat(world, encoder, tokenizer, on_unknown, **cfg)
-
-
 @pytest.fixture(scope="module")
 def chat(world, encoder):
-    return make_chat(world, encoder)
+    return world_chat(world, encoder)
 
 
 events = sse_data
@@ -117,7 +113,7 @@ def test_omitted_sampling_parameters_take_the_checkpoint_s_generation_config(cha
 
 
 def test_sampling_defaults_openai_gives_openai_s_defaults(world, encoder):
-    chat = make_chat(world, encoder, sampling_defaults="openai")
+    chat = world_chat(world, encoder, sampling_defaults="openai")
     p = ok(run(chat, {"messages": USER, "max_tokens": 2})).gen["params"]
     assert (p["temperature"], p["top_p"], p["top_k"], p["repetition_penalty"], p["min_p"]) == (1.0, 1.0, 0, 1.0, 0.0)
     assert chat.model_card()["sampling_defaults"] == {"source": "openai", **OPENAI_DEFAULTS, "max_tokens": 256}
@@ -352,7 +348,7 @@ def test_bad_values_are_a_400_naming_the_parameter(chat, extra, param):
 # ---------------------------------------------------------------- unknown names
 def test_unknown_names_are_logged_once_and_counted(world, encoder, caplog):
     seen = []
-    chat = make_chat(world, encoder, on_unknown=seen.append)
+    chat = world_chat(world, encoder, on_unknown=seen.append)
     with caplog.at_level(logging.WARNING, logger="app.api.params"):
         for _ in range(3):
             ok(run(chat, BASE | {"frobnicate": 1, "chat_template_kwargs": {"enable_thinking": False},
@@ -363,7 +359,7 @@ def test_unknown_names_are_logged_once_and_counted(world, encoder, caplog):
 
 
 def test_reject_unknown_parameters_makes_them_a_400(world, encoder):
-    chat = make_chat(world, encoder, reject_unknown_parameters=True)
+    chat = world_chat(world, encoder, reject_unknown_parameters=True)
     for extra, name in (({"frobnicate": 1}, "frobnicate"),
                         ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs.enable_thinking")):
         r = run(chat, BASE | extra)
@@ -395,7 +391,7 @@ def test_chat_template_kwargs_and_documents_reach_a_template_that_reads_them(wor
 
     tok = copy.deepcopy(world["tok"])
     tok.chat_template = GREETING + DOCS + tok.chat_template
-    chat = make_chat(world, encoder, tokenizer=tok)
+    chat = world_chat(world, encoder, tokenizer=tok)
     text = prompt_text(world, run(chat, BASE | {"chat_template_kwargs": {"greeting": "Be kind"}}))
     assert text.startswith("<|im_start|>system\nBe kind<|im_end|>\n<|im_start|>user\nTell me a story")
     text = prompt_text(world, run(chat, BASE | {"documents": [{"title": "Doc", "text": "a fact"}]}))
@@ -472,9 +468,9 @@ def test_usage_says_how_many_prompt_tokens_the_prefix_cache_served_when_asked(wo
 
     words = " ".join(f"w{uuid.uuid4().hex[:6]}" for _ in range(40))  # a prompt the cache has never seen
     body = {"messages": [{"role": "user", "content": words}], "max_tokens": 2, "temperature": 0}
-    off = ok(run(make_chat(world, encoder), body)).out["usage"]
+    off = ok(run(world_chat(world, encoder), body)).out["usage"]
     assert "cached_tokens" not in off["prompt_tokens_details"]
-    chat = make_chat(world, encoder, enable_prompt_tokens_details=True)
+    chat = world_chat(world, encoder, enable_prompt_tokens_details=True)
     again = ok(run(chat, body)).out["usage"]
     n, block = again["prompt_tokens"], world["engine"].blocks.block_size
     assert again["prompt_tokens_details"]["cached_tokens"] == (n - 1) // block * block > 0
