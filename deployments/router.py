@@ -82,6 +82,15 @@ class RayBackend:
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+def _as_client_error(e: BaseException, what: str) -> ClientError:
+    """The ClientError inside `e` (Ray wraps remote ones), or a logged 500."""
+    err = unwrap_client_error(e)
+    if err is None:
+        log.exception("%s failed", what)
+        err = ClientError("internal server error", status=500, type="server_error")
+    return err
+
+
 def error_response(e: ClientError) -> JSONResponse:
     return FastJSONResponse(e.to_json(), status_code=e.status, headers=e.headers)
 
@@ -218,9 +227,7 @@ class Router:
         the whole answer(t0)); errors become OpenAI error JSON, a streamed answer server-sent events."""
         t0 = time.perf_counter()
         try:
-            body = parse_json(await read_body(request.stream(), request.headers.get("content-length"),
-                                              self.cfg.max_request_bytes))
-            stream, open_stream, complete = await work(body)
+            stream, open_stream, complete = await work(await self._body(request))
             if stream:
                 return StreamingResponse(await open_stream(t0), media_type="text/event-stream", headers=SSE_HEADERS)
             answer = complete(t0)
@@ -229,10 +236,7 @@ class Router:
             answer = await unless_client_leaves(answer, request.receive)  # uvicorn would not cancel it
             return FastJSONResponse(answer) if answer is not None else Response(status_code=499)
         except Exception as e:
-            err = unwrap_client_error(e)
-            if err is None:
-                log.exception("%s failed", what)
-                err = ClientError("internal server error", status=500, type="server_error")
+            err = _as_client_error(e, what)
             self.chat.record(id=None, status=err.status, e2e_s=time.perf_counter() - t0)
             return error_response(err)
 
@@ -249,12 +253,11 @@ class Router:
 
     async def _tokens(self, request: Request, handle):
         try:
-            body = parse_json(await read_body(request.stream(), request.headers.get("content-length"),
-                                              self.cfg.max_request_bytes))
-            return FastJSONResponse(handle(body))
+            return FastJSONResponse(handle(await self._body(request)))
         except Exception as e:
-            err = unwrap_client_error(e)
-            if err is None:
-                log.exception("%s failed", request.url.path)
-                err = ClientError("internal server error", status=500, type="server_error")
-            return error_response(err)
+            return error_response(_as_client_error(e, request.url.path))
+
+    async def _body(self, request: Request):
+        """The request's JSON body, within `max_request_bytes`."""
+        return parse_json(await read_body(request.stream(), request.headers.get("content-length"),
+                                          self.cfg.max_request_bytes))
