@@ -175,9 +175,6 @@ class LLMConfig(_Strict):
                               "beside decodes) replayed from a CUDA graph per token bucket instead of launched "
                               "kernel by kernel (a 1000-token prompt's TTFT 7.6-8.1 against 10.2-14.7 ms on an "
                               "H200); false launches them eagerly (benchmarks/RESULTS.md, 'Step graphs')")
-    skinny_gemm: bool = Field(False, description="steps of one or two tokens run the attention projections, "
-                              "the dense MLP and the MoE router as Triton matrix-vector products instead of "
-                              "cuBLAS (app/llm/skinny.py); off until measured on every shape (decode.py --skinny)")
     overlap_steps: bool | None = Field(None, description="plan and launch step N+1 while step N runs on the "
                                        "device (its sampled tokens fed back on the device), so the GPU does not "
                                        "wait for the host between steps; None: on with CUDA, off on the CPU "

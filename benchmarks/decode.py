@@ -139,10 +139,8 @@ def rank_main(rank: int, a, path: str, port: int, out: str) -> None:
         tp = TensorParallel(rank, a.tp, moe=a.moe)
     t0 = time.perf_counter()
     engine = Engine(path, "cuda", tp=tp, load_format="dummy", max_model_len=a.max_model_len,
-                    skinny_gemm=a.skinny,
                     max_num_seqs=a.max_num_seqs, gpu_memory_utilization=a.gpu_memory_utilization)
     res = {"preset": a.preset, "layers": engine.spec.layers, "tp": a.tp, "moe": a.moe, "legacy_moe": a.legacy_moe,
-           "skinny_gemm": a.skinny,
            "direct_config": json.loads(Path(a.direct_config).read_text()) if a.direct_config else None,
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "engine_start_s": time.perf_counter() - t0, "kv_blocks": engine.blocks.usable_blocks,
@@ -179,8 +177,10 @@ def rank_main(rank: int, a, path: str, port: int, out: str) -> None:
         print(json.dumps({k: v for k, v in res.items() if k != "single"}), flush=True)
     engine.shutdown()
     if tp.enabled:
-        dist.barrier()
-        dist.destroy_process_group()
+        # Every rank's figures are in; tearing NCCL down hung past the call's limit on 2 and 4 H200s
+        # (2026-11-27), so a rank leaves at once, as a killed process would, without the teardown.
+        sys.stdout.flush()
+        os._exit(0)
 
 
 def main() -> None:
@@ -203,8 +203,6 @@ def main() -> None:
     p.add_argument("--direct-config", default=None, metavar="JSON_FILE",
                    help="tiles for the unsorted few-token MoE path (e.g. moe_kernel.py --sweep's best) instead of "
                         "moe_config's")
-    p.add_argument("--skinny", action="store_true", help="llm.skinny_gemm: one- and two-token steps' projections "
-                   "as Triton matrix-vector products (app/llm/skinny.py)")
     p.add_argument("--profile", type=int, default=0, metavar="STREAMS",
                    help="also profile 64 decode steps of STREAMS streams with CUPTI (kernels per token, GPU share)")
     a = p.parse_args()

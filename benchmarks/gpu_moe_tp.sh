@@ -3,9 +3,8 @@
 # MoE kernel, the MoE engine and tensor parallelism, the kernel benchmark, then decode speed per shape.
 # Run from the repository root on the GPU machine, with .gpu-deps carried:
 #   STAGES="tests kernel moe30b" bash benchmarks/gpu_moe_tp.sh          (results under $OUT)
-# Stages: tests, tptest (the multi-GPU test alone), kernel, moe30b, skinny (llm.skinny_gemm against cuBLAS, 30B-A3B
-# and 8B, same call), dense8b, dense32b_tp, moe30b_tp, moe235b_tp4 (reduced to
-# LAYERS_235B layers); served over HTTP: serve_8b, serve_moe30b, serve_moe30b_tp2 (run 2026-11-27), serve_moe235b_tp4 (not yet).
+# Stages: tests, tptest (the multi-GPU test alone), kernel, moe30b, dense8b, dense32b_tp, moe30b_tp,
+# moe235b_tp4 (reduced to LAYERS_235B layers); served over HTTP: serve_8b, serve_moe30b, serve_moe30b_tp2 (run 2026-11-27), serve_moe235b_tp4 (not yet).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source .gpu-deps/activate
@@ -21,10 +20,6 @@ for s in $STAGES; do case $s in
   tptest) run tptest timeout 200 python3 -m pytest -q -rs -m gpu tests/test_tensor_parallel.py -p no:cacheprovider ;;
   kernel) run kernel timeout 200 python3 benchmarks/moe_kernel.py --out "$OUT/moe_kernel.json" ;;
   moe30b) run moe30b timeout 400 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --out "$OUT/moe30b.json" ;;
-  skinny) run moe30b_cublas timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --profile 1 --out "$OUT/moe30b_cublas.json"
-          run moe30b_skinny timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --profile 1 --skinny --out "$OUT/moe30b_skinny.json"
-          run dense8b_skinny timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-8b --new 128 --skinny --out "$OUT/dense8b_skinny.json"
-          run dense8b_cublas timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-8b --new 128 --out "$OUT/dense8b_cublas.json" ;;
   dense8b) run dense8b timeout 300 python3 benchmarks/decode.py --preset qwen3-vl-8b --out "$OUT/dense8b.json" ;;
   dense32b_tp) run dense32b_tp1 timeout 240 python3 benchmarks/decode.py --preset qwen3-vl-32b --max-num-seqs 64 \
                  --gpu-memory-utilization 0.9 --out "$OUT/dense32b_tp1.json"

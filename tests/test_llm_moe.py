@@ -136,17 +136,14 @@ def _cuda(req):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("skinny_gemm", [False, True])
-def test_moe_on_gpu_in_graphs_equals_transformers_generate(moe_world, skinny_gemm):
-    """The fused MoE kernel inside decode and step graphs (fp32), answers against transformers'; also
-    with one-token steps' projections as matrix-vector kernels (llm.skinny_gemm)."""
+def test_moe_on_gpu_in_graphs_equals_transformers_generate(moe_world):
+    """The fused MoE kernel inside decode and step graphs (fp32), answers against transformers'."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from app.llm.engine import Engine
 
     eng = Engine(str(moe_world["path"]), device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8,
-                 max_num_batched_tokens=64, num_kv_blocks=256, skinny_gemm=skinny_gemm)
-    assert eng.model.skinny is skinny_gemm
+                 max_num_batched_tokens=64, num_kv_blocks=256)
     assert eng.runner.graphs and eng.runner.step_graphs
     for i, kinds in enumerate([["image"], [], ["video"], ["image", "video"]]):
         req, items, prompt = make_request(moe_world, kinds, data_seed=i, words=4 * i, max_tokens=12)

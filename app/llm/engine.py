@@ -70,7 +70,6 @@ class Engine:
         else:
             loaded = load_in_memory(model, tokenizer, self.dtype, self.device, self.max_model_len, tp)
         self.model, self.tokenizer, self.eos_ids = loaded.model, loaded.tokenizer, loaded.eos_ids
-        self.model.skinny = cfg.skinny_gemm  # before the runner captures its graphs
         self.spec = self.model.spec
         self.rope = Rope.from_config(loaded.config)
         self.vision_ids = vision_token_ids(loaded.config, self.tokenizer)

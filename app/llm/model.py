@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import skinny
 from .attention import AttentionMetadata, paged_attention
 from .kernels import add_rmsnorm, qk_norm_rope_store, silu_mul
 from .moe import moe_forward
@@ -111,7 +110,6 @@ class TextModel(nn.Module):
         super().__init__()
         self.spec, self.dtype, self.device, self.tp = spec, dtype, device, tp
         self.local = local = LocalShapes.of(spec, tp)
-        self.skinny = False  # one- or two-token steps' projections as matrix-vector kernels (llm.skinny_gemm)
 
         def param(*shape):
             return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -186,19 +184,17 @@ class TextModel(nn.Module):
 
     def _attention(self, layer: DecoderLayer, h, cos, sin, k_cache, v_cache, slots, meta) -> torch.Tensor:
         local = self.local
-        qkv = skinny.linear(h, layer.qkv_weight, layer.qkv_bias, self.skinny)
+        qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
         q = qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, cos, sin, k_cache, v_cache, slots, local.heads,
                                local.kv_heads, self.spec.eps)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.tp.all_reduce(skinny.linear(o.view(h.shape[0], -1), layer.o_weight, None, self.skinny))
+        return self.tp.all_reduce(F.linear(o.view(h.shape[0], -1), layer.o_weight))
 
     def _feed_forward(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
         if layer.sparse:
-            out = moe_forward(h, layer.router_weight, layer.experts_gate_up, layer.experts_down, self.spec, self.tp,
-                              self.skinny)
+            out = moe_forward(h, layer.router_weight, layer.experts_gate_up, layer.experts_down, self.spec, self.tp)
         else:
-            gate_up = skinny.linear(h, layer.gate_up_weight, None, self.skinny)
-            out = skinny.linear(silu_mul(gate_up), layer.down_weight, None, self.skinny)
+            out = F.linear(silu_mul(F.linear(h, layer.gate_up_weight)), layer.down_weight)
         return self.tp.all_reduce(out)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

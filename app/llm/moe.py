@@ -15,25 +15,23 @@ all-reduces the partial sums.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from . import skinny
 from .fused_moe import fused_moe, route_topk
 from .parallel import TensorParallel
 from .spec import TextSpec
 
 
-def route(h: torch.Tensor, router_weight: torch.Tensor, spec: TextSpec, skinny_gemm: bool = False
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route(h: torch.Tensor, router_weight: torch.Tensor, spec: TextSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (expert ids [T, k], weights [T, k] in h's dtype)."""
-    return route_topk(skinny.linear(h, router_weight, None, skinny_gemm), spec.experts_per_token, spec.norm_topk,
-                      h.dtype)
+    return route_topk(F.linear(h, router_weight), spec.experts_per_token, spec.norm_topk, h.dtype)
 
 
 def moe_forward(h: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                spec: TextSpec, tp: TensorParallel, skinny_gemm: bool = False) -> torch.Tensor:
+                spec: TextSpec, tp: TensorParallel) -> torch.Tensor:
     """h [T, hidden] -> this rank's part of the block's output [T, hidden]. gate_up [experts, 2 units,
     hidden] and down [experts, hidden, units] are the rank's experts (or the rank's units of all)."""
-    ids, weights = route(h, router_weight, spec, skinny_gemm)
+    ids, weights = route(h, router_weight, spec)
     if tp.enabled and tp.moe == "ep":
         first = tp.rank * gate_up.shape[0]
         ids = ids - first  # experts held elsewhere fall outside [0, held) and count nothing here
