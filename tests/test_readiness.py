@@ -1,31 +1,41 @@
-"""Ready means ready: /health answers 200 only once every deployment with replicas has one running."""
+"""Ready means ready: /health answers 200 the first time only once every deployment with replicas runs its
+whole target, and afterwards while each still has one replica running."""
 
 from __future__ import annotations
 
 from app.serving.readiness import ReadinessProbe, deployments_ready
 
 
-def test_ready_only_when_every_deployment_with_replicas_has_one_running():
-    starting = {"Router": {"RUNNING": 2}, "MediaPreprocessor": {"RUNNING": 4}, "LLM": {"STARTING": 1},
-                "VisionEncoder": {}}
-    assert deployments_ready(starting) == (False, {"Router": "2/2", "MediaPreprocessor": "4/4", "LLM": "0/1",
-                                                   "VisionEncoder": "0/0"})
-    running = starting | {"LLM": {"RUNNING": 1}}
+def test_first_ready_needs_every_deployment_settled_with_its_replicas_running():
+    starting = {"Router": ("HEALTHY", {"RUNNING": 2}), "MediaPreprocessor": ("HEALTHY", {"RUNNING": 4}),
+                "LLM": ("UPDATING", {"STARTING": 2}), "VisionEncoder": ("HEALTHY", {})}
+    assert deployments_ready(starting) == (False, {"Router": "2/2 HEALTHY", "MediaPreprocessor": "4/4 HEALTHY",
+                                                   "LLM": "0/2 UPDATING", "VisionEncoder": "0/0 HEALTHY"})
+    half = starting | {"LLM": ("UPDATING", {"RUNNING": 1, "STARTING": 1})}
+    assert not deployments_ready(half)[0]  # its sibling still captures graphs on the same GPU
+    assert deployments_ready(half, whole=False)[0]  # but one running replica keeps a ready app ready
+    running = starting | {"LLM": ("HEALTHY", {"RUNNING": 2})}
     assert deployments_ready(running)[0]  # the fused placement's dormant encoder does not count
-    scaling_up = running | {"LLM": {"RUNNING": 1, "STARTING": 3}}
-    assert deployments_ready(scaling_up)[0]  # replicas already running keep it ready
-    replaced = running | {"LLM": {"STOPPING": 1, "STARTING": 1}}
-    assert not deployments_ready(replaced)[0]  # the only LLM replica died: not ready until its successor runs
+    scaling_up = running | {"LLM": ("UPSCALING", {"RUNNING": 2, "STARTING": 2})}
+    assert deployments_ready(scaling_up)[0]  # autoscaling's new replicas join Serve's routing once running
+    failing = running | {"LLM": ("DEPLOY_FAILED", {"RUNNING": 1})}
+    assert not deployments_ready(failing)[0] and deployments_ready(failing, whole=False)[0]
+    replaced = running | {"LLM": ("UPDATING", {"STOPPING": 1, "STARTING": 1})}
+    assert not deployments_ready(replaced, whole=False)[0]  # no LLM replica left: not ready until one runs
 
 
-def test_the_probe_asks_the_controller_at_most_once_per_ttl():
+def test_the_probe_latches_after_the_first_whole_readiness_and_asks_at_most_once_per_ttl():
+    answers = iter([{"LLM": ("UPDATING", {"RUNNING": 1, "STARTING": 1})},
+                    {"LLM": ("HEALTHY", {"RUNNING": 2})},
+                    {"LLM": ("UPDATING", {"RUNNING": 1, "STARTING": 1})},  # a rolling update: still ready
+                    {"LLM": ("UPDATING", {"STARTING": 2})}])
     calls = []
 
     def read():
         calls.append(1)
-        return {"LLM": {"RUNNING": 1}} if len(calls) > 1 else {"LLM": {"STARTING": 1}}
+        return next(answers)
 
     probe = ReadinessProbe(read, ttl_s=3600)
     assert probe()[0] is False and probe()[0] is False and len(calls) == 1
     probe.ttl_s = 0
-    assert probe()[0] is True and len(calls) == 2
+    assert [probe()[0] for _ in range(3)] == [True, True, False] and len(calls) == 4

@@ -1,12 +1,12 @@
 """When the application may say it is ready (`GET /health`).
 
-A Router answers HTTP as soon as it is up, while the LLM replicas may still be loading weights,
-capturing graphs and warming up (app/serving/warmup.py): a load balancer or client that trusted that answer
-sent traffic to an application that could only queue or refuse it. Ready means every deployment that
-has replicas has at least one running (Ray Serve marks a replica running only after its constructor,
-warm-up included, has returned and its health check passed); a deployment kept at zero replicas (the
-fused placement's VisionEncoder) does not count. During a rolling update or a scale-up the replicas
-already running keep the application ready.
+A Router answers HTTP as soon as it is up, while the LLM replicas may still be loading weights, capturing
+graphs and warming up (app/serving/warmup.py). Ready means, the first time, that every deployment with
+replicas has reached its target count, all of them running (Ray Serve marks a replica running only after
+its constructor, warm-up included, returned): one running replica was not enough, as its siblings'
+start-up (graph capture on the same GPU, imports on the same cores) doubled TTFT p99 in the first seconds
+(H200, 2026-11-27). Once ready, a Router stays ready while every such deployment has one replica running,
+so that rolling updates and scale-ups keep it in a load balancer's rotation.
 """
 
 from __future__ import annotations
@@ -14,38 +14,50 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+# A deployment's status once every replica of its target has started (UPDATING before; failing ones never)
+SETTLED = frozenset({"HEALTHY", "UPSCALING", "DOWNSCALING"})
 
-def deployments_ready(replica_states: dict[str, dict[str, int]]) -> tuple[bool, dict[str, str]]:
-    """(ready, per deployment "running/total") from each deployment's replicas counted by state."""
+
+def deployments_ready(deployments: dict[str, tuple[str, dict[str, int]]], whole: bool = True
+                      ) -> tuple[bool, dict[str, str]]:
+    """(ready, per deployment "running/total status") from each deployment's (status, replicas counted by
+    state). `whole`: every deployment with replicas must also be settled at its target, not just have one
+    running (the first readiness)."""
     ready, shown = True, {}
-    for name, states in replica_states.items():
+    for name, (status, states) in deployments.items():
         total = sum(states.values())
         running = states.get("RUNNING", 0)
-        shown[name] = f"{running}/{total}"
-        if total and not running:
+        shown[name] = f"{running}/{total} {status}"
+        if total and (not running or (whole and status not in SETTLED)):
             ready = False
     return ready, shown
 
 
 class ReadinessProbe:
-    """The application's readiness, read from Ray Serve's controller at most once per `ttl_s`."""
+    """The application's readiness, read from Ray Serve's controller at most once per `ttl_s`: whole the
+    first time, then one running replica per deployment."""
 
-    def __init__(self, read_states: Callable[[], dict[str, dict[str, int]]], ttl_s: float = 1.0):
+    def __init__(self, read_states: Callable[[], dict[str, tuple[str, dict[str, int]]]], ttl_s: float = 1.0):
         self.read_states, self.ttl_s = read_states, ttl_s
-        self._at, self._last = float("-inf"), (False, {})
+        self._at, self._last, self.was_ready = float("-inf"), (False, {}), False
 
     def __call__(self) -> tuple[bool, dict[str, str]]:
         now = time.monotonic()
         if now - self._at >= self.ttl_s:
-            self._last = deployments_ready(self.read_states())
+            self._last = deployments_ready(self.read_states(), whole=not self.was_ready)
+            self.was_ready = self.was_ready or self._last[0]
             self._at = now
         return self._last
 
 
-def serve_replica_states(app_name: str) -> dict[str, dict[str, int]]:
-    """Each deployment of `app_name`: its replicas counted by state (a call to Serve's controller)."""
+def serve_replica_states(app_name: str) -> dict[str, tuple[str, dict[str, int]]]:
+    """Each deployment of `app_name`: its status and its replicas counted by state (a call to Serve's
+    controller)."""
     from ray import serve
 
+    def name(v) -> str:
+        return str(getattr(v, "value", v))
+
     app = serve.status().applications[app_name]
-    return {name: {str(getattr(s, "value", s)): n for s, n in d.replica_states.items()}
-            for name, d in app.deployments.items()}
+    return {dep: (name(d.status), {name(s): n for s, n in d.replica_states.items()})
+            for dep, d in app.deployments.items()}
