@@ -5,7 +5,11 @@ Each node is a raylet of its own, started with its own `CUDA_VISIBLE_DEVICES` an
 cores; the head holds no GPU and no CPU, so only Serve's controller and a proxy live there. The load
 enters on every worker node's Router port (`router_http_port`, as a load balancer in front of the nodes
 would spread it), split evenly; the figure is all answers over the longest node's timed part. Result:
-`cluster.json` and `cluster.md` with throughput and TTFT per layout and the ratio two nodes / one.
+`cluster.json` and `cluster.md` with throughput and TTFT per layout and the ratio two nodes / one,
+written again after every layout (a timeout loses at most the layout in flight, and that one's phases so
+far are kept). Every phase of a layout is printed as it ends, with the seconds since the start, and its
+duration kept in the layout's `phases_s`. `--layouts 2` runs one layout only; with `--deadline-s` a layout
+is skipped (and recorded as such) when less time is left than the previous layout took.
 
     python benchmarks/cluster_scaling.py --serve-config configs/qwen3-vl-2b-gpu.yaml --gpus 4 --rate 500 --out-dir $OUT/cluster
     python benchmarks/cluster_scaling.py --smoke --out-dir /tmp/cluster   # CPU: tiny model, fake GPUs
@@ -17,9 +21,10 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -30,6 +35,70 @@ sys.path.insert(0, str(ROOT / "tests"))  # the multi-node harness the cluster te
 from benchmarks.serve import Workload, deep_merge, run_load, wait_running  # noqa: E402
 from cluster_harness import LocalCluster, environment, replica_nodes  # noqa: E402
 
+T_START = time.perf_counter()
+NAMES = {1: "one_node", 2: "two_nodes"}
+
+
+def layout_name(nodes: int) -> str:
+    return NAMES.get(nodes, f"{nodes}_nodes")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T_START:7.1f} s] {msg}", flush=True)
+
+
+class Phases:
+    """A layout's phases, each printed when it starts and when it ends (flushed: a run killed by a
+    timeout shows what it was in); their durations in `durations_s`, and the one in flight in `current`."""
+
+    def __init__(self, label: str):
+        self.label, self.durations_s, self.current, self.stopped_in = label, {}, None, None
+        self.t0 = self._last = time.perf_counter()
+
+    def start(self, name: str) -> None:
+        if self.current is not None:  # the previous one never ended (an exception): kept as where it stopped
+            self.stopped_in = self.current
+            self.durations_s[f"{self.current} (stopped)"] = round(time.perf_counter() - self._last, 3)
+        self.current, self._last = name, time.perf_counter()
+        log(f"{self.label}: {name} ...")
+        if name != "shutdown":
+            on_sigterm.install()  # again: Ray sets its own when a node starts and at ray.init
+
+    def done(self, detail: str = "") -> float:
+        d = time.perf_counter() - self._last
+        self.durations_s[self.current] = round(d, 3)
+        log(f"{self.label}: {self.current} done in {d:.1f} s" + (f" ({detail})" if detail else ""))
+        self.current = None
+        return d
+
+    def total_s(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+class OnSigterm:
+    """The SIGTERM handler (`timeout`'s): the results so far written at once, the layout in flight with
+    the phases it finished and the one it was in, then SystemExit, so that its cluster is stopped. Written
+    here rather than on the way out: GNU timeout signals the whole process group too, so a second SIGTERM
+    (and Ray's processes dying under it) may cut the way out short."""
+
+    def __init__(self):
+        self.a, self.results, self.name, self.out = None, None, None, None
+
+    def __call__(self, signum, frame) -> None:
+        log(f"signal {signum}")
+        if self.a is not None and self.name is not None:
+            self.results[self.name] = finished(self.out) | {"stopped": f"signal {signum}"}
+            write_results(self.a, self.results)
+            self.name = None  # written: once is enough
+        sys.exit(128 + signum)
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is not self:
+            signal.signal(signal.SIGTERM, self)
+
+
+on_sigterm = OnSigterm()
+
 
 def node_specs(gpus: int, nodes: int, cpus: int) -> list[dict]:
     """Per worker node: its GPUs (CUDA_VISIBLE_DEVICES), GPU count and cores; the host's split evenly."""
@@ -38,10 +107,11 @@ def node_specs(gpus: int, nodes: int, cpus: int) -> list[dict]:
              "num_cpus": cpus // nodes} for i in range(nodes)]
 
 
-def deploy(cluster: LocalCluster, serve_config: str, args: dict, routers: int, cpus: float | None = None) -> None:
+def deploy(cluster: LocalCluster, serve_config: str, args: dict, routers: int, cpus: float | None = None) -> str:
     """The config file as `serve run` deploys it, on the cluster: `routers` Routers and as many media
     replicas in all, the same share on every worker node (so that each node's port answers), the
-    Routers' own port on every node. `cpus`: their CPU reservation instead of the file's."""
+    Routers' own port on every node. `cpus`: their CPU reservation instead of the file's. Returns the
+    application's name without waiting for it (wait_running)."""
     import yaml
     from ray.serve._private import api as serve_api
     from ray.serve.schema import ServeDeploySchema
@@ -64,22 +134,58 @@ def deploy(cluster: LocalCluster, serve_config: str, args: dict, routers: int, c
                 d["ray_actor_options"] = {**d.get("ray_actor_options", {}), "num_cpus": cpus}
     client = serve_api.serve_start(http_options=conf["http_options"])
     client.deploy_apps(ServeDeploySchema.model_validate(conf), _blocking=False)
-    wait_running(app["name"], timeout_s=900)
+    return app["name"]
+
+
+def in_threads(fn, calls: list[tuple]) -> list:
+    """`fn(*c)` for every c at the same time, a daemon thread each, the results in order (the first
+    exception raised again). Daemon threads: a SIGTERM (the caller's `timeout`) ends the process without
+    waiting for a load in flight, as a pool's threads would make it."""
+    results: list = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(i: int, c: tuple) -> None:
+        try:
+            results[i] = fn(*c)
+        except BaseException as e:  # raised again in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, c), daemon=True, name=f"load-{i}") for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def warm_up(urls: list[str], wl: Workload, a, seed: int) -> dict:
+    """Each node's `--warmup` requests, the media seeds run_load's own warm-up would take (seed + i *
+    1e6, ...), but `--warmup-concurrency` at a time instead of one after another (256 in a row, twice a
+    layout, were a large part of it). Not measured."""
+    def one(i: int, url: str) -> dict:
+        return asdict(asyncio.run(run_load(url, wl, a.warmup, max(1, min(a.warmup_concurrency, a.warmup)), warmup=0,
+                                           progress=False, seed_offset=seed + i * 1_000_000)))
+
+    reports = in_threads(one, list(enumerate(urls)))
+    return {"requests": sum(r["successful"] + r["failed"] for r in reports),
+            "failed": sum(r["failed"] for r in reports), "duration_s": max(r["duration_s"] for r in reports)}
 
 
 def load_all(urls: list[str], wl: Workload, a, seed: int, rate: float | None = None) -> list[dict]:
     """The load split over the nodes' entry points, run at the same time (a thread each): the closed loop,
-    or with `rate` Poisson arrivals at that total rate."""
+    or with `rate` Poisson arrivals at that total rate. The timed requests are the ones they were with
+    run_load's own warm-up (media seeds after the warm-up's: warm_up sent those)."""
     def one(i: int, url: str) -> dict:
         concurrency = None if rate else max(1, a.concurrency // len(urls))
         report = asyncio.run(run_load(url, wl, a.requests // len(urls), concurrency,
-                                      request_rate=rate / len(urls) if rate else None, warmup=a.warmup,
-                                      progress=False, seed_offset=seed + i * 1_000_000,
+                                      request_rate=rate / len(urls) if rate else None, warmup=0,
+                                      progress=False, seed_offset=seed + i * 1_000_000 + a.warmup,
                                       processes=min(a.load_processes, concurrency or a.load_processes)))
         return asdict(report)
 
-    with ThreadPoolExecutor(len(urls)) as pool:
-        return list(pool.map(one, range(len(urls)), urls))
+    return in_threads(one, list(enumerate(urls)))
 
 
 def summary(reports: list[dict]) -> dict:
@@ -87,37 +193,168 @@ def summary(reports: list[dict]) -> dict:
     ok = sum(r["successful"] for r in reports)
     return {"successful": ok, "failed": sum(r["failed"] for r in reports),
             "request_throughput": ok / max(r["duration_s"] for r in reports),
+            "duration_s": max(r["duration_s"] for r in reports),
             "per_node_throughput": [r["request_throughput"] for r in reports],
             "ttft_ms_p50_per_node": [r["ttft_ms"]["median"] for r in reports],
             "ttft_ms_p99_per_node": [r["ttft_ms"]["p99"] for r in reports]}
 
 
-def run_layout(a, nodes: int) -> dict:
+def node_processes(cluster: LocalCluster) -> list:
+    """The worker nodes' raylets and everything under them (replicas, their own children): the
+    processes that should be gone before the next layout takes the GPUs."""
+    import psutil
+    from ray._private import ray_constants
+
+    procs = []
+    for w in cluster.workers:
+        for info in w.node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
+            try:
+                p = psutil.Process(info.process.pid)
+                procs += [p, *p.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+    return procs
+
+
+def shut_down(cluster: LocalCluster, procs: list, out: dict) -> None:
+    """The cluster stopped, then its worker nodes' processes waited for (a replica still holding a GPU
+    would shrink the next layout's KV cache), killed after 60 s; how many outlived the shutdown in
+    `out["leftover_processes"]`."""
+    import psutil
+
+    # A SIGTERM that stopped the layout may come again (GNU timeout signals the child, then its process
+    # group): the cluster is stopped first, or its raylets and replicas could outlive the run.
+    previous = signal.signal(signal.SIGTERM,
+                             lambda signum, frame: log(f"signal {signum} during the shutdown: finishing it"))
+    try:
+        cluster.shutdown()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    alive = [p for p in procs if p.is_running()]
+    if alive:
+        t0 = time.perf_counter()
+        _, still = psutil.wait_procs(alive, timeout=60)
+        for p in still:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        out["leftover_processes"] = {"after_shutdown": len(alive), "gone_after_s": round(time.perf_counter() - t0, 3),
+                                     "killed_after_60s": len(still)}
+
+
+def run_layout(a, nodes: int, out: dict) -> dict:
+    """One layout on a fresh cluster, filling `out` as it goes (so a caller that is interrupted still has
+    the phases done); `out["phases"]` is its Phases."""
     from deployments.ray_env import apply_serve_env
 
+    ph = out["phases"] = Phases(layout_name(nodes))
+    out.update(nodes=nodes, gpus=a.gpus)
     apply_serve_env()  # as `make serve` starts Ray
+    ph.start("cluster start")
     cluster = LocalCluster(head_cpus=0)
+    procs: list = []
     try:
         for spec in node_specs(a.gpus, nodes, a.cpus):
             env = {} if a.smoke else {"CUDA_VISIBLE_DEVICES": spec["devices"]}
             with environment(env):
                 cluster.add_worker(spec["num_cpus"], spec["num_gpus"])
+        ph.done(f"head and {nodes} worker node{'s' * (nodes > 1)}")
+        ph.start("connect")
         cluster.connect()
-        t0 = time.perf_counter()
-        deploy(cluster, a.serve_config, json.loads(a.app_args), a.routers, a.replica_cpus)
-        ready_s = time.perf_counter() - t0
+        ph.done()
+        ph.start("deploy call")
+        name = deploy(cluster, a.serve_config, json.loads(a.app_args), a.routers, a.replica_cpus)
+        deploy_call_s = ph.done()
+        ph.start("running")
+        wait_running(name, timeout_s=900)
+        out["ready_s"] = deploy_call_s + ph.done()
+        procs = node_processes(cluster)
         wl = Workload("image", a.image_size, output_tokens=a.output_tokens)
         urls = [w.url("router") for w in cluster.workers]
-        out = {"nodes": nodes, "gpus": a.gpus, "ready_s": ready_s,
-               "closed_loop": summary(load_all(urls, wl, a, seed=nodes * 10_000_000))}
+        loads = [("closed_loop", nodes * 10_000_000, None)]
         if a.rate:
-            out["poisson"] = summary(load_all(urls, wl, a, seed=nodes * 10_000_000 + 500_000, rate=a.rate))
+            loads.append(("poisson", nodes * 10_000_000 + 500_000, a.rate))
+        for load, seed, rate in loads:
+            if a.warmup:
+                ph.start(f"{load} warm-up")
+                w = out.setdefault("warmup", {})[load] = warm_up(urls, wl, a, seed)
+                ph.done(f"{w['requests']} requests, {w['failed']} failed, "
+                        f"{w['requests'] / max(w['duration_s'], 1e-9):.1f} req/s")
+            ph.start(load)
+            r = out[load] = summary(load_all(urls, wl, a, seed, rate))
+            ph.done(f"{r['request_throughput']:.2f} req/s, {r['successful']} ok, {r['failed']} failed, "
+                    f"timed part {r['duration_s']:.1f} s")
         placed = {dep: sorted(replicas.values()) for dep, replicas in replica_nodes().items()}
         out["replica_nodes"] = {dep: len(set(ns)) for dep, ns in placed.items()}
         out["replicas"] = {dep: len(ns) for dep, ns in placed.items()}
-        return out
     finally:
-        cluster.shutdown()
+        ph.start("shutdown")
+        shut_down(cluster, procs, out)
+        left = out.get("leftover_processes")
+        ph.done(f"{left['after_shutdown']} node processes outlived it by {left['gone_after_s']:.1f} s, "
+                f"{left['killed_after_60s']} killed" if left else "")
+    return out
+
+
+def finished(out: dict) -> dict:
+    """A layout's record as written: its phases as durations (and the one it was in, if it stopped)."""
+    rec = {k: v for k, v in out.items() if k != "phases"}
+    ph = out.get("phases")
+    if ph is not None:
+        rec["phases_s"] = dict(ph.durations_s)
+        rec["total_s"] = round(ph.total_s(), 3)
+        if ph.current is not None:  # stopped in it: how long it had run
+            rec["phases_s"][f"{ph.current} (stopped)"] = round(time.perf_counter() - ph._last, 3)
+        if ph.stopped_in is not None or ph.current is not None:
+            rec["in_phase"] = ph.stopped_in or ph.current
+    return rec
+
+
+def write_file(path: Path, text: str) -> None:
+    """Whole or not at all (a SIGTERM's handler may write the same file while this one is at it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_results(a, results: dict) -> None:
+    """cluster.json and cluster.md from the layouts so far; the ratio once one node and two are both done."""
+    done = {k: v for k, v in results.items() if isinstance(v, dict) and "closed_loop" in v and "stopped" not in v}
+    if "one_node" in done and "two_nodes" in done:
+        results["ratio_two_over_one"] = (done["two_nodes"]["closed_loop"]["request_throughput"]
+                                         / max(done["one_node"]["closed_loop"]["request_throughput"], 1e-9))
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_file(out / "cluster.json", json.dumps(results, indent=1))
+    lines = ["| layout | load | req/s | per node | TTFT p50 / p99 ms per node | failed | ready s |",
+             "|---|---|---|---|---|---|---|"]
+    notes = []
+    for name, rec in results.items():
+        if not isinstance(rec, dict):
+            continue
+        for load in ("closed_loop", "poisson"):
+            r = rec.get(load)
+            if r is None:
+                continue
+            ttft = ", ".join(f"{m:.0f} / {q:.0f}" for m, q in zip(r["ttft_ms_p50_per_node"], r["ttft_ms_p99_per_node"]))
+            label = load if load == "closed_loop" else f"Poisson {a.rate or 0:g}"
+            lines.append(f"| {name} ({a.gpus} GPUs) | {label} | "
+                         f"{r['request_throughput']:.2f} | " + ", ".join(f"{x:.1f}" for x in r["per_node_throughput"])
+                         + f" | {ttft} | {r['failed']} | {rec.get('ready_s', float('nan')):.0f} |")
+        if "skipped" in rec:
+            notes.append(f"{name}: skipped: {rec['skipped']}")
+        elif "stopped" in rec:
+            notes.append(f"{name}: stopped in phase '{rec.get('in_phase')}' after {rec.get('total_s', 0):.0f} s: "
+                         f"{rec['stopped']}")
+        if rec.get("phases_s"):
+            notes.append(f"{name} phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in rec["phases_s"].items())
+                         + f"; total {rec.get('total_s', 0):.1f}")
+    if "ratio_two_over_one" in results:
+        notes.append(f"two nodes / one node, closed loop: {results['ratio_two_over_one']:.3f}")
+    text = "\n".join(lines) + ("\n\n" + "\n\n".join(notes) if notes else "") + "\n"
+    write_file(out / "cluster.md", text)
+    log(f"wrote {out / 'cluster.json'} and cluster.md ({', '.join(k for k in results if k != 'ratio_two_over_one')})")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -126,10 +363,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--app-args", default="{}", help="JSON deep-merged into the application's args")
     p.add_argument("--gpus", type=int, default=4)
     p.add_argument("--cpus", type=int, default=os.cpu_count() or 2, help="the host's cores, split over the nodes")
+    p.add_argument("--layouts", default="1 2", help="worker node counts, run in this order (e.g. '2' for one layout)")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="seconds from the start: a layout is skipped when less is left than the previous one took")
     p.add_argument("--concurrency", type=int, default=1024)
     p.add_argument("--rate", type=float, default=None, help="also Poisson arrivals at this total rate (req/s)")
     p.add_argument("--requests", type=int, default=4096)
-    p.add_argument("--warmup", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=256, help="per node, before each load")
+    p.add_argument("--warmup-concurrency", type=int, default=64, help="per node (1: one after another)")
     p.add_argument("--image-size", type=int, default=448)
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--load-processes", type=int, default=2, help="per node")
@@ -144,26 +385,40 @@ def main(argv: list[str] | None = None) -> dict:
         a.routers, a.replica_cpus, a.rate = 2, 0.25, a.rate or 4.0
         a.app_args = json.dumps({"placement": {"policy": "fused", "num_cpus": 0.25}, "warmup": False}
                                 | json.loads(a.app_args))
-    results = {"one_node": run_layout(a, 1), "two_nodes": run_layout(a, 2)}
-    results["ratio_two_over_one"] = (results["two_nodes"]["closed_loop"]["request_throughput"]
-                                     / max(results["one_node"]["closed_loop"]["request_throughput"], 1e-9))
-    out = Path(a.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cluster.json").write_text(json.dumps(results, indent=1))
-    lines = ["| layout | load | req/s | per node | TTFT p50 / p99 ms per node | failed | ready s |",
-             "|---|---|---|---|---|---|---|"]
-    for name in ("one_node", "two_nodes"):
-        for load in ("closed_loop", "poisson"):
-            r = results[name].get(load)
-            if r is None:
-                continue
-            ttft = ", ".join(f"{m:.0f} / {q:.0f}" for m, q in zip(r["ttft_ms_p50_per_node"], r["ttft_ms_p99_per_node"]))
-            lines.append(f"| {name} ({a.gpus} GPUs) | {load if load == 'closed_loop' else f'Poisson {a.rate:g}'} | "
-                         f"{r['request_throughput']:.2f} | " + ", ".join(f"{x:.1f}" for x in r["per_node_throughput"])
-                         + f" | {ttft} | {r['failed']} | {results[name]['ready_s']:.0f} |")
-    lines.append(f"\ntwo nodes / one node, closed loop: {results['ratio_two_over_one']:.3f}")
-    (out / "cluster.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    layouts = [int(x) for x in a.layouts.replace(",", " ").split()]
+    for n in layouts:
+        if n < 1 or a.gpus % n:
+            p.error(f"--layouts: {n} nodes do not split {a.gpus} GPUs evenly")
+    results: dict = {}
+    on_sigterm.a, on_sigterm.results = a, results
+    on_sigterm.install()
+    last_s = None
+    for n in layouts:
+        name = layout_name(n)
+        left = None if a.deadline_s is None else a.deadline_s - (time.perf_counter() - T_START)
+        if left is not None and (left <= 0 or (last_s is not None and left < last_s)):
+            why = f"{left:.1f} s left of --deadline-s {a.deadline_s:g}" + (
+                f", the previous layout took {last_s:.1f} s" if last_s is not None else "")
+            results[name] = {"nodes": n, "gpus": a.gpus, "skipped": why}
+            log(f"{name}: skipped ({why})")
+            write_results(a, results)
+            continue
+        out: dict = {}
+        on_sigterm.name, on_sigterm.out = name, out
+        try:
+            run_layout(a, n, out)
+        except BaseException as e:
+            on_sigterm.name = None
+            results.setdefault(name, finished(out) | {"stopped": f"{type(e).__name__}: {e}"})
+            log(f"{name}: stopped: {type(e).__name__}: {e}")
+            write_results(a, results)
+            raise
+        on_sigterm.name = None
+        results[name] = finished(out)
+        last_s = results[name]["total_s"]
+        log(f"{name}: done in {last_s:.1f} s")
+        write_results(a, results)
+    print((Path(a.out_dir) / "cluster.md").read_text(), flush=True)
     return results
 
 

@@ -5,8 +5,11 @@
 #   bash benchmarks/gpu_calls_4gpu.sh decode     30B-A3B decode on GPU 0 and 8B on GPU 1, then 32B
 #                                                TP=2 on GPUs 0-1; beside them the whole GPU suite on GPUs 2-3
 #   bash benchmarks/gpu_calls_4gpu.sh tp4        235B-A22B TP=4 decode (every layer where the cards hold it,
-#                                                else LAYERS_235B), then 2 nodes x 2 GPUs against 1 node x 4
+#                                                else LAYERS_235B), then the cluster stage
+#   bash benchmarks/gpu_calls_4gpu.sh cluster    2 nodes x 2 GPUs against 1 node x 4 (CLUSTER_S, LAYOUTS)
 #   BUDGET=... bash benchmarks/gpu_calls_4gpu.sh goodput   gpu_goodput.sh on 1 and on 4 GPUs
+#   bash benchmarks/gpu_calls_4gpu.sh tower      benchmarks/tower_tp.py at TP=2 and 4, then 235B-A22B served at TP=4
+#   bash benchmarks/gpu_calls_4gpu.sh cold       cold starts at 0.5 and 0.9 of goodput, an LLM replica added under load
 # Everything lands in $OUT/all.tgz (the call's files) and $OUT/summary.txt.
 # (2026-11-27's call 1 also ran each decode with --skinny, an option since removed: it lost to cuBLAS.)
 set -uo pipefail
@@ -38,13 +41,31 @@ case ${1:-decode} in
     mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
     L=(--layers "${LAYERS_235B:-24}"); [ "$mem" -gt 120000 ] && L=()   # an H200 holds a quarter of 235B
     dec moe235b_tp4 "${TP4_S:-280}" 0,1,2,3 --preset qwen3-vl-235b-a22b "${L[@]}" --tp 4 --gpu-memory-utilization 0.93
+    ;&  # (2026-11-27's call 2 went on to the cluster run here; it timed out in its second layout)
+  cluster)  # 2 nodes x 2 GPUs against 1 node x 4, each layout written as soon as it is done
     say "start cluster"
-    timeout "${CLUSTER_S:-280}" python3 benchmarks/cluster_scaling.py --gpus 4 --rate "${RATE:-500}" \
-      --out-dir "$W/cluster" > "$W/cluster.log" 2>&1
-    say "end cluster rc=$? $(tail -3 "$W/cluster.log" | tr '\n' ' ')" ;;
+    S=${CLUSTER_S:-280}
+    timeout "$S" python3 benchmarks/cluster_scaling.py --gpus 4 --rate "${RATE:-500}" --deadline-s $(( S - 10 )) \
+      --layouts "${LAYOUTS:-1 2}" --out-dir "$W/cluster" > "$W/cluster.log" 2>&1
+    say "end cluster rc=$? $(grep -E 'done in|two nodes / one' "$W/cluster.log" | tail -12 | tr '\n' ' ')" ;;
   goodput)
     OUT=$W BUDGET=${BUDGET:-540} STAGES=${STAGES:-"one all"} bash benchmarks/gpu_goodput.sh > "$W/goodput.log" 2>&1
     say "goodput rc=$?"; tail -60 "$W/summary.md" ;;
+  tower)  # the tower in a TP group, three ways (8B-shaped tower = 235B-A22B's), then 235B-A22B served at TP=4
+    for n in 2 4; do
+      say "start tower_tp$n"
+      timeout "${TOWER_S:-150}" python3 benchmarks/tower_tp.py --preset qwen3-vl-8b --tp $n --out "$W/tower_tp$n.json" \
+        > "$W/tower_tp$n.log" 2>&1
+      say "end tower_tp$n rc=$?"
+    done
+    OUT=$W SERVE_N=${SERVE_N:-512} STAGES=serve_moe235b_tp4 timeout "${SERVE235_S:-400}" bash benchmarks/gpu_moe_tp.sh \
+      > "$W/serve235.log" 2>&1
+    say "serve_moe235b_tp4 rc=$? $(grep -E 'req/s|error' "$W/serve235.log" | tail -3 | tr '\n' ' ')" ;;
+  cold)  # one GPU: the first deploy a cold start at COLD_FIRST req/s, 0.9 x goodput from ready, then a
+         # replica added by autoscaling under load (1 LLM replica, then 2 on the GPU)
+    OUT=$W BUDGET=${BUDGET:-560} STAGES=one COLD_FIRST=${COLD_FIRST:-73} bash benchmarks/gpu_goodput.sh \
+      configs/qwen3-vl-2b-gpu.yaml --scale-up 0.5 > "$W/goodput.log" 2>&1
+    say "cold rc=$?"; tail -30 "$W/summary.md" ;;
 esac
 say "done"
 ray stop --force > /dev/null 2>&1
