@@ -42,11 +42,15 @@ One invocation, one app (`--start`: Ray and the application started here, as ben
    each second's ratio to it. (Replicas warm themselves before they report ready when the cluster has
    GPUs: app/serving/warmup.py, config `warmup`.) `--cold-first R` makes the first deploy itself a cold start at
    R req/s (Ray started just before it): one deploy less.
-4. `--crosscheck guidellm`: our point and GuideLLM's Poisson profile at the goodput (or
+4. `--scale-up 0.5`: the app deployed again with `--scale-up-from` LLM replicas and room for one more,
+   a low `target_ongoing_requests`, and load at 0.5 x goodput for `--scale-up-s` from ready: the
+   autoscaler adds a replica under load. The LLM replicas are watched each 0.5 s (when the new one was
+   ready and took its first request); per second TTFT p99 over the warm app's at the same rate.
+5. `--crosscheck guidellm`: our point and GuideLLM's Poisson profile at the goodput (or
    `--crosscheck-rate`), same request shape, GuideLLM's per-request timings read through `analyse`.
 Everything goes to `--out-dir`: goodput.json (rewritten after every point: a run cut short keeps what it
 measured), goodput.md (the table), goodput.png (served rate and TTFT p99 against offered rate, per
-workload), cold_start.png. `--deadline-s` starts no point or cold start that would end after it.
+workload), cold_start.png, scale_up.png. `--deadline-s` starts no point or cold start that would end after it.
 
     python benchmarks/goodput.py --start --serve-config configs/qwen3-vl-2b-gpu.yaml --num-gpus 1 \\
         --workload image mix --closed-loop 512 2048 --cold-start 0.5 0.9 --load-processes 2 \\
@@ -685,14 +689,166 @@ def app_status(name: str = "vlm") -> str:
         return f"unknown ({type(e).__name__})"
 
 
+# ---------------------------------------------------------------------------- scale-up under load
+def scale_up_options(start: int, target_requests: float, upscale_delay_s: float) -> dict[str, dict]:
+    """The LLM deployment's autoscaling for the scale-up run (deep-merged into the config file's `LLM`
+    entry): `start` replicas and room for one more, the project's policy at `target_requests` in flight
+    per replica, so that the load asks for the extra replica by itself."""
+    return {"LLM": {"autoscaling_config": {
+        "min_replicas": start, "initial_replicas": start, "max_replicas": start + 1,
+        "target_ongoing_requests": target_requests, "upscale_delay_s": upscale_delay_s, "downscale_delay_s": 600,
+        "policy": {"policy_function": "app.serving.autoscaling:LLMAutoscalingPolicy"}}}}
+
+
+async def watch_replicas(url: str, t0: float, until_s: float, every_s: float = 0.5) -> list[dict]:
+    """The LLM replicas that answer /v1/llm/load (Ray Serve routes only to running ones) every `every_s`:
+    seconds from t0, and per replica when it became ready and took its first request, from t0."""
+    wall0 = time.time() - (time.perf_counter() - t0)
+
+    def rel(wall: float | None) -> float | None:
+        return None if wall is None else wall - wall0
+
+    samples = []
+    async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=5)) as client:
+        while time.perf_counter() < t0 + until_s:
+            load = await _get_json(client, "/v1/llm/load")
+            if load is not None:
+                samples.append({"t": time.perf_counter() - t0, "replicas": {
+                    str(r.get("replica")): {"ready_s": rel(r.get("ready_at")),
+                                            "first_request_s": rel(r.get("first_request_at"))}
+                    for r in load.get("replicas", [])}})
+            await asyncio.sleep(every_s)
+    return samples
+
+
+def scale_up_summary(rows: list[dict], samples: list[dict], warm_p99_ms: float, around_s: float = 10.0) -> dict:
+    """When the added replica appeared, became ready and took its first request (seconds from the load's
+    start); each second's TTFT p99 over the warm app's at the same rate (`cold_summary`'s ratios), the
+    worst of them from `around_s` before the new replica was ready to `around_s` after, and the issue's
+    test: no errors and no second above 2x warm."""
+    first = set(samples[0]["replicas"]) if samples else set()
+    added = None
+    for smp in samples:
+        new = [(rid, r) for rid, r in smp["replicas"].items() if rid not in first]
+        if new:
+            rid, r = new[0]
+            added = {"replica": rid, "seen_s": smp["t"], "ready_s": r["ready_s"],
+                     "first_request_s": next((x["replicas"][rid]["first_request_s"] for x in samples[::-1]
+                                              if rid in x["replicas"]), None)}
+            break
+    base = cold_summary(rows, warm_p99_ms)
+    out = {"replicas_at_start": len(first), "added": added, "warm_ttft_p99_ms": warm_p99_ms,
+           "errors": base["errors"], "p99_ratio_max": base["p99_ratio_max"]}
+    if added is not None and added["ready_s"] is not None:
+        lo, hi = added["ready_s"] - around_s, added["ready_s"] + around_s
+        near = [r["p99_ratio"] for r in rows if lo <= r["second"] < hi and not math.isnan(r["p99_ratio"])]
+        out["p99_ratio_max_around_join"] = max(near, default=float("nan"))
+    out["within_2x_no_errors"] = base["errors"] == 0 and base["p99_ratio_max"] <= 2.0
+    return out
+
+
+def scale_up_run(bench: Bench, a, wl, rate: float, deploy: Callable[[], None]) -> dict:
+    """The app deployed again with `scale_up_options`, load at `rate` for `--scale-up-s` from the moment it
+    is ready, the LLM replicas watched throughout; then the same rate on the scaled app for the warm
+    reference."""
+    items, tag, build_s = bench._schedule(wl, rate, a.scale_up_s)
+    samples: list[dict] = []
+
+    async def go() -> dict:
+        t = time.perf_counter()
+        await asyncio.to_thread(deploy)
+        await poll_ready(bench.url, a.ready_timeout_s)
+        return {"ready_s": time.perf_counter() - t}
+
+    async def watch(t0: float) -> dict:
+        samples.extend(await watch_replicas(bench.url, t0, a.scale_up_s + 5))
+        return {}
+
+    sent, extra = asyncio.run(send(bench.url, items, tag, a.load_processes, a.timeout_s, a.drain_s, before_go=go,
+                                   watch=watch))
+    rows = per_second(sent, a.scale_up_s)
+    status = deployment_status("LLM")  # why no replica was added, if none was
+    warm = bench.point(wl, rate, a.ramp_s, a.cold_warm_window_s)
+    out = {"rate": rate, "seconds": a.scale_up_s, "build_s": build_s, **extra.get("before_go", {}),
+           "whole": analyse(sent, 0.0, float(a.scale_up_s)), "per_second": rows, "replica_samples": samples,
+           "llm_status_at_end": status, "warm": warm}
+    out["summary"] = scale_up_summary(rows, samples, warm["ttft_ms"]["p99"] if warm else float("nan"))
+    s, added = out["summary"], out["summary"]["added"]
+    when = (f"replica added: ready at {added['ready_s']:.1f} s, first request at {added['first_request_s']:.1f} s"
+            if added and added["ready_s"] is not None and added["first_request_s"] is not None else "no replica added")
+    print(f"scale-up at {rate:g} req/s from {s['replicas_at_start']} LLM replica(s): {when}; errors {s['errors']}; "
+          f"TTFT p99 max {s['p99_ratio_max']:.2f}x warm ({s['warm_ttft_p99_ms']:.0f} ms)", flush=True)
+    return out
+
+
+def deployment_status(deployment: str, name: str = "vlm") -> dict:
+    """Ray Serve's view of one deployment (status, message, replicas by state, the autoscaler's
+    target), when this process started Ray; else why not."""
+    try:
+        import ray
+        from ray import serve
+
+        if not ray.is_initialized():
+            return {"unknown": "not our Ray"}
+        d = serve.status().applications[name].deployments[deployment]
+        out = {"status": str(d.status), "message": d.message,
+               "replica_states": {str(getattr(k, "value", k)): v for k, v in d.replica_states.items()}}
+        auto = getattr(d, "autoscaling_status", None) or getattr(d, "autoscaling_info", None)
+        if auto is not None:
+            out["autoscaling"] = str(auto)
+        return out
+    except Exception as e:
+        return {"unknown": f"{type(e).__name__}: {e}"}
+
+
+def replica_balance(samples: list[dict]) -> list[dict]:
+    """Per LLM replica over /v1/llm/load samples (each replica's report: its GPU, running, waiting and
+    cumulative `engine_gpu_ms_total`): samples seen, mean running and waiting, and its share of the
+    engines' GPU time between the first and the last sample. Uneven shares at saturation are routing's."""
+    seen: dict[str, list[dict]] = {}
+    for smp in samples:
+        for r in smp.get("replicas", []):
+            seen.setdefault(str(r.get("replica")), []).append(r)
+    gpu_ms = {rid: rs[-1].get("engine_gpu_ms_total", 0.0) - rs[0].get("engine_gpu_ms_total", 0.0)
+              for rid, rs in seen.items()}
+    total = sum(gpu_ms.values())
+    return [{"replica": rid, "gpu": rs[-1].get("cuda_visible_devices"), "samples": len(rs),
+             "running_mean": sum(r.get("running", 0) for r in rs) / len(rs),
+             "waiting_mean": sum(r.get("waiting", 0) for r in rs) / len(rs),
+             "engine_gpu_ms": gpu_ms[rid], "gpu_time_share": gpu_ms[rid] / total if total else None}
+            for rid, rs in sorted(seen.items(), key=lambda kv: str(kv[1][-1].get("cuda_visible_devices")))]
+
+
 def closed_loop(url: str, wl, a, concurrency: int, n: int, offset: int) -> dict:
-    r = asyncio.run(run_load(url, wl, n, concurrency, None, warmup=min(32, concurrency), progress=False,
-                             seed_offset=offset, monitor=not a.no_monitor,
-                             processes=min(a.load_processes, concurrency)))
+    """serve.py's closed loop, with the LLM replicas' load read each second beside it (`replica_balance`)."""
+    import threading
+
+    import httpx
+
+    samples: list[dict] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(base_url=url, timeout=5) as client:
+            while not stop.wait(1.0):
+                try:
+                    samples.append(client.get("/v1/llm/load").json())
+                except (httpx.HTTPError, ValueError):
+                    pass
+
+    poller = threading.Thread(target=poll, daemon=True, name="llm-load")
+    poller.start()
+    try:
+        r = asyncio.run(run_load(url, wl, n, concurrency, None, warmup=min(32, concurrency), progress=False,
+                                 seed_offset=offset, monitor=not a.no_monitor,
+                                 processes=min(a.load_processes, concurrency)))
+    finally:
+        stop.set()
+        poller.join(timeout=10)
     res = r.resources or {}
     return {"concurrency": concurrency, "requests": n, "request_throughput": r.request_throughput,
             "steady_request_throughput": r.steady_request_throughput, "failed": r.failed, "ttft_ms": r.ttft_ms,
-            "e2e_ms": r.e2e_ms, "errors": r.errors,
+            "e2e_ms": r.e2e_ms, "errors": r.errors, "replica_balance": replica_balance(samples),
             "resources": {k: res.get(k) for k in ("gpu_mean", "host_busy", "groups", "verdict")} if res else {}}
 
 
@@ -778,6 +934,13 @@ def summary_lines(results: dict) -> list[str]:
                   "events around each, app/gpu/timing.py) in the window, over the window's completions; `*`: some "
                   "of them overlapped another on the same stream (the `fused` tower on the engine's stream), so "
                   "each may include part of the other's work.", ""]
+    for label, w in results.get("workloads", {}).items():
+        bal = w.get("closed_loop", {}).get("replica_balance") or []
+        if bal:
+            lines.append(f"{label}, closed loop, LLM replicas (GPU: share of engine GPU time, mean running / "
+                         "waiting): " + "; ".join(
+                             f"{b['gpu']}: {100 * (b['gpu_time_share'] or 0):.0f}%, {b['running_mean']:.1f} / "
+                             f"{b['waiting_mean']:.1f}" for b in bal))
     for c in results.get("cold_start", []):
         s = c.get("summary", {})
         if "per_second" not in c:
@@ -788,6 +951,19 @@ def summary_lines(results: dict) -> list[str]:
                      f"errors {s.get('errors')}, TTFT p99 max {s.get('p99_ratio_max', float('nan')):.2f}x warm "
                      f"({s.get('warm_ttft_p99_ms', float('nan')):.0f} ms), after 10 s "
                      f"{s.get('p99_ratio_max_after_10s', float('nan')):.2f}x")
+    up = results.get("scale_up")
+    if up and "per_second" not in up:
+        lines.append(f"scale-up at {up['rate']:g} req/s: skipped ({up.get('skipped')})")
+    elif up:
+        s, added = up["summary"], up["summary"]["added"]
+        joined = (f"the added replica ready at {added['ready_s']:.1f} s, first request at "
+                  f"{added['first_request_s']:.1f} s after the load began"
+                  if added and added["ready_s"] is not None and added["first_request_s"] is not None
+                  else "no replica was added")
+        lines.append(f"scale-up at {up['rate']:g} req/s from {s['replicas_at_start']} LLM replica(s): {joined}; "
+                     f"errors {s['errors']}, TTFT p99 max {s['p99_ratio_max']:.2f}x warm "
+                     f"({s['warm_ttft_p99_ms']:.0f} ms), around the join "
+                     f"{s.get('p99_ratio_max_around_join', float('nan')):.2f}x")
     return lines
 
 
@@ -831,7 +1007,9 @@ def plot_goodput(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_cold(cold: list[dict], path: Path) -> None:
+def plot_cold(cold: list[dict], path: Path, title: str = "cold start: per-second TTFT p99 (dotted: the warm app at "
+              "the same rate; x: errors)") -> None:
+    """Per-second TTFT p99 of cold starts, or of a scale-up (dashed: when the added replica was ready)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -840,8 +1018,11 @@ def plot_cold(cold: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for c in cold:
         rows = c["per_second"]
-        line, = ax.plot([r["second"] for r in rows], [r["ttft_p99_ms"] for r in rows], "o-", ms=3,
-                        label=f"{c['fraction'] or float('nan'):.2f} x goodput ({c['rate']:g} req/s)")
+        label = c.get("label") or f"{c['fraction'] or float('nan'):.2f} x goodput ({c['rate']:g} req/s)"
+        line, = ax.plot([r["second"] for r in rows], [r["ttft_p99_ms"] for r in rows], "o-", ms=3, label=label)
+        added = c.get("summary", {}).get("added") or {}
+        if added.get("ready_s") is not None:
+            ax.axvline(added["ready_s"], color=line.get_color(), ls="--", lw=1)
         warm = c.get("summary", {}).get("warm_ttft_p99_ms")
         if warm:
             ax.axhline(warm, color=line.get_color(), ls=":", lw=1)
@@ -849,8 +1030,7 @@ def plot_cold(cold: list[dict], path: Path) -> None:
             if r["errors"]:
                 ax.plot(r["second"], r["ttft_p99_ms"] if not math.isnan(r["ttft_p99_ms"]) else warm or 1, "x",
                         color="red", ms=8)
-    ax.set(xlabel="seconds after ready (by arrival)", ylabel="TTFT p99 ms", yscale="log",
-           title="cold start: per-second TTFT p99 (dotted: the warm app at the same rate; x: errors)")
+    ax.set(xlabel="seconds after ready (by arrival)", ylabel="TTFT p99 ms", yscale="log", title=title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -895,6 +1075,15 @@ def parse_args(argv: list[str] | None = None):
                         "the expected goodput (its fraction of the measured goodput is reported): one deploy less")
     p.add_argument("--cold-s", type=int, default=25)
     p.add_argument("--cold-warm-window-s", type=float, default=10.0, help="the warm reference point's window")
+    p.add_argument("--scale-up", type=float, default=None, metavar="FRACTION",
+                   help="then an LLM replica added by autoscaling under load: the app deployed again with "
+                        "--scale-up-from LLM replicas and room for one more, load at FRACTION x goodput")
+    p.add_argument("--scale-up-rate", type=float, default=None, help="the scale-up's rate in req/s instead")
+    p.add_argument("--scale-up-s", type=int, default=60, help="seconds of load from ready")
+    p.add_argument("--scale-up-from", type=int, default=1, help="LLM replicas before the step")
+    p.add_argument("--scale-up-target", type=float, default=2.0,
+                   help="the LLM's target_ongoing_requests during the scale-up (low: the load asks for a replica)")
+    p.add_argument("--scale-up-delay-s", type=float, default=2.0, help="the LLM's upscale_delay_s then")
     p.add_argument("--ready-timeout-s", type=float, default=480.0)
     p.add_argument("--load-processes", type=int, default=1)
     p.add_argument("--no-monitor", action="store_true")
@@ -1028,6 +1217,19 @@ def main(argv: list[str] | None = None) -> dict:
             c["fraction"] = fraction if fraction is not None else rate / goodput if goodput else float("nan")
             results["cold_start"].append(c)
             save()
+        scale_rate = a.scale_up_rate or (round(a.scale_up * goodput, 2) if a.scale_up and goodput > 0 else None)
+        if scale_rate and not (a.start and a.serve_config):
+            raise SystemExit("--scale-up needs --start and --serve-config (the app is deployed again)")
+        if scale_rate and deadline is not None and deadline - time.perf_counter() < a.scale_up_s + a.cold_warm_window_s + 90:
+            print(f"scale-up at {scale_rate:g} req/s: no time left", flush=True)
+            results["scale_up"] = {"rate": scale_rate, "skipped": "deadline"}
+        elif scale_rate:
+            stop_app()
+            scaled = functools.partial(start_app, app_args, proxy_port, a.serve_config, a.num_gpus, wait=False,
+                                       deployments=scale_up_options(a.scale_up_from, a.scale_up_target,
+                                                                    a.scale_up_delay_s))
+            results["scale_up"] = scale_up_run(bench, a, workloads[0], scale_rate, scaled)
+            save()
     finally:
         results["meta"]["seconds"] = time.perf_counter() - t_begin
         save()
@@ -1044,6 +1246,11 @@ def main(argv: list[str] | None = None) -> dict:
     plot_goodput(results, out_dir / "goodput.png")
     if results["cold_start"] and any("per_second" in c for c in results["cold_start"]):
         plot_cold([c for c in results["cold_start"] if "per_second" in c], out_dir / "cold_start.png")
+    if "per_second" in results.get("scale_up", {}):
+        up = results["scale_up"]
+        plot_cold([{**up, "label": f"{up['rate']:g} req/s from {up['summary']['replicas_at_start']} LLM replica(s)"}],
+                  out_dir / "scale_up.png", "an LLM replica added by autoscaling under load: per-second TTFT p99 "
+                  "(dotted: warm; dashed: the new replica ready)")
     print(f"wrote {out_dir / 'goodput.json'}", flush=True)
     return results
 

@@ -4,7 +4,8 @@
 # Run from the repository root on the GPU machine, with .gpu-deps carried:
 #   STAGES="tests kernel moe30b" bash benchmarks/gpu_moe_tp.sh          (results under $OUT)
 # Stages: tests, tptest (the multi-GPU test alone), kernel, moe30b, dense8b, dense32b_tp, moe30b_tp,
-# moe235b_tp4 (reduced to LAYERS_235B layers); served over HTTP: serve_8b, serve_moe30b, serve_moe30b_tp2 (run 2026-11-27), serve_moe235b_tp4 (not yet).
+# moe235b_tp4 (every layer on H200s, else LAYERS_235B layers; run 2026-11-27 on 4 x H200); served over HTTP:
+# serve_8b, serve_moe30b, serve_moe30b_tp2 (run 2026-11-27), serve_moe235b_tp4 (not yet).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source .gpu-deps/activate
@@ -14,6 +15,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/env.txt"
 STAGES=${STAGES:-"tests kernel moe30b"}
 run() { echo "== $1"; shift; "$@" 2>&1 | grep -v Warning | tail -${TAIL:-15}; }
+# 235B-A22B: every layer where a quarter of it fits a card (H200: 109.5 GiB of 141), else LAYERS_235B (24) layers
+layers_235b() { [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 120000 ] \
+                && echo "${LAYERS_235B:-}" || echo "${LAYERS_235B:-24}"; }
 for s in $STAGES; do case $s in
   tests) run tests timeout 400 python3 -m pytest -q -rs -m gpu tests/test_fused_moe.py tests/test_llm_moe.py \
            tests/test_tensor_parallel.py tests/test_llm_kernels.py -p no:cacheprovider ;;
@@ -29,11 +33,11 @@ for s in $STAGES; do case $s in
   serve_8b|serve_moe30b|serve_moe30b_tp2|serve_moe235b_tp4)
       # served end to end from a config-only folder (tower and LLM made on the GPU), 448² images, closed loop
       case $s in serve_8b) P=qwen3-vl-8b; L=""; TP=1 ;; serve_moe30b) P=qwen3-vl-30b-a3b; L=""; TP=1 ;;
-                 serve_moe30b_tp2) P=qwen3-vl-30b-a3b; L=""; TP=2 ;; serve_moe235b_tp4) P=qwen3-vl-235b-a22b; L=${LAYERS_235B:-24}; TP=4 ;; esac
+                 serve_moe30b_tp2) P=qwen3-vl-30b-a3b; L=""; TP=2 ;; serve_moe235b_tp4) P=qwen3-vl-235b-a22b; L=$(layers_235b); TP=4 ;; esac
       CK=$(python3 -c "from pathlib import Path; from benchmarks.decode import checkpoint_folder; print(checkpoint_folder('$P', ${L:-None}, Path('/tmp/vlm-serve-decode')))")
       run $s timeout 540 python3 benchmarks/serve.py --start --serve-config configs/qwen3-vl-8b-gpu.yaml --model "$CK" \
         --app-args "{\"llm\": {\"load_format\": \"dummy\", \"gpu_memory_utilization\": 0.8}, \"placement\": {\"llm_tensor_parallel\": $TP}}" \
         --num-gpus $TP --concurrency ${SERVE_C:-256} --num-requests ${SERVE_N:-2048} --warmup 64 --out-dir "$OUT/$s" ;;
-  moe235b_tp4) run moe235b_tp4 timeout 500 python3 benchmarks/decode.py --preset qwen3-vl-235b-a22b \
-                 --layers "${LAYERS_235B:-24}" --tp 4 --out "$OUT/moe235b_tp4.json" ;;
+  moe235b_tp4) L=$(layers_235b); run moe235b_tp4 timeout 500 python3 benchmarks/decode.py --preset qwen3-vl-235b-a22b \
+                 ${L:+--layers $L} --tp 4 --gpu-memory-utilization 0.93 --out "$OUT/moe235b_tp4.json" ;;
 esac; done

@@ -460,13 +460,29 @@ def init_ray(num_gpus: int | None = None) -> None:
         ray.init(include_dashboard=False, log_to_driver=False, num_gpus=num_gpus)
 
 
+def file_config(conf: dict, args: dict, port: int, deployments: dict[str, dict] | None = None) -> dict:
+    """A config file's contents as start_app deploys them: Serve's proxy on 127.0.0.1:`port`, the first
+    application's args deep-merged with `args`, each listed deployment's options with `deployments`' entry
+    of its name (an entry for a deployment the file does not list is added)."""
+    conf = {**conf, "http_options": {**conf.get("http_options", {}), "host": "127.0.0.1", "port": port},
+            "applications": [dict(a) for a in conf["applications"]]}
+    app = conf["applications"][0]
+    app["args"] = deep_merge(app.get("args") or {}, args)
+    listed = {d["name"]: d for d in app.get("deployments", [])}
+    extra = deployments or {}
+    app["deployments"] = [deep_merge(d, extra.get(d["name"], {})) for d in listed.values()] + \
+        [{"name": n, **o} for n, o in extra.items() if n not in listed]
+    return conf
+
+
 def start_app(args: dict, port: int, serve_config: str | None = None, num_gpus: int | None = None,
-              wait: bool = True) -> None:
+              wait: bool = True, deployments: dict[str, dict] | None = None) -> None:
     """Start Ray and the application on this machine. With `serve_config`, deploy that file as
-    `serve run FILE` does (its `deployments:` options apply), its args deep-merged with `args`;
-    otherwise build from Python with `args`. `num_gpus` limits Ray (and CUDA_VISIBLE_DEVICES) to the
-    first N GPUs. `wait=False` returns once the deployment is submitted, before the application runs
-    (benchmarks/goodput.py's cold start polls the HTTP endpoints instead)."""
+    `serve run FILE` does (its `deployments:` options apply, each deep-merged with `deployments`' entry
+    of its name), its args deep-merged with `args`; otherwise build from Python with `args`. `num_gpus`
+    limits Ray (and CUDA_VISIBLE_DEVICES) to the first N GPUs. `wait=False` returns once the deployment
+    is submitted, before the application runs (benchmarks/goodput.py's cold start polls the HTTP
+    endpoints instead)."""
     from ray import serve
 
     init_ray(num_gpus)
@@ -475,19 +491,18 @@ def start_app(args: dict, port: int, serve_config: str | None = None, num_gpus: 
         from ray.serve._private import api as serve_api
         from ray.serve.schema import ServeDeploySchema
 
-        conf = yaml.safe_load(Path(serve_config).read_text())
-        conf["http_options"] = {**conf.get("http_options", {}), "host": "127.0.0.1", "port": port}
-        app = conf["applications"][0]
-        app["args"] = deep_merge(app.get("args") or {}, args)
+        conf = file_config(yaml.safe_load(Path(serve_config).read_text()), args, port, deployments)
         client = serve_api.serve_start(http_options=conf["http_options"])
         client.deploy_apps(ServeDeploySchema.model_validate(conf), _blocking=False)
         if wait:
-            wait_running(app["name"])
+            wait_running(conf["applications"][0]["name"])
         return
     from ray.serve.api import _run
 
     from deployments.app import build_app
 
+    if deployments:
+        raise ValueError("deployment options need a config file (serve_config)")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     _run(build_app(args), _blocking=wait, name="vlm", route_prefix="/")  # serve.run is _run(_blocking=True)
 

@@ -1,6 +1,6 @@
 """benchmarks/goodput.py and benchmarks/workloads.py: seeded arrivals (rate and burstiness), the realistic
 mix (proportions, ranges, bodies the app's own parser accepts), the steady-window arithmetic, the goodput
-search and the cold-start summary on synthetic results, then whole sweeps against a fake streaming server
+search, the cold-start and scale-up summaries on synthetic results, then whole sweeps against a fake streaming server
 (a known capacity) and against the real application with the tiny model on the CPU."""
 
 from __future__ import annotations
@@ -29,11 +29,14 @@ from benchmarks.goodput import (
     gpu_totals,
     main,
     per_second,
+    replica_balance,
+    scale_up_options,
+    scale_up_summary,
     search_goodput,
     status_of,
     verdict,
 )
-from benchmarks.serve import Result
+from benchmarks.serve import Result, file_config
 from benchmarks.workloads import MixWorkload, arrival_times, describe
 from netfakes import serve_aiohttp
 
@@ -222,6 +225,59 @@ def test_cold_start_seconds_are_compared_with_the_warm_app():
     assert s["within_1_5x_from_second"] == 1
 
 
+def test_the_scale_up_options_reach_the_llm_deployment_of_the_config_file():
+    conf = yaml.safe_load((ROOT / "configs" / "qwen3-vl-2b-gpu.yaml").read_text())
+    out = file_config(conf, {"warmup": True}, 8123, scale_up_options(1, 2.0, 3.0))
+    deps = {d["name"]: d for d in out["applications"][0]["deployments"]}
+    llm = deps["LLM"]
+    assert llm["max_ongoing_requests"] == 512  # the file's own options stay
+    auto = llm["autoscaling_config"]
+    assert (auto["min_replicas"], auto["initial_replicas"], auto["max_replicas"]) == (1, 1, 2)
+    assert auto["target_ongoing_requests"] == 2.0 and auto["upscale_delay_s"] == 3.0
+    assert auto["policy"]["policy_function"] == "app.serving.autoscaling:LLMAutoscalingPolicy"
+    assert deps["Router"] == {d["name"]: d for d in conf["applications"][0]["deployments"]}["Router"]
+    assert out["http_options"]["port"] == 8123 and out["applications"][0]["args"]["warmup"] is True
+    assert "warmup" not in (conf["applications"][0]["args"])  # the file's dict is left as it was
+    pytest.importorskip("ray.serve.schema").ServeDeploySchema.model_validate(out)  # what start_app hands Serve
+
+
+def test_scale_up_seconds_are_compared_with_the_warm_app_around_the_join():
+    sent = []
+    for k in range(30):  # 10 a second; the new replica is ready at 12.4 s, TTFT doubles in seconds 11-13
+        for j in range(10):
+            ttft = 0.2 if 11 <= k <= 13 else 0.08
+            sent.append(_sent(10 * k + j, k + 0.1 * j, ttft, ttft + 0.05))
+    rows = per_second(sent, 30)
+    one = {"a": {"ready_s": -40.0, "first_request_s": 0.01}}
+    samples = [{"t": 0.5 * i, "replicas": dict(one)} for i in range(25)]
+    samples += [{"t": 0.5 * i, "replicas": {**one, "b": {"ready_s": 12.4, "first_request_s": None if i == 25 else 12.6}}}
+                for i in range(25, 60)]
+    s = scale_up_summary(rows, samples, warm_p99_ms=100.0)
+    assert s["replicas_at_start"] == 1 and s["errors"] == 0
+    assert s["added"] == {"replica": "b", "seen_s": 12.5, "ready_s": 12.4, "first_request_s": 12.6}
+    assert s["p99_ratio_max"] == pytest.approx(2.0) and s["p99_ratio_max_around_join"] == pytest.approx(2.0)
+    assert s["within_2x_no_errors"]
+    s = scale_up_summary(rows, samples[:25], warm_p99_ms=80.0)  # nothing added; 2.5x: fails
+    assert s["added"] is None and "p99_ratio_max_around_join" not in s and not s["within_2x_no_errors"]
+
+
+def test_replica_balance_gives_each_replica_its_share_of_the_engines_gpu_time():
+    def rep(rid, gpu, running, waiting, ms):
+        return {"replica": rid, "cuda_visible_devices": gpu, "running": running, "waiting": waiting,
+                "engine_gpu_ms_total": ms}
+
+    samples = [{"replicas": [rep("b", "1", 10, 2, 100.0), rep("a", "0", 4, 0, 50.0)]},
+               {"replicas": [rep("b", "1", 12, 4, 400.0), rep("a", "0", 6, 0, 150.0)]},
+               {"replicas": [rep("b", "1", 14, 0, 700.0)]}]  # a missed one sample
+    bal = replica_balance(samples)
+    assert [b["replica"] for b in bal] == ["a", "b"] and [b["gpu"] for b in bal] == ["0", "1"]
+    a, b = bal
+    assert (a["samples"], a["running_mean"], a["waiting_mean"], a["engine_gpu_ms"]) == (2, 5.0, 0.0, 100.0)
+    assert (b["samples"], b["running_mean"], b["waiting_mean"], b["engine_gpu_ms"]) == (3, 12.0, 2.0, 600.0)
+    assert a["gpu_time_share"] == pytest.approx(1 / 7) and b["gpu_time_share"] == pytest.approx(6 / 7)
+    assert replica_balance([]) == []
+
+
 def test_guidellms_report_is_read_as_per_request_records():
     """The fields of GuideLLM 0.8's JSON report that the cross-check reads: its requests' targeted start
     (due), start, end and TTFT, from the benchmark's start; an errored request keeps its exception name."""
@@ -266,6 +322,7 @@ class FakeServer:
         self.ids: list[str] = []
         self.arrived: list[float] = []
         self.ready_at = 0.0
+        self.replicas: list[dict] = []  # /v1/llm/load's per-replica reports (ready_at: wall clock)
         self.sem: asyncio.Semaphore | None = None
 
     async def chat(self, request):
@@ -295,7 +352,10 @@ class FakeServer:
 
     async def load(self, request):
         return web.json_response({"running": self.running, "waiting": self.waiting, "kv_usage": 0.0,
-                                  "num_replicas": 1, "replicas": []})
+                                  "num_replicas": max(1, len(self.replicas)), "replicas": self.replicas})
+
+    async def encoder_stats(self, request):
+        return web.json_response({"batches": 0})
 
     async def health(self, request):
         return web.json_response({"status": "ok"}, status=200 if time.monotonic() >= self.ready_at else 503)
@@ -307,6 +367,7 @@ def fake():
     app = web.Application()
     app.router.add_post("/v1/chat/completions", server.chat)
     app.router.add_get("/v1/llm/load", server.load)
+    app.router.add_get("/v1/encoder/stats", server.encoder_stats)
     app.router.add_get("/health", server.health)
     app.router.add_get("/v1/models", server.health)
     for url in serve_aiohttp(app):
@@ -342,6 +403,19 @@ def test_a_sweep_against_a_fake_server_finds_its_capacity(fake, tmp_path):
         w["search"]["goodput"]
 
 
+def test_the_closed_loop_reads_the_replicas_load_beside_it(fake):
+    from benchmarks.goodput import closed_loop, parse_args
+    from benchmarks.serve import Workload
+
+    server, url = fake
+    server.replicas = [{"replica": "r0", "cuda_visible_devices": "0", "running": 2, "waiting": 1,
+                        "engine_gpu_ms_total": 0.0}]
+    r = closed_loop(url, Workload("image", 32), parse_args(["--url", url, "--no-monitor"]), 4, 60, 0)
+    assert r["failed"] == 0 and r["request_throughput"] > 0
+    (bal,) = r["replica_balance"]  # 60 requests at 20 req/s: about 3 s, a sample a second
+    assert bal["replica"] == "r0" and bal["gpu"] == "0" and bal["samples"] >= 1 and bal["running_mean"] == 2
+
+
 def test_a_cold_start_waits_for_ready_then_starts_the_clock(fake, tmp_path):
     """The fake answers /health only 1.5 s after the 'deploy': the schedule starts then, not before."""
     from benchmarks.goodput import Bench, parse_args
@@ -361,6 +435,39 @@ def test_a_cold_start_waits_for_ready_then_starts_the_clock(fake, tmp_path):
     assert sum(r["requests"] for r in c["per_second"]) == c["whole"]["requests"] == len(server.arrived)
     assert c["whole"]["errors"] == {} and c["whole"]["offered_rps"] == pytest.approx(10.0, rel=0.5)
     assert all(not r["ttft_p99_ms"] > 1000 for r in c["per_second"])  # 10 ms on an idle machine
+
+
+def test_a_scale_up_watches_the_replicas_from_ready(fake, tmp_path):
+    """The 'deploy' makes the fake ready after 0.5 s with one replica and adds a second 1.5 s into the
+    load: the run sees it, with its ready time from the load's start, and sends nothing before ready."""
+    import threading
+
+    from benchmarks.goodput import Bench, parse_args, scale_up_run
+    from benchmarks.serve import Workload
+
+    server, url = fake
+    a = parse_args(["--url", url, "--no-monitor", "--drain-s", "5", "--scale-up-s", "4", "--ramp-s", "0.5",
+                    "--cold-warm-window-s", "1"])
+    bench = Bench(url, a, None)
+    server.ready_at = math.inf
+
+    def deploy():
+        now = time.time()
+        server.replicas = [{"replica": "a", "ready_at": now, "first_request_at": now + 0.5}]
+        server.ready_at = time.monotonic() + 0.5
+
+        def add():
+            server.replicas = server.replicas + [{"replica": "b", "ready_at": time.time(),
+                                                  "first_request_at": time.time() + 0.1}]
+        threading.Timer(2.0, add).start()
+
+    up = scale_up_run(bench, a, Workload("image", 32), 10.0, deploy)
+    assert 0.4 < up["ready_s"] < 5 and min(server.arrived) >= server.ready_at
+    s = up["summary"]
+    assert s["replicas_at_start"] == 1 and s["added"]["replica"] == "b" and s["errors"] == 0
+    assert 0.8 < s["added"]["ready_s"] < 3.5  # 1.5 s after ready, as the load's clock reads it (shared CPU)
+    assert s["added"]["first_request_s"] == pytest.approx(s["added"]["ready_s"] + 0.1, abs=0.01)
+    assert len(up["per_second"]) == 4 and up["warm"]["ttft_ms"]["n"] > 0 and len(up["replica_samples"]) >= 4
 
 
 # ---------------------------------------------------------------------------- the real application, CPU
