@@ -20,7 +20,7 @@ from torch import nn
 
 from ..llm.parallel import TensorParallel
 from .graphs import VisionEmbedding
-from .kernels import add_bias_layernorm, linear_gelu_tanh, rotary_qk
+from .kernels import rotary_qk
 from .tower import VisionTower
 from .tower_api import TowerBatch
 
@@ -68,8 +68,8 @@ def shard_blocks(visual: nn.Module, tp: TensorParallel) -> None:
 
 class ShardedVisionTower(VisionTower):
     """`VisionTower` over this rank's share of the blocks (`shard_blocks`, done here): each block's
-    attention and MLP end in a partial product that one all-reduce completes, then the whole bias is
-    added. Every rank takes the same rows and metadata and ends with the whole output. Eager only: the
+    attention and MLP end in a partial product that one all-reduce completes (`_reduce`, which the fused
+    body calls too), then the whole bias is added. Every rank takes the same rows and metadata and ends with the whole output. Eager only: the
     graph manager's capture and auto-tune run per rank and could disagree on a path (a collective then
     waits forever)."""
 
@@ -81,9 +81,14 @@ class ShardedVisionTower(VisionTower):
         self.local_heads = self.heads // tp.size
         self.local_width = self.local_heads * self.head_dim
 
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The fused body's partial products (this rank's columns), summed over the ranks; its fused
+        residual add then adds the whole bias once."""
+        return self.tp.all_reduce(y)
+
     def _row_parallel(self, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
         """x @ W.T over this rank's columns, summed over the ranks, plus the bias once."""
-        y = self.tp.all_reduce(F.linear(x, lin.weight))
+        y = self._reduce(F.linear(x, lin.weight))
         return y if lin.bias is None else y + lin.bias
 
     def _block(self, blk, x, cos, sin, inp: TowerBatch):
@@ -94,33 +99,6 @@ class ShardedVisionTower(VisionTower):
         x = x + self._row_parallel(self._attention(q, k, v, inp).reshape(n, self.local_width), blk.attn.proj)
         mlp = blk.mlp
         return x + self._row_parallel(mlp.act_fn(mlp.linear_fc1(blk.norm2(x))), mlp.linear_fc2)
-
-    def _forward_fused(self, inp: TowerBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """VisionTower's fused body with local heads and MLP units; each partial product is all-reduced
-        before the fused residual add (which adds the whole bias once)."""
-        vis, n = self.visual, inp.pixels.shape[0]
-        x = self._embed(inp, keep_float=True)
-        cos, sin = self._rotary(inp.meta["rot"])
-        blocks = vis.blocks
-        n1 = blocks[0].norm1
-        h = F.layer_norm(x, (self.hidden,), n1.weight.float(), n1.bias.float(), self.eps).to(self.dtype)
-        deepstack: list[torch.Tensor] = [None] * self.num_deepstack  # type: ignore[list-item]
-        for i, blk in enumerate(blocks):
-            qkv = blk.attn.qkv(h)
-            q, k = rotary_qk(qkv, cos, sin, self.local_heads)
-            v = qkv.view(n, 3, self.local_heads, self.head_dim)[:, 2]
-            attn = self._attention(q, k, v, inp).reshape(n, self.local_width)
-            y = self.tp.all_reduce(F.linear(attn, blk.attn.proj.weight))
-            x, h = add_bias_layernorm(x, y, blk.attn.proj.bias, blk.norm2.weight, blk.norm2.bias, self.eps)
-            w1, b1, w2 = self.mlps[i]
-            y = self.tp.all_reduce(self.down(linear_gelu_tanh(h, w1, b1), w2))
-            nxt = blocks[i + 1].norm1 if i + 1 < len(blocks) else None
-            x, h = add_bias_layernorm(x, y, blk.mlp.linear_fc2.bias, nxt.weight if nxt else None,
-                                      nxt.bias if nxt else None, self.eps)
-            j = self.deepstack_index.get(i)
-            if j is not None:
-                deepstack[j] = vis.deepstack_merger_list[j](x.to(self.dtype))
-        return vis.merger(x.to(self.dtype)), deepstack
 
 
 def shard_tower(tower: VisionTower, tp: TensorParallel) -> ShardedVisionTower:

@@ -37,6 +37,9 @@ class VisionTower(GraphTower):
         self.hidden = cfg.hidden_size
         self.heads = cfg.num_heads
         self.head_dim = cfg.hidden_size // cfg.num_heads
+        # The heads and attention width this process computes: all of them here; a tensor-parallel rank's
+        # share in app/vision/tensor_parallel.py, whose partial products `_reduce` completes.
+        self.local_heads, self.local_width = self.heads, self.hidden
         self.merge_unit = self.budget_unit = cfg.spatial_merge_size**2
         self.deepstack_index = {layer: i for i, layer in enumerate(cfg.deepstack_visual_indexes)}
         self.inv_freq = visual.rotary_pos_emb.inv_freq
@@ -129,6 +132,10 @@ class VisionTower(GraphTower):
             block_m=attention.block_m_for(uniform[1] if uniform else None), uniform=uniform, static=batch.static,
             use_flash4=self.flash4)
 
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's partial product, completed (the whole tower: nothing to add)."""
+        return y
+
     def _block(self, blk, x, cos, sin, inp: TowerBatch):
         n = x.shape[0]
         h = blk.norm1(x)
@@ -160,15 +167,15 @@ class VisionTower(GraphTower):
         deepstack: list[torch.Tensor] = [None] * self.num_deepstack  # type: ignore[list-item]
         for i, blk in enumerate(blocks):
             qkv = blk.attn.qkv(h)
-            q, k = rotary_qk(qkv, cos, sin, self.heads)
-            v = qkv.view(n, 3, self.heads, self.head_dim)[:, 2]
-            attn = self._attention(q, k, v, inp).reshape(n, self.hidden)
-            x, h = add_bias_layernorm(x, F.linear(attn, blk.attn.proj.weight), blk.attn.proj.bias,
+            q, k = rotary_qk(qkv, cos, sin, self.local_heads)
+            v = qkv.view(n, 3, self.local_heads, self.head_dim)[:, 2]
+            attn = self._attention(q, k, v, inp).reshape(n, self.local_width)
+            x, h = add_bias_layernorm(x, self._reduce(F.linear(attn, blk.attn.proj.weight)), blk.attn.proj.bias,
                                       blk.norm2.weight, blk.norm2.bias, self.eps)
             w1, b1, w2 = self.mlps[i]
             u = linear_gelu_tanh(h, w1, b1)
             nxt = blocks[i + 1].norm1 if i + 1 < len(blocks) else None
-            x, h = add_bias_layernorm(x, self.down(u, w2), blk.mlp.linear_fc2.bias,
+            x, h = add_bias_layernorm(x, self._reduce(self.down(u, w2)), blk.mlp.linear_fc2.bias,
                                       nxt.weight if nxt else None, nxt.bias if nxt else None, self.eps)
             j = self.deepstack_index.get(i)
             if j is not None:
