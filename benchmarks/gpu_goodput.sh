@@ -14,7 +14,8 @@
 #              carry beside .gpu-deps today).
 # Environment (defaults in brackets):
 #   WORKLOADS [image]        goodput.py --workload, e.g. "image mix" (the mix's TTFT bound: --ttft-p99-ms-mix)
-#   CLOSED [512 1024]        closed loop: concurrency and requests (per workload)
+#   CLOSED_ONE [512 2048]    closed loop on 1 GPU: concurrency and requests (per workload); about 8 s at saturation
+#   CLOSED_ALL [256*N 2048*N] the same on N GPUs (2026-11-27's 512 1024 on four H200s was 1.3 s: too short to read)
 #   RATES_ONE / RATES_ALL    coarse rates; unset: FRACTIONS of the closed-loop throughput [0.5 0.7 0.85 1.0]
 #   WINDOW [6] RAMP [2] WARMUP [6] MAX_POINTS [5] COLD_S [20]
 #   COLD_FIRST (req/s)       the first deploy is itself the cold start at this rate (about half the expected
@@ -41,7 +42,7 @@ python3 -c "import sys, yaml; from app.checkpoints.model_builder import resolve_
 a = yaml.safe_load(open(sys.argv[1]))['applications'][0]['args']; print('model at', resolve_model(a['model'], a.get('cache_dir')))" "$CONFIG"
 # shellcheck disable=SC2206
 WL=(${WORKLOADS:-image})
-COMMON=(--serve-config "$CONFIG" --workload "${WL[@]}" --closed-loop ${CLOSED:-512 1024}
+COMMON=(--serve-config "$CONFIG" --workload "${WL[@]}"
         --window-s "${WINDOW:-6}" --ramp-s "${RAMP:-2}" --warmup-s "${WARMUP:-6}" --max-points "${MAX_POINTS:-5}"
         --fractions ${FRACTIONS:-0.5 0.7 0.85 1.0})
 : > "$OUT/summary.md"
@@ -71,11 +72,13 @@ for s in $ALL_STAGES; do
       [ -n "${COLD_FIRST:-}" ] && cold=(--cold-first "$COLD_FIRST" --cold-start 0.9)
       # shellcheck disable=SC2086
       stage one "$OUT/goodput_1gpu" 1 $(( $(left) - reserve - 20 )) --load-processes "${LOAD_ONE:-2}" \
+        --closed-loop ${CLOSED_ONE:-512 2048} \
         "${cold[@]}" --cold-s "${COLD_S:-20}" --cold-warm-window-s "${WINDOW:-6}" \
         ${RATES_ONE:+--rates $RATES_ONE} "$@" ;;
     all)
       # shellcheck disable=SC2086
       stage all "$OUT/goodput_${NG}gpu" "$NG" $(( $(left) - 20 )) --load-processes "${LOAD_ALL:-$(( 2 * NG ))}" \
+        --closed-loop ${CLOSED_ALL:-$(( 256 * NG )) $(( 2048 * NG ))} \
         ${RATES_ALL:+--rates $RATES_ALL} "$@" ;;
     crosscheck)
       g=$(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(next(iter(r['workloads'].values()))['search']['goodput'])" \
