@@ -40,7 +40,8 @@ case ${1:-decode} in
   tp4)
     mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
     L=(--layers "${LAYERS_235B:-24}"); [ "$mem" -gt 120000 ] && L=()   # an H200 holds a quarter of 235B
-    dec moe235b_tp4 "${TP4_S:-280}" 0,1,2,3 --preset qwen3-vl-235b-a22b "${L[@]}" --tp 4 --gpu-memory-utilization 0.93
+    dec moe235b_tp4 "${TP4_S:-280}" 0,1,2,3 --preset qwen3-vl-235b-a22b "${L[@]}" --tp 4 --gpu-memory-utilization 0.93 \
+      --profile 1  # (2026-11-27: without the profile)
     ;&  # (2026-11-27's call 2 went on to the cluster run here; it timed out in its second layout)
   cluster)  # 2 nodes x 2 GPUs against 1 node x 4, each layout written as soon as it is done
     say "start cluster"
