@@ -10,6 +10,7 @@
 #   BUDGET=... bash benchmarks/gpu_calls_4gpu.sh goodput   gpu_goodput.sh on 1 and on 4 GPUs
 #   bash benchmarks/gpu_calls_4gpu.sh tower      benchmarks/tower_tp.py at TP=2 and 4, then 235B-A22B served at TP=4
 #   bash benchmarks/gpu_calls_4gpu.sh cold       cold starts at 0.5 and 0.9 of goodput, an LLM replica added under load
+#   bash benchmarks/gpu_calls_4gpu.sh replicas   goodput with 1 LLM replica per GPU, then with 2 (the default)
 # Everything lands in $OUT/all.tgz (the call's files) and $OUT/summary.txt.
 # (2026-11-27's call 1 also ran each decode with --skinny, an option since removed: it lost to cuBLAS.)
 set -uo pipefail
@@ -62,6 +63,13 @@ case ${1:-decode} in
     OUT=$W SERVE_N=${SERVE_N:-512} STAGES=serve_moe235b_tp4 timeout "${SERVE235_S:-400}" bash benchmarks/gpu_moe_tp.sh \
       > "$W/serve235.log" 2>&1
     say "serve_moe235b_tp4 rc=$? $(grep -E 'req/s|error' "$W/serve235.log" | tail -3 | tr '\n' ' ')" ;;
+  replicas)  # Poisson goodput with one LLM replica per GPU against two (two time-slice the GPU), one GPU each
+    for n in ${REPLICAS:-1 2}; do
+      mkdir -p "$W/r$n"
+      OUT=$W/r$n BUDGET=${BUDGET_EACH:-270} STAGES=one bash benchmarks/gpu_goodput.sh configs/qwen3-vl-2b-gpu.yaml \
+        --app-args "{\"placement\": {\"llm_replicas_per_gpu\": $n}}" > "$W/r$n/goodput.log" 2>&1
+      say "llm_replicas_per_gpu $n rc=$? $(grep -F 'goodput**' "$W/r$n/summary.md" | head -1)"
+    done ;;
   cold)  # one GPU: the first deploy a cold start at COLD_FIRST req/s, 0.9 x goodput from ready, then a
          # replica added by autoscaling under load (1 LLM replica, then 2 on the GPU)
     OUT=$W BUDGET=${BUDGET:-560} STAGES=one COLD_FIRST=${COLD_FIRST:-73} bash benchmarks/gpu_goodput.sh \
