@@ -266,3 +266,26 @@ def test_direct_path_for_a_few_tokens_equals_the_sorted_path_and_skips_experts_h
     assert _rel(got, want) < 1e-2
     assert torch.equal(fused_moe(x, wgu[:64].contiguous(), wd[:64].contiguous(), torch.full_like(local, -1), weights),
                        torch.zeros_like(x))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 2, 7])
+def test_unsummed_experts_give_the_next_add_rmsnorm_the_same_bits(tokens):
+    """`sum_k=False`: the few-token path hands back its k weighted rows per token, and add+RMSNorm (or
+    `sum_over_k`) sums them exactly as the path's own sum kernel did; more tokens come back summed."""
+    from app.llm.fused_moe import sum_over_k
+    from app.llm.kernels import add_rmsnorm
+
+    x, wgu, wd, ids, weights = _experts(2048, 768, 128, 8, tokens, seed=31, dtype=torch.bfloat16, device="cuda")
+    whole = fused_moe(x, wgu, wd, ids, weights)
+    parts = fused_moe(x, wgu, wd, ids, weights, sum_k=False)
+    if tokens > 2:
+        assert torch.equal(parts, whole)  # the sorted path sums anyway
+        return
+    assert parts.shape == (tokens, 8, 2048) and torch.equal(sum_over_k(parts), whole)
+    residual = torch.randn(tokens, 2048, device="cuda").to(torch.bfloat16)
+    norm = torch.randn(2048, device="cuda").to(torch.bfloat16)
+    r1, h1 = add_rmsnorm(residual.clone(), whole, norm, 1e-6)
+    r2, h2 = add_rmsnorm(residual.clone(), parts, norm, 1e-6)
+    assert torch.equal(r1, r2) and torch.equal(h1, h2)

@@ -101,6 +101,36 @@ def test_expert_weights_load_from_every_layout(moe_world, layout):
 
 def test_our_forward_equals_transformers_logits(moe_world):
     """Prefill logits of a prompt with an image and a video, every position, fp32."""
+    logits, ref = _prefill_logits(moe_world)
+    assert (logits - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def test_experts_left_unsummed_reach_the_same_logits(moe_world, monkeypatch):
+    """On one GPU a few tokens' expert rows come back unsummed ([T, k, hidden]) and the next add+RMSNorm,
+    the deepstack sum or the final norm adds them up. Here the reference's sum is split into k rows (the
+    first the sum, the rest zeros): the model's plumbing must give the very same logits."""
+    from app.llm import model as model_module
+
+    whole = model_module.moe_forward
+    unsummed = []
+
+    def split(*args, sum_k=True, **kw):
+        out = whole(*args, **kw)
+        if sum_k:
+            return out
+        parts = torch.zeros(out.shape[0], moe_world["engine"].spec.experts_per_token, out.shape[1], dtype=out.dtype)
+        parts[:, 0] = out
+        unsummed.append(parts.shape)
+        return parts
+
+    want, _ = _prefill_logits(moe_world)
+    monkeypatch.setattr(model_module, "moe_forward", split)
+    got, _ = _prefill_logits(moe_world)
+    assert len(unsummed) == 2 and torch.equal(got, want)  # both sparse layers, one of them a deepstack layer
+
+
+def _prefill_logits(moe_world) -> tuple[torch.Tensor, torch.Tensor]:
+    """(our prefill logits, transformers') of a prompt with an image and a video, fp32."""
     from app.llm.attention import AttentionMetadata
     from app.llm.model import VisionBatch
     from app.llm.sequence import Sequence
@@ -126,7 +156,7 @@ def test_our_forward_equals_transformers_logits(moe_world):
     with torch.no_grad():
         logits = eng.model.logits(eng.model(torch.tensor(seq.token_ids), torch.from_numpy(seq.positions(0, n)),
                                             slots, kv, meta, vision))
-    assert (logits - ref).abs().max() <= 1e-4 * ref.abs().max()
+    return logits, ref
 
 
 def _cuda(req):

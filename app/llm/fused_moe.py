@@ -433,9 +433,10 @@ if triton is not None:
         tl.store(out_ptr + tok.to(tl.int64) * stride_ot + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _fused_moe_direct(x, w_gate_up, w_down, topk_ids, topk_weights, cfg, precision):
+def _fused_moe_direct(x, w_gate_up, w_down, topk_ids, topk_weights, cfg, precision, sum_k=True):
     """A few tokens: no sorting. Gate/up per assignment (16-row tensor-core tiles, or matrix-vector
-    products with VEC), then the down projection per assignment (matrix-vector) and the sum over k."""
+    products with VEC), then the down projection per assignment (matrix-vector) and the sum over k
+    (`sum_k` False: left to the caller, [T, k, H]; the next add+RMSNorm sums them the same way)."""
     t, hidden = x.shape
     num_experts, two_i, _ = w_gate_up.shape
     inter, k = two_i // 2, topk_ids.shape[1]
@@ -461,12 +462,27 @@ def _fused_moe_direct(x, w_gate_up, w_down, topk_ids, topk_weights, cfg, precisi
         h, w_down, y, weights, ids, hidden, inter, num_experts,
         h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0),
         BLOCK_N=dbn, BLOCK_K=dbk, num_warps=cfg.get("DOWN_WARPS", 4), num_stages=cfg["num_stages"])
+    if not sum_k:
+        return y.view(t, k, hidden)
     _sum_k_kernel[(t * triton.cdiv(hidden, 1024),)](y, out, hidden, y.stride(0), out.stride(0), TOP_K=k,
                                                      BLOCK=1024, num_warps=4)
     return out
 
 
-def _fused_moe_triton(x, w_gate_up, w_down, topk_ids, topk_weights, config):
+def sum_over_k(y: torch.Tensor) -> torch.Tensor:
+    """[T, k, H] -> [T, H]: each token's k rows summed in float32 in slot order, rounded once (the DIRECT
+    path's own sum)."""
+    t, k, hidden = y.shape
+    if triton is None or not y.is_cuda:
+        return y.float().sum(1).to(y.dtype)
+    y = y.contiguous().view(t * k, hidden)
+    out = torch.empty(t, hidden, dtype=y.dtype, device=y.device)
+    _sum_k_kernel[(t * triton.cdiv(hidden, 1024),)](y, out, hidden, y.stride(0), out.stride(0), TOP_K=k,
+                                                     BLOCK=1024, num_warps=4)
+    return out
+
+
+def _fused_moe_triton(x, w_gate_up, w_down, topk_ids, topk_weights, config, sum_k=True):
     t, hidden = x.shape
     num_experts, two_i, _ = w_gate_up.shape
     inter = two_i // 2
@@ -479,7 +495,7 @@ def _fused_moe_triton(x, w_gate_up, w_down, topk_ids, topk_weights, config):
     cfg = config or moe_config(t, k, num_experts, hidden, inter)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 tests keep full-precision dots
     if cfg.get("DIRECT"):
-        return _fused_moe_direct(x, w_gate_up, w_down, topk_ids, topk_weights, cfg, precision)
+        return _fused_moe_direct(x, w_gate_up, w_down, topk_ids, topk_weights, cfg, precision, sum_k)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     sorted_ids, expert_of_block, total = align_by_expert(topk_ids, num_experts, bm)
     blocks = expert_of_block.numel()
@@ -501,9 +517,11 @@ def _fused_moe_triton(x, w_gate_up, w_down, topk_ids, topk_weights, config):
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+              topk_weights: torch.Tensor, config: dict | None = None, sum_k: bool = True) -> torch.Tensor:
     """The MoE layer's experts: x [T, H] -> [T, H] in x's dtype. Triton on CUDA, else `moe_reference`.
-    `config` overrides `moe_config`'s tiles (the benchmark sweeps them)."""
+    `config` overrides `moe_config`'s tiles (the benchmark sweeps them). `sum_k` False lets the few-token
+    path return its k weighted rows per token unsummed, [T, k, H] (one kernel less: the model's next
+    add+RMSNorm sums them, `sum_over_k`'s arithmetic); the other paths return [T, H] whatever it says."""
     if triton is None or not x.is_cuda:
         return moe_reference(x, w_gate_up, w_down, topk_ids, topk_weights)
-    return _fused_moe_triton(x, w_gate_up, w_down, topk_ids, topk_weights, config)
+    return _fused_moe_triton(x, w_gate_up, w_down, topk_ids, topk_weights, config, sum_k)

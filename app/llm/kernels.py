@@ -71,13 +71,21 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _add_rmsnorm_kernel(res_ptr, x_ptr, w_ptr, out_ptr, n, eps, HAS_X: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rmsnorm_kernel(res_ptr, x_ptr, w_ptr, out_ptr, n, eps, HAS_X: tl.constexpr, X_ROWS: tl.constexpr,
+                            BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         r = tl.load(res_ptr + row * n + cols, mask=mask, other=0.0)
         if HAS_X:
-            x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0)
+            if X_ROWS == 1:
+                x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0)
+            else:  # x's X_ROWS rows per token (an MoE block's k experts, unsummed): summed as sum_over_k does
+                acc = tl.zeros((BLOCK,), dtype=tl.float32)
+                for j in tl.static_range(X_ROWS):
+                    acc += tl.load(x_ptr + (row * X_ROWS + j).to(tl.int64) * n + cols, mask=mask,
+                                   other=0.0).to(tl.float32)
+                x = acc.to(r.dtype)
             r = (r.to(tl.float32) + x.to(tl.float32)).to(r.dtype)
             tl.store(res_ptr + row * n + cols, r, mask=mask)
         rf = r.to(tl.float32)
@@ -157,14 +165,18 @@ if triton is not None:
 def add_rmsnorm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, eps: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (residual + x, rmsnorm(residual + x) * weight). On CUDA the sum is written into
-    `residual` in place."""
+    `residual` in place. x [T, k, n] (an MoE block's experts left unsummed) adds the sum of its k rows,
+    taken in float32 and rounded once, as fused_moe.sum_over_k does."""
     if not use_triton(residual):
+        if x is not None and x.dim() == 3:
+            x = x.float().sum(1).to(x.dtype)
         return add_rmsnorm_torch(residual, x, weight, eps)
     t, n = residual.shape
     assert residual.is_contiguous() and (x is None or x.is_contiguous())  # summed in place, rows as t * n
     out = torch.empty_like(residual)
     _add_rmsnorm_kernel[(t,)](residual, x if x is not None else residual, weight, out, n, eps,
-                              HAS_X=x is not None, BLOCK=triton.next_power_of_2(n), num_warps=8 if n > 2048 else 4)
+                              HAS_X=x is not None, X_ROWS=x.shape[1] if x is not None and x.dim() == 3 else 1,
+                              BLOCK=triton.next_power_of_2(n), num_warps=8 if n > 2048 else 4)
     return residual, out
 
 

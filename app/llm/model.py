@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
+from .fused_moe import sum_over_k
 from .kernels import add_rmsnorm, qk_norm_rope_store, silu_mul
 from .moe import moe_forward
 from .parallel import SINGLE, TensorParallel
@@ -176,6 +177,8 @@ class TextModel(nn.Module):
             if deepstack is not None and i < deepstack.shape[0]:
                 # transformers adds the features to the layer's output on the vision rows: the same sum,
                 # rounded the same way, selected per row
+                if pending.dim() == 3:  # an MoE block's experts, unsummed (_feed_forward)
+                    pending = sum_over_k(pending)
                 residual = residual + pending
                 residual = torch.where(on, residual + deepstack[i], residual)
                 pending = None
@@ -192,7 +195,11 @@ class TextModel(nn.Module):
 
     def _feed_forward(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
         if layer.sparse:
-            out = moe_forward(h, layer.router_weight, layer.experts_gate_up, layer.experts_down, self.spec, self.tp)
+            # On one rank a few tokens' k expert rows may come back unsummed ([T, k, hidden]): the next
+            # add+RMSNorm sums them, one kernel less per layer. Across ranks the sum comes first, so
+            # that the all-reduce moves one row per token.
+            out = moe_forward(h, layer.router_weight, layer.experts_gate_up, layer.experts_down, self.spec, self.tp,
+                              sum_k=self.tp.enabled)
         else:
             out = F.linear(silu_mul(F.linear(h, layer.gate_up_weight)), layer.down_weight)
         return self.tp.all_reduce(out)

@@ -28,11 +28,12 @@ def route(h: torch.Tensor, router_weight: torch.Tensor, spec: TextSpec) -> tuple
 
 
 def moe_forward(h: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                spec: TextSpec, tp: TensorParallel) -> torch.Tensor:
-    """h [T, hidden] -> this rank's part of the block's output [T, hidden]. gate_up [experts, 2 units,
-    hidden] and down [experts, hidden, units] are the rank's experts (or the rank's units of all)."""
+                spec: TextSpec, tp: TensorParallel, sum_k: bool = True) -> torch.Tensor:
+    """h [T, hidden] -> this rank's part of the block's output [T, hidden] (with `sum_k` False, possibly
+    [T, k, hidden] unsummed: `fused_moe`). gate_up [experts, 2 units, hidden] and down [experts, hidden,
+    units] are the rank's experts (or the rank's units of all)."""
     ids, weights = route(h, router_weight, spec)
     if tp.enabled and tp.moe == "ep":
         first = tp.rank * gate_up.shape[0]
         ids = ids - first  # experts held elsewhere fall outside [0, held) and count nothing here
-    return fused_moe(h, gate_up, down, ids, weights)
+    return fused_moe(h, gate_up, down, ids, weights, sum_k=sum_k)
