@@ -69,6 +69,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import sys
 import time
 from collections import Counter
@@ -348,6 +349,61 @@ async def _get_json(client: aiohttp.ClientSession, path: str) -> dict | None:
         return None
 
 
+async def _get_text(client: aiohttp.ClientSession, path: str) -> str | None:
+    try:
+        async with client.get(path) as resp:
+            return await resp.text() if resp.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+
+
+# the server's time-to-first-token histograms (app/serving/prometheus.py), as /metrics renders them
+TTFT_PART_METRICS = {"ttft": "vllm:time_to_first_token_seconds", "encode": "vlm:request_encode_time_seconds",
+                     "queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds"}
+_SAMPLE = re.compile(r'^([^\s{]+)(?:\{([^}]*)\})?\s+(\S+)$')
+
+
+def histograms_of(text: str) -> dict[str, dict]:
+    """Prometheus text -> {family: {"buckets": {le: count}, "sum", "count"}} for TTFT_PART_METRICS'
+    families, each summed over its label sets."""
+    wanted = set(TTFT_PART_METRICS.values())
+    out: dict[str, dict] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or line.startswith("#"):
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        for suffix in ("_bucket", "_sum", "_count"):
+            family = name[:-len(suffix)]
+            if name.endswith(suffix) and family in wanted:
+                h = out.setdefault(family, {"buckets": {}, "sum": 0.0, "count": 0.0})
+                if suffix == "_bucket":
+                    le = float(re.search(r'le="([^"]+)"', labels).group(1).replace("+Inf", "inf"))
+                    h["buckets"][le] = h["buckets"].get(le, 0.0) + value
+                else:
+                    h[suffix[1:]] += value
+    return out
+
+
+def ttft_parts(start: dict, end: dict) -> dict:
+    """Per part of the time to first token (the LLM replica's TTFT, and its encode, queue and prefill
+    shares), over the requests whose first token came between two scrapes: how many, the mean and the
+    p99's bucket (the smallest bound holding 99% of them: an upper bound, as coarse as the buckets), in ms."""
+    out = {}
+    for part, family in TTFT_PART_METRICS.items():
+        a, b = start.get(family), end.get(family)
+        if a is None or b is None:
+            continue
+        n = b["count"] - a["count"]
+        if n <= 0:
+            out[part] = {"n": 0}
+            continue
+        cum = sorted((le, b["buckets"][le] - a["buckets"].get(le, 0.0)) for le in b["buckets"])
+        p99 = next((le for le, c in cum if c >= 0.99 * n), math.inf)
+        out[part] = {"n": int(n), "mean_ms": 1e3 * (b["sum"] - a["sum"]) / n, "p99_bucket_ms": 1e3 * p99}
+    return out
+
+
 GPU_TIME_NOTE = ("the server reports no GPU time (no '*gpu_ms_total' counter in /v1/encoder/stats or /v1/llm/load); "
                  "NVML utilisation only says a kernel ran")
 # what app/gpu/timing.py reports, per kind: (prefix, unit of its brackets, one of them)
@@ -406,6 +462,7 @@ async def watch_window(url: str, t0: float, lo: float, hi: float, monitor: bool)
     async with aiohttp.ClientSession(base_url=url, timeout=timeout) as client:
         await until(lo)
         enc0, llm0 = await _get_json(client, "/v1/encoder/stats"), await _get_json(client, "/v1/llm/load")
+        prom0 = await _get_text(client, "/metrics")
         mon = None
         if monitor:
             from benchmarks.monitor import Monitor
@@ -421,7 +478,10 @@ async def watch_window(url: str, t0: float, lo: float, hi: float, monitor: bool)
         if mon is not None:
             await asyncio.to_thread(mon.__exit__, None, None, None)
         enc1, llm1 = await _get_json(client, "/v1/encoder/stats"), await _get_json(client, "/v1/llm/load")
+        prom1 = await _get_text(client, "/metrics")
     out: dict = {}
+    if prom0 is not None and prom1 is not None:
+        out["ttft_parts"] = ttft_parts(histograms_of(prom0), histograms_of(prom1))
     if enc0 is not None and enc1 is not None:
         out["encoder"] = encoder_delta(enc0, enc1)
     if loads:
@@ -910,10 +970,19 @@ def cpu_cell(groups: dict | None, top: int = 4) -> str:
     return ", ".join(f"{name} {g['cores']:.2f} ({g['processes']})" for name, g in ranked)
 
 
+def parts_cell(point: dict) -> str:
+    """The server's TTFT parts over the window, mean ms (p99's bucket): encode, queue, prefill."""
+    parts = point.get("server", {}).get("ttft_parts") or {}
+    cells = [f"{parts[k]['mean_ms']:.0f} ({parts[k]['p99_bucket_ms']:g})" for k in ("encode", "queue", "prefill")
+             if parts.get(k, {}).get("n")]
+    return ", ".join(cells) or "-"
+
+
 def summary_lines(results: dict) -> list[str]:
     lines = ["| workload | offered req/s | served req/s | served % | TTFT p50 / p99 ms | TPOT p50 / p99 ms | errors "
-             "| GPU ms / request: engine, tower | GPU busy % | CPU cores by process | pass |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| GPU ms / request: engine, tower | TTFT parts, mean (p99 bucket) ms: encode, queue, prefill "
+             "| GPU busy % | CPU cores by process | pass |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, w in results.get("workloads", {}).items():
         for p in w.get("search", {}).get("points", []):
             res = p["server"].get("resources", {})
@@ -921,13 +990,14 @@ def summary_lines(results: dict) -> list[str]:
             errs = ", ".join(f"{k} x{v}" for k, v in p["errors"].items()) or "0"
             lines.append(f"| {label} | {p['rate']:g} ({p['offered_rps']:.1f}) | {p['served_rps']:.1f} | "
                          f"{100 * p['served_ratio']:.1f} | {p['ttft_ms']['p50']:.0f} / {p['ttft_ms']['p99']:.0f} | "
-                         f"{p['tpot_ms']['p50']:.1f} / {p['tpot_ms']['p99']:.1f} | {errs} | {gpu_cell(p)} | {busy} | "
+                         f"{p['tpot_ms']['p50']:.1f} / {p['tpot_ms']['p99']:.1f} | {errs} | {gpu_cell(p)} | "
+                         f"{parts_cell(p)} | {busy} | "
                          f"{cpu_cell(res.get('groups'))} | {'yes' if p['passes'] else 'no'} |")
         s = w.get("search", {})
         sat = w.get("closed_loop", {}).get("steady_request_throughput")
         ratio = f", {s.get('goodput', 0) / sat:.2f} of closed-loop saturation {sat:.1f}" if sat else ""
         lines.append(f"| **{label} goodput** | **{s.get('goodput', 0):g} req/s** (fails at {s.get('fails_at')}; "
-                     f"TTFT p99 bound {w.get('ttft_p99_bound_ms'):.0f} ms{ratio}) | | | | | | | | | |")
+                     f"TTFT p99 bound {w.get('ttft_p99_bound_ms'):.0f} ms{ratio}) | | | | | | | | | | |")
     if any(p.get("gpu_time") for w in results.get("workloads", {}).values()
            for p in w.get("search", {}).get("points", [])):
         lines += ["", "GPU ms / request: the device time of the engines' steps and of the towers' batches (CUDA "
@@ -1178,7 +1248,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{wl.label}: {rate:g} req/s offered {p['offered_rps']:.2f} served {p['served_rps']:.2f}, TTFT "
                       f"p50/p99 {p['ttft_ms']['p50']:.0f}/{p['ttft_ms']['p99']:.0f} ms, TPOT p99 "
                       f"{p['tpot_ms']['p99']:.1f} ms, errors {p['errors'] or 0}, GPU ms/request (engine, tower) "
-                      f"{gpu_cell(p)}: "
+                      f"{gpu_cell(p)}, TTFT parts ms (encode, queue, prefill) {parts_cell(p)}: "
                       f"{'pass' if p['passes'] else 'fail: ' + '; '.join(p['why_not'])}", flush=True)
                 entry.setdefault("search", {"points": []})["points"].append(p)
                 save()

@@ -205,6 +205,29 @@ def test_a_request_the_engine_would_refuse_is_refused_before_its_media_is_encode
         fused.engine.shutdown()
 
 
+def test_the_first_chunk_says_how_long_the_media_took_to_encode(tiny_checkpoint):
+    """A request's first chunk carries its time to first token's parts: the tower's (queue and batch),
+    then the engine's queue and prefill; the later chunks carry none."""
+    from app.config import AppConfig
+    from app.serving.fused import FusedBackend
+
+    cfg = AppConfig(**ARGS | {"model": str(tiny_checkpoint)})
+    fused = FusedBackend.build(cfg, str(tiny_checkpoint))
+    chat = local_chat(cfg, tiny_checkpoint, fused)
+
+    async def chunks(body):
+        _, gen, payload = await chat.prepare(body)
+        return [c async for c in fused.stream(gen, payload)]
+
+    try:
+        got = asyncio.run(chunks(bodies()[0]))
+    finally:
+        fused.engine.shutdown()
+    first, *rest = got
+    assert set(first["timing"]) == {"encode_s", "queue_s", "prefill_s"} and min(first["timing"].values()) >= 0
+    assert first["timing"]["encode_s"] > 0 and all(c["timing"] is None for c in rest)
+
+
 # ---------------------------------------------------------------- through Ray Serve
 @pytest.fixture(scope="module")
 def served_fused(model_cache):

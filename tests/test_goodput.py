@@ -278,6 +278,47 @@ def test_replica_balance_gives_each_replica_its_share_of_the_engines_gpu_time():
     assert replica_balance([]) == []
 
 
+def test_the_ttft_parts_come_from_two_scrapes_of_the_servers_histograms():
+    """/metrics before and after a window: the requests whose first token came in between, per part
+    (the whole TTFT, encode, queue, prefill), their mean and the bucket holding their p99."""
+    from types import SimpleNamespace
+
+    from app.serving.prometheus import RequestMetrics, scrape_text
+    from benchmarks.goodput import histograms_of, ttft_parts
+
+    m = RequestMetrics(max_model_len=100)
+    idle = {"running": 0, "waiting": 0, "kv_usage": 0.0, "kv_blocks": 1, "kv_blocks_free": 1,
+            "prefix_cache_queried_tokens": 0, "prefix_cache_hit_tokens": 0, "preemptions": 0}
+
+    def scrape() -> dict:
+        return histograms_of(scrape_text(([{**m.snapshot(), "load": idle}], 0), None, "tiny")[0].decode())
+
+    def first_chunk(queue_s, prefill_s):
+        return SimpleNamespace(index=0, token_ids=[1], finish_reason="stop", completion_tokens=1,
+                               timing={"queue_s": queue_s, "prefill_s": prefill_s})
+
+    async def requests(timings):
+        for q, pf in timings:
+            async for _ in m.observe(_chunks([first_chunk(q, pf)]), 3):
+                pass
+
+    asyncio.run(requests([(0.5, 0.5)]))  # before the window: not counted
+    before = scrape()
+    asyncio.run(requests([(0.002, 0.030)] * 99 + [(0.090, 0.030)]))
+    parts = ttft_parts(before, scrape())
+    assert parts["queue"]["n"] == parts["prefill"]["n"] == parts["ttft"]["n"] == 100
+    assert parts["queue"]["mean_ms"] == pytest.approx((99 * 2 + 90) / 100)
+    assert parts["prefill"]["mean_ms"] == pytest.approx(30)
+    assert parts["queue"]["p99_bucket_ms"] == 5 and parts["prefill"]["p99_bucket_ms"] == 40  # TTFT_BOUNDS' edges
+    assert parts["encode"] == {"n": 0}  # no tower in these requests
+    assert ttft_parts({}, before) == {}
+
+
+async def _chunks(items):
+    for c in items:
+        yield c
+
+
 def test_guidellms_report_is_read_as_per_request_records():
     """The fields of GuideLLM 0.8's JSON report that the cross-check reads: its requests' targeted start
     (due), start, end and TTFT, from the benchmark's start; an errored request keeps its exception name."""
@@ -509,6 +550,8 @@ def test_a_sweep_and_a_cold_start_against_the_real_app_on_the_cpu(model_cache, t
         assert p["errors"] == {} and p["window_arrivals"] > 0 and p["ttft_ms"]["n"] == p["window_arrivals"]
         assert p["server"]["llm_load"]["replicas"] >= 1 and "encoder" in p["server"]
         assert "groups" in p["server"]["resources"]  # the monitor's CPU per process
+        parts = p["server"]["ttft_parts"]  # from /metrics at the window's edges
+        assert parts["queue"]["n"] > 0 and parts["prefill"]["n"] == parts["queue"]["n"]
     assert w["warmup"]["requests"] > 0
     assert len(r["cold_start"]) == 2  # the first deploy, then the app deleted and deployed again
     for c in r["cold_start"]:

@@ -221,6 +221,31 @@ def test_request_metrics_count_each_choice_and_the_prompt_once():
     assert sum(h["itl"]["counts"]) == 3 + 3 + 2
 
 
+def test_the_first_chunks_timing_fills_the_time_to_first_token_parts():
+    """Each choice's first chunk says where its time to first token went (Chunk.timing): vLLM's queue and
+    prefill times and the fused tower's encoding, summed over replicas and rendered in vLLM's names."""
+    m = RequestMetrics(max_model_len=1000)
+    first = SimpleNamespace(**vars(chunk(1)), timing={"queue_s": 0.012, "prefill_s": 0.030, "encode_s": 0.004,
+                                                       "unknown_s": 9.0})
+    later = SimpleNamespace(**vars(chunk(0, "stop", completion=3)), timing={"queue_s": 5.0})  # not a first
+
+    async def main():
+        await drain(m, [first, chunk(2), later], prompt=4)
+        await drain(m, [chunk(1), chunk(0, "length", completion=1)], prompt=4)  # no timing (an older replica)
+
+    asyncio.run(main())
+    h = m.snapshot()["histograms"]
+    assert (h["queue"]["sum"], sum(h["queue"]["counts"])) == (0.012, 1)
+    assert (h["prefill"]["sum"], sum(h["prefill"]["counts"])) == (0.030, 1)
+    assert (h["encode"]["sum"], sum(h["encode"]["counts"])) == (0.004, 1)
+    snap = {**m.snapshot(), "load": load(0, 0, 10, 10)}
+    parsed = parse(scrape_text(([snap, snap], 0), None, "tiny")[0])
+    for family, total in (("vllm:request_queue_time_seconds", 0.024), ("vllm:request_prefill_time_seconds", 0.06),
+                          ("vlm:request_encode_time_seconds", 0.008)):
+        assert parsed[family][(f"{family}_count", ())] == 2
+        assert parsed[family][(f"{family}_sum", ())] == pytest.approx(total)
+
+
 def test_engine_counters_equal_the_requests_usage(tiny_checkpoint):
     """The CPU engine with the tiny model: token totals equal what the final chunks (the responses'
     usage) report, finished requests by reason equal the chunks' reasons."""
@@ -235,6 +260,7 @@ def test_engine_counters_equal_the_requests_usage(tiny_checkpoint):
     engine = Engine(str(tiny_checkpoint))
     streams = AsyncEngine(engine, stream_interval_s=0.0)
     metrics = RequestMetrics(engine.max_model_len)
+    timings = []
 
     def request(text, **params):
         ids = tok(text).input_ids
@@ -245,6 +271,7 @@ def test_engine_counters_equal_the_requests_usage(tiny_checkpoint):
 
     async def main():
         greedy = await run(request("Tell me a story", max_tokens=6, ignore_eos=True))
+        timings.extend(c.timing for c in greedy)
         ids = [t for c in greedy for t in c.token_ids]
         # a stop token id the greedy answer reaches at its third token ends it there ("stop")
         chunks = greedy + await run(request("Tell me a story", max_tokens=6, stop_token_ids=[ids[2]]))
@@ -265,6 +292,12 @@ def test_engine_counters_equal_the_requests_usage(tiny_checkpoint):
     assert {r: n for r, n in snap["finished"].items() if n} == dict(reasons)
     assert sum(snap["histograms"]["ttft"]["counts"]) == 4 and sum(snap["histograms"]["e2e"]["counts"]) == 4
     assert snap["histograms"]["generation_tokens"]["sum"] == snap["generation_tokens"]
+    # the engine's part of each choice's time to first token, on its first chunk only (no tower here)
+    assert set(timings[0]) == {"queue_s", "prefill_s"} and min(timings[0].values()) >= 0
+    assert all(t is None for t in timings[1:])
+    h = snap["histograms"]
+    assert sum(h["queue"]["counts"]) == sum(h["prefill"]["counts"]) == 4 and sum(h["encode"]["counts"]) == 0
+    assert h["queue"]["sum"] + h["prefill"]["sum"] <= h["ttft"]["sum"]
 
 
 # --------------------------------------------------------------------------------- replicas, auth

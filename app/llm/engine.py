@@ -454,6 +454,7 @@ class Engine:
                     delta = TokenDelta([tok], reason, logprobs=None if lp is None else [lp])
             if first:  # the prefix cache's share of the prompt is known since admission (OpenAI's usage)
                 delta.cached_tokens = seq.num_cached
+                delta.timing = first_token_timing(seq)
             outputs.append((seq, delta))
             if delta.finish_reason or delta.error is not None:
                 self._finish(seq)
@@ -502,3 +503,12 @@ def _discard(*_) -> None:
 
 def _rows(req: GenerationRequest) -> int:
     return sum(v.main.shape[0] for v in req.vision)
+
+
+def first_token_timing(seq: Sequence) -> dict | None:
+    """Where a sequence's time to its first token went, in seconds: waiting in the engine's queue (queued
+    to first scheduled, preemptions aside) and prefilling (first scheduled to first token: its prompt's
+    chunks and the steps beside them). None when a time is missing (a follower rank's copy)."""
+    if seq.queued_time is None or seq.scheduled_time is None or seq.first_token_time is None:
+        return None
+    return {"queue_s": seq.scheduled_time - seq.queued_time, "prefill_s": seq.first_token_time - seq.scheduled_time}

@@ -33,6 +33,9 @@ class Chunk:
     logprobs: list | None = None
     index: int = 0  # which of the request's choices (OpenAI's `n`) this chunk belongs to
     cached_tokens: int = 0  # on the last one: prompt tokens taken from the prefix cache (OpenAI's usage)
+    # on a choice's first chunk: where its time to first token went, in seconds (`queue_s` waiting for the
+    # engine, `prefill_s` from its first step to its first token; under `fused`, `encode_s` its media)
+    timing: dict | None = None
 
 
 @dataclass
@@ -44,6 +47,7 @@ class TokenDelta:
     error: BaseException | None = None
     logprobs: list | None = None  # one entry per token id, for requests that asked (model_runner.StepResult)
     cached_tokens: int | None = None  # on a request's first delta: its prompt tokens from the prefix cache
+    timing: dict | None = None  # on a request's first delta: Chunk.timing's engine part
 
 
 class Cancelled(Exception):
@@ -127,6 +131,7 @@ class OutputStream:
         self.min_tokens, self.include_stop = params.min_tokens, params.include_stop_str_in_output
         self.prompt_tokens, self.vision_embeddings = prompt_tokens, vision_embeddings
         self.cached_tokens = 0
+        self.timing: dict | None = None  # until the first chunk carries it
         self.text = ""
         self.emitted = 0
         self.ids: list[int] = []
@@ -145,6 +150,8 @@ class OutputStream:
         for d in deltas:
             if d.cached_tokens is not None:
                 self.cached_tokens = d.cached_tokens
+            if d.timing is not None:
+                self.timing = d.timing
             if d.error is not None:
                 self.finished = True
                 raise d.error
@@ -187,14 +194,17 @@ class OutputStream:
         upto = len(self.text) if finish else self.stops.safe_length(self.text)
         delta = self.text[self.emitted:upto]
         self.emitted = max(self.emitted, upto)
+        timing, self.timing = self.timing, None  # the first chunk out carries it, once
         if finish:
             self.finished = True
             return Chunk(delta, self.ids[self.sent_ids:], finish, self.prompt_tokens, len(self.ids),
-                         self.vision_embeddings, self._logprobs_since(), cached_tokens=self.cached_tokens)
+                         self.vision_embeddings, self._logprobs_since(), cached_tokens=self.cached_tokens,
+                         timing=timing)
         if delta or first:  # the first token always goes out: it marks the time to first token
-            chunk = Chunk(delta, self.ids[self.sent_ids:], logprobs=self._logprobs_since())
+            chunk = Chunk(delta, self.ids[self.sent_ids:], logprobs=self._logprobs_since(), timing=timing)
             self.sent_ids = len(self.ids)
             return chunk
+        self.timing = timing  # nothing went out yet
         return None
 
     def _add(self, tok: int, lp, final: bool) -> None:

@@ -13,6 +13,7 @@ loop, and graphs are not captured while serving (a capture would race the engine
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
@@ -56,10 +57,14 @@ class FusedBackend:
         too long) is refused before its media is encoded; requests still encoding do not count
         towards the queue, so a burst may still be refused after encoding, by `submit`."""
         self.engine.check_admission(len(gen["input_ids"]), gen["params"].get("n", 1))
+        t = time.perf_counter()
         encoded = await self.encoder.encode_async(items) if items else []
+        encode_s = time.perf_counter() - t  # the tower's queue and batch: part of the time to first token
         stream = self.streams.generate(GenerationRequest.from_router(gen, encoded))
         del encoded  # the engine's sequence copies the embeddings: keep no GPU memory here meanwhile
         async for chunk in stream:
+            if chunk.timing is not None:  # each choice's first chunk
+                chunk.timing = {**chunk.timing, "encode_s": encode_s}
             yield chunk
 
     async def stream(self, gen: dict, payload: list) -> AsyncIterator[dict]:

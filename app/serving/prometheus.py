@@ -31,6 +31,16 @@ ITL_BOUNDS = (0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
 E2E_BOUNDS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
               960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's `finished_reason` values
+# Chunk.timing's keys -> (histogram, metric, help): vLLM's queue and prefill times, and our tower's share
+TTFT_PARTS = {
+    "queue_s": ("queue", "vllm:request_queue_time_seconds",
+                "Time in the LLM engine's queue before a request's first step, in seconds."),
+    "prefill_s": ("prefill", "vllm:request_prefill_time_seconds",
+                  "Time from a request's first engine step to its first token (its prompt's prefill), in seconds."),
+    "encode_s": ("encode", "vlm:request_encode_time_seconds",
+                 "Time encoding a request's media in the LLM replica (fused placement: the tower's queue and "
+                 "batch), in seconds."),
+}
 
 
 def one_two_five(top: int) -> tuple[int, ...]:
@@ -79,6 +89,8 @@ class RequestMetrics:
         self.finished = dict.fromkeys(FINISH_REASONS, 0)
         tokens = one_two_five(max_model_len)
         self.ttft, self.e2e = Histogram(TTFT_BOUNDS), Histogram(E2E_BOUNDS)
+        # the time to first token's parts, from each choice's first chunk (Chunk.timing): where it goes
+        self.parts = {part: Histogram(TTFT_BOUNDS) for part in TTFT_PARTS}
         self.itl, self.tpot = Histogram(ITL_BOUNDS), Histogram(ITL_BOUNDS)
         self.prompt_hist, self.generation_hist = Histogram(tokens), Histogram(tokens)
 
@@ -116,7 +128,8 @@ class RequestMetrics:
                     "histograms": {"ttft": self.ttft.snapshot(), "e2e": self.e2e.snapshot(),
                                    "itl": self.itl.snapshot(), "tpot": self.tpot.snapshot(),
                                    "prompt_tokens": self.prompt_hist.snapshot(),
-                                   "generation_tokens": self.generation_hist.snapshot()}}
+                                   "generation_tokens": self.generation_hist.snapshot(),
+                                   **{TTFT_PARTS[k][0]: h.snapshot() for k, h in self.parts.items()}}}
 
 
 class _Request:
@@ -139,6 +152,9 @@ class _Request:
             if self.first[i] is None:
                 self.first[i] = now
                 m.ttft.observe(now - self.t0)
+                for key, value in (getattr(c, "timing", None) or {}).items():
+                    if key in m.parts:
+                        m.parts[key].observe(value)
                 if not self.started:  # the prompt is prefilled once, whatever the choices
                     self.started = True
                     m.prompt_tokens += self.prompt
@@ -278,6 +294,8 @@ def _families(llm: dict, encoder: dict | None, model: str, replicas: dict[str, t
                     "the time since the previous chunk).", "itl", ITL_BOUNDS)
     yield histogram("vllm:request_time_per_output_token_seconds", "Time per output token of each request after "
                     "its first, in seconds.", "tpot", ITL_BOUNDS)
+    for hist, name, doc in TTFT_PARTS.values():
+        yield histogram(name, doc, hist, TTFT_BOUNDS)
     yield histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", "prompt_tokens", (1,))
     yield histogram("vllm:request_generation_tokens", "Generated tokens per request.", "generation_tokens", (1,))
 
