@@ -3,9 +3,9 @@
 A Router answers HTTP as soon as it is up, while the LLM replicas may still be loading weights, capturing
 graphs and warming up (app/serving/warmup.py). Ready means, the first time, that every deployment with
 replicas has reached its target count, all of them running (Ray Serve marks a replica running only after
-its constructor, warm-up included, returned): one running replica was not enough, as its siblings'
-start-up (graph capture on the same GPU, imports on the same cores) doubled TTFT p99 in the first seconds
-(H200, 2026-11-27). Once ready, a Router stays ready while every such deployment has one replica running,
+its constructor, warm-up included, returned). One running replica was not enough: its siblings were
+still starting (graph capture on the same GPU, imports on the same cores) when load began, the likely
+cause of the first seconds' TTFT p99 at up to 1.87x warm (H200, 2026-11-27). Once ready, a Router stays ready while every such deployment has one replica running,
 so that rolling updates and scale-ups keep it in a load balancer's rotation.
 """
 
