@@ -454,7 +454,6 @@ def _fused_moe_direct(x, w_gate_up, w_down, topk_ids, topk_weights, cfg, precisi
             x, w_gate_up, h, ids, ids, ids, n, n, hidden, inter, num_experts, *strides,
             TOP_K=k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, EVEN_K=hidden % bk == 0,
             PRECISION=precision, DIRECT=True, **launch)
-    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     dbn, dbk = cfg.get("DOWN_BLOCK_N", 8), cfg.get("DOWN_BLOCK_K", 256)
     weights = topk_weights.reshape(-1).contiguous()
     y = torch.empty(n, hidden, dtype=x.dtype, device=x.device)  # per assignment, then the sum over k
@@ -462,11 +461,7 @@ def _fused_moe_direct(x, w_gate_up, w_down, topk_ids, topk_weights, cfg, precisi
         h, w_down, y, weights, ids, hidden, inter, num_experts,
         h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0),
         BLOCK_N=dbn, BLOCK_K=dbk, num_warps=cfg.get("DOWN_WARPS", 4), num_stages=cfg["num_stages"])
-    if not sum_k:
-        return y.view(t, k, hidden)
-    _sum_k_kernel[(t * triton.cdiv(hidden, 1024),)](y, out, hidden, y.stride(0), out.stride(0), TOP_K=k,
-                                                     BLOCK=1024, num_warps=4)
-    return out
+    return sum_over_k(y.view(t, k, hidden)) if sum_k else y.view(t, k, hidden)
 
 
 def sum_over_k(y: torch.Tensor) -> torch.Tensor:

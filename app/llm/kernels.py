@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .fused_moe import sum_over_k
+
 try:
     import triton
     import triton.language as tl
@@ -169,7 +171,7 @@ def add_rmsnorm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Te
     taken in float32 and rounded once, as fused_moe.sum_over_k does."""
     if not use_triton(residual):
         if x is not None and x.dim() == 3:
-            x = x.float().sum(1).to(x.dtype)
+            x = sum_over_k(x)
         return add_rmsnorm_torch(residual, x, weight, eps)
     t, n = residual.shape
     assert residual.is_contiguous() and (x is None or x.is_contiguous())  # summed in place, rows as t * n
