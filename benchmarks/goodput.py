@@ -69,7 +69,6 @@ import json
 import math
 import multiprocessing
 import os
-import re
 import sys
 import time
 from collections import Counter
@@ -360,28 +359,25 @@ async def _get_text(client: aiohttp.ClientSession, path: str) -> str | None:
 # the server's time-to-first-token histograms (app/serving/prometheus.py), as /metrics renders them
 TTFT_PART_METRICS = {"ttft": "vllm:time_to_first_token_seconds", "encode": "vlm:request_encode_time_seconds",
                      "queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds"}
-_SAMPLE = re.compile(r'^([^\s{]+)(?:\{([^}]*)\})?\s+(\S+)$')
 
 
 def histograms_of(text: str) -> dict[str, dict]:
     """Prometheus text -> {family: {"buckets": {le: count}, "sum", "count"}} for TTFT_PART_METRICS'
-    families, each summed over its label sets."""
+    families, each summed over its label sets (prometheus_client's parser, as the server's renderer)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     wanted = set(TTFT_PART_METRICS.values())
     out: dict[str, dict] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m or line.startswith("#"):
+    for fam in text_string_to_metric_families(text):
+        if fam.name not in wanted:
             continue
-        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
-        for suffix in ("_bucket", "_sum", "_count"):
-            family = name[:-len(suffix)]
-            if name.endswith(suffix) and family in wanted:
-                h = out.setdefault(family, {"buckets": {}, "sum": 0.0, "count": 0.0})
-                if suffix == "_bucket":
-                    le = float(re.search(r'le="([^"]+)"', labels).group(1).replace("+Inf", "inf"))
-                    h["buckets"][le] = h["buckets"].get(le, 0.0) + value
-                else:
-                    h[suffix[1:]] += value
+        h = out.setdefault(fam.name, {"buckets": {}, "sum": 0.0, "count": 0.0})
+        for smp in fam.samples:
+            if smp.name.endswith("_bucket"):
+                le = float(smp.labels["le"])  # "+Inf" parses as inf
+                h["buckets"][le] = h["buckets"].get(le, 0.0) + smp.value
+            elif smp.name.endswith(("_sum", "_count")):
+                h[smp.name.rsplit("_", 1)[1]] += smp.value
     return out
 
 
