@@ -699,8 +699,10 @@ class Bench:
             out["gpu_time_note"] = GPU_TIME_NOTE
         return out
 
-    def cold(self, wl, rate: float, deploy: Callable[[], None], seconds: int, ready_timeout_s: float) -> dict:
-        """The cold start: bodies and load processes ready, then deploy, poll, and send from ready."""
+    def cold(self, wl, rate: float, deploy: Callable[[], None], seconds: int, ready_timeout_s: float,
+             watch=None) -> dict:
+        """The cold start: bodies and load processes ready, then deploy, poll, and send from ready
+        (`watch(t0)`: a coroutine beside the load, as `send` takes it)."""
         items, tag, build_s = self._schedule(wl, rate, seconds)
 
         async def go() -> dict:
@@ -712,7 +714,7 @@ class Bench:
                     "app_status_at_ready": await asyncio.to_thread(app_status)}
 
         sent, extra = asyncio.run(send(self.url, items, tag, self.a.load_processes, self.a.timeout_s, self.a.drain_s,
-                                       before_go=go))
+                                       before_go=go, watch=watch))
         return {"rate": rate, "seconds": seconds, "build_s": build_s, **extra.get("before_go", {}),
                 "whole": analyse(sent, 0.0, float(seconds)), "per_second": per_second(sent, seconds)}
 
@@ -806,29 +808,18 @@ def scale_up_summary(rows: list[dict], samples: list[dict], warm_p99_ms: float, 
 def scale_up_run(bench: Bench, a, wl, rate: float, deploy: Callable[[], None]) -> dict:
     """The app deployed again with `scale_up_options`, load at `rate` for `--scale-up-s` from the moment it
     is ready, the LLM replicas watched throughout; then the same rate on the scaled app for the warm
-    reference."""
-    items, tag, build_s = bench._schedule(wl, rate, a.scale_up_s)
+    reference. The load is a cold start's (`Bench.cold`) with the replicas watched beside it."""
     samples: list[dict] = []
-
-    async def go() -> dict:
-        t = time.perf_counter()
-        await asyncio.to_thread(deploy)
-        await poll_ready(bench.url, a.ready_timeout_s)
-        return {"ready_s": time.perf_counter() - t}
 
     async def watch(t0: float) -> dict:
         samples.extend(await watch_replicas(bench.url, t0, a.scale_up_s + 5))
         return {}
 
-    sent, extra = asyncio.run(send(bench.url, items, tag, a.load_processes, a.timeout_s, a.drain_s, before_go=go,
-                                   watch=watch))
-    rows = per_second(sent, a.scale_up_s)
-    status = deployment_status("LLM")  # why no replica was added, if none was
+    out = bench.cold(wl, rate, deploy, a.scale_up_s, a.ready_timeout_s, watch=watch)
+    out["llm_status_at_end"] = deployment_status("LLM")  # why no replica was added, if none was
     warm = bench.point(wl, rate, a.ramp_s, a.cold_warm_window_s)
-    out = {"rate": rate, "seconds": a.scale_up_s, "build_s": build_s, **extra.get("before_go", {}),
-           "whole": analyse(sent, 0.0, float(a.scale_up_s)), "per_second": rows, "replica_samples": samples,
-           "llm_status_at_end": status, "warm": warm}
-    out["summary"] = scale_up_summary(rows, samples, warm["ttft_ms"]["p99"] if warm else float("nan"))
+    out.update(replica_samples=samples, warm=warm)
+    out["summary"] = scale_up_summary(out["per_second"], samples, warm["ttft_ms"]["p99"] if warm else float("nan"))
     s, added = out["summary"], out["summary"]["added"]
     when = (f"replica added: ready at {added['ready_s']:.1f} s, first request at {added['first_request_s']:.1f} s"
             if added and added["ready_s"] is not None and added["first_request_s"] is not None else "no replica added")
