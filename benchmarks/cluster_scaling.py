@@ -107,11 +107,12 @@ def node_specs(gpus: int, nodes: int, cpus: int) -> list[dict]:
              "num_cpus": cpus // nodes} for i in range(nodes)]
 
 
-def deploy(cluster: LocalCluster, serve_config: str, args: dict, routers: int, cpus: float | None = None) -> str:
-    """The config file as `serve run` deploys it, on the cluster: `routers` Routers and as many media
-    replicas in all, the same share on every worker node (so that each node's port answers), the
-    Routers' own port on every node. `cpus`: their CPU reservation instead of the file's. Returns the
-    application's name without waiting for it (wait_running)."""
+def deploy(cluster: LocalCluster, serve_config: str, args: dict, routers: int, media: int,
+           cpus: float | None = None) -> str:
+    """The config file as `serve run` deploys it, on the cluster: `routers` Routers and `media` media
+    replicas in all, fixed (no autoscaling during the run), the same share on every worker node (so that
+    each node's port answers), the Routers' own port on every node. `cpus`: their CPU reservation
+    instead of the file's. Returns the application's name without waiting for it (wait_running)."""
     import yaml
     from ray.serve._private import api as serve_api
     from ray.serve.schema import ServeDeploySchema
@@ -125,11 +126,12 @@ def deploy(cluster: LocalCluster, serve_config: str, args: dict, routers: int, c
                              | args)
     nodes = len(cluster.workers)
     for d in app["deployments"]:
-        if d["name"] in ("Router", "MediaPreprocessor"):
+        count = {"Router": routers, "MediaPreprocessor": media}.get(d["name"])
+        if count:
             d.pop("num_replicas", None)
-            d["autoscaling_config"] = {**d.get("autoscaling_config", {}), "min_replicas": routers,
-                                       "max_replicas": routers, "initial_replicas": routers}
-            d["max_replicas_per_node"] = -(-routers // nodes)
+            d["autoscaling_config"] = {**d.get("autoscaling_config", {}), "min_replicas": count,
+                                       "max_replicas": count, "initial_replicas": count}
+            d["max_replicas_per_node"] = -(-count // nodes)
             if cpus is not None:
                 d["ray_actor_options"] = {**d.get("ray_actor_options", {}), "num_cpus": cpus}
     client = serve_api.serve_start(http_options=conf["http_options"])
@@ -264,7 +266,7 @@ def run_layout(a, nodes: int, out: dict) -> dict:
         cluster.connect()
         ph.done()
         ph.start("deploy call")
-        name = deploy(cluster, a.serve_config, json.loads(a.app_args), a.routers, a.replica_cpus)
+        name = deploy(cluster, a.serve_config, json.loads(a.app_args), a.routers, a.media, a.replica_cpus)
         deploy_call_s = ph.done()
         ph.start("running")
         wait_running(name, timeout_s=900)
@@ -368,13 +370,17 @@ def main(argv: list[str] | None = None) -> dict:
                    help="seconds from the start: a layout is skipped when less is left than the previous one took")
     p.add_argument("--concurrency", type=int, default=1024)
     p.add_argument("--rate", type=float, default=None, help="also Poisson arrivals at this total rate (req/s)")
-    p.add_argument("--requests", type=int, default=4096)
+    p.add_argument("--requests", type=int, default=8192, help="timed, in all (2026-11-27: 4,096, four per client "
+                   "at c=1024: mostly ramp and tail)")
     p.add_argument("--warmup", type=int, default=256, help="per node, before each load")
     p.add_argument("--warmup-concurrency", type=int, default=64, help="per node (1: one after another)")
     p.add_argument("--image-size", type=int, default=448)
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--load-processes", type=int, default=2, help="per node")
-    p.add_argument("--routers", type=int, default=4, help="Routers (and media replicas) in all, split over the nodes")
+    p.add_argument("--routers", type=int, default=None, help="Routers in all, split over the nodes (default: 3 per GPU, "
+                   "the app's router_replicas_per_gpu; 2026-11-27's run had 4 in all, 256 requests in flight each)")
+    p.add_argument("--media", type=int, default=None, help="media replicas in all, split over the nodes (default: "
+                   "4 per GPU, the app's media_replicas_per_gpu)")
     p.add_argument("--replica-cpus", type=float, default=None, help="the Routers' and media replicas' CPU reservation")
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny model, two fake GPUs, a few requests")
     p.add_argument("--out-dir", default="benchmarks/cluster_results")
@@ -382,9 +388,11 @@ def main(argv: list[str] | None = None) -> dict:
     if a.smoke:
         a.serve_config, a.gpus, a.cpus = str(ROOT / "serve_config.yaml"), 2, 2
         a.concurrency, a.requests, a.warmup, a.image_size, a.output_tokens, a.load_processes = 2, 8, 1, 64, 4, 1
-        a.routers, a.replica_cpus, a.rate = 2, 0.25, a.rate or 4.0
+        a.routers, a.media, a.replica_cpus, a.rate = 2, 2, 0.25, a.rate or 4.0
         a.app_args = json.dumps({"placement": {"policy": "fused", "num_cpus": 0.25}, "warmup": False}
                                 | json.loads(a.app_args))
+    a.routers = a.routers or 3 * a.gpus
+    a.media = a.media or 4 * a.gpus
     layouts = [int(x) for x in a.layouts.replace(",", " ").split()]
     for n in layouts:
         if n < 1 or a.gpus % n:
