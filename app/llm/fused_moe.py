@@ -39,36 +39,6 @@ def moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     return out
 
 
-# ---------------------------------------------------------------------------- routing
-def route_topk(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (expert ids [T, k], weights [T, k] in `dtype`), as transformers routes:
-    softmax in float32, top-k, renormalised to sum 1 when the checkpoint says so, rounded to `dtype`.
-    On CUDA one Triton kernel, since torch's eight launches a layer (softmax, top-k, sum, division,
-    casts) take several times as long at one decode token
-    (benchmarks/results/2026-11-27-models-beyond-one-gpu.md)."""
-    if triton is None or not logits.is_cuda or logits.shape[0] == 0:
-        return route_topk_torch(logits, k, renormalize, dtype)
-    t, e = logits.shape
-    ids = torch.empty(t, k, dtype=torch.int32, device=logits.device)
-    weights = torch.empty(t, k, dtype=dtype, device=logits.device)
-    block_t = 4
-    _route_kernel[(triton.cdiv(t, block_t),)](logits, ids, weights, t, e, logits.stride(0), TOP_K=k,
-                                              K_PAD=triton.next_power_of_2(k), BLOCK_T=block_t,
-                                              BLOCK_E=triton.next_power_of_2(e), RENORM=renormalize, num_warps=4)
-    return ids, weights
-
-
-def route_topk_torch(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.dtype
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route_topk` in torch ops: the CPU's, and the reference the kernel is tested against."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-    weights, ids = torch.topk(probs, k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids, weights.to(dtype)
-
-
 # ---------------------------------------------------------------------------- alignment
 def align_capacity(assignments: int, num_experts: int, block_m: int) -> int:
     """Static length of the sorted, padded list: each non-empty bucket (the experts and one for
@@ -322,34 +292,6 @@ if triton is not None:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _route_kernel(logits_ptr, ids_ptr, weights_ptr, t, num_experts, stride_lt, TOP_K: tl.constexpr,
-                      K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
-        # BLOCK_T tokens: softmax over the experts in float32, the k largest one at a time (first index
-        # on ties), renormalised, rounded to the weights' dtype.
-        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        cols = tl.arange(0, BLOCK_E)
-        row_ok = rows < t
-        z = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lt + cols[None, :],
-                    mask=row_ok[:, None] & (cols < num_experts)[None, :], other=float("-inf")).to(tl.float32)
-        z = tl.where(row_ok[:, None], z, 0.0)  # rows past t: finite values, never stored
-        p = tl.exp(z - tl.max(z, 1)[:, None])
-        p = p / tl.sum(p, 1)[:, None]
-        slot = tl.arange(0, K_PAD)
-        top_w = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
-        top_i = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
-        for j in tl.static_range(TOP_K):
-            best = tl.argmax(p, 1)
-            top_w = tl.where(slot[None, :] == j, tl.max(p, 1)[:, None], top_w)
-            top_i = tl.where(slot[None, :] == j, best[:, None].to(tl.int32), top_i)
-            p = tl.where(cols[None, :] == best[:, None], -1.0, p)  # masked experts already hold 0
-        if RENORM:
-            top_w = top_w / tl.sum(top_w, 1)[:, None]
-        offs = rows[:, None] * TOP_K + slot[None, :]
-        ok = row_ok[:, None] & (slot < TOP_K)[None, :]
-        tl.store(ids_ptr + offs, top_i, mask=ok)
-        tl.store(weights_ptr + offs, top_w.to(weights_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _gate_up_vec_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, hidden, inter, num_experts,

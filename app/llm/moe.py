@@ -2,7 +2,8 @@
 experts, run them, sum their outputs weighted by the router.
 
 The router is transformers' (softmax over every expert in float32, top-k, renormalised when the
-checkpoint says so, weights rounded to the model's dtype), so greedy answers match the reference.
+checkpoint says so, weights rounded to the model's dtype), so greedy answers match the reference
+(moe_routing.py).
 The experts run in `fused_moe`: one grouped GEMM launch for gate/up and one for down over tokens
 sorted by expert, instead of a Python loop over the experts a step hits; nothing synchronises
 with the host, so the block lives inside the decode and step CUDA graphs.
@@ -15,16 +16,16 @@ all-reduces the partial sums.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from .fused_moe import fused_moe, route_topk
+from .fused_moe import fused_moe
+from .moe_routing import route_tokens
 from .parallel import TensorParallel
 from .spec import TextSpec
 
 
 def route(h: torch.Tensor, router_weight: torch.Tensor, spec: TextSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (expert ids [T, k], weights [T, k] in h's dtype)."""
-    return route_topk(F.linear(h, router_weight), spec.experts_per_token, spec.norm_topk, h.dtype)
+    return route_tokens(h, router_weight, spec.experts_per_token, spec.norm_topk)
 
 
 def moe_forward(h: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
