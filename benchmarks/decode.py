@@ -127,6 +127,10 @@ def rank_main(rank: int, a, path: str, port: int, out: str) -> None:
 
         tiles, pick = json.loads(Path(a.direct_config).read_text()), fused_moe.moe_config
         fused_moe.moe_config = lambda t, *rest: dict(tiles) if t <= fused_moe.DIRECT_MAX_TOKENS else pick(t, *rest)
+    if a.no_kv_split:
+        from app.llm import attention
+
+        attention.MAX_KV_SPLITS = 1
     if a.unfused_router:
         from app.llm import moe_routing
 
@@ -146,7 +150,7 @@ def rank_main(rank: int, a, path: str, port: int, out: str) -> None:
     engine = Engine(path, "cuda", tp=tp, load_format="dummy", max_model_len=a.max_model_len,
                     max_num_seqs=a.max_num_seqs, gpu_memory_utilization=a.gpu_memory_utilization)
     res = {"preset": a.preset, "layers": engine.spec.layers, "tp": a.tp, "moe": a.moe, "legacy_moe": a.legacy_moe,
-           "unfused_router": a.unfused_router,
+           "unfused_router": a.unfused_router, "no_kv_split": a.no_kv_split,
            "direct_config": json.loads(Path(a.direct_config).read_text()) if a.direct_config else None,
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "engine_start_s": time.perf_counter() - t0, "kv_blocks": engine.blocks.usable_blocks,
@@ -209,6 +213,9 @@ def main() -> None:
     p.add_argument("--unfused-router", action="store_true",
                    help="the router's logits by cuBLAS, then the routing kernel, at every token count (the path "
                         "before the fused router kernel): an A/B in one device call")
+    p.add_argument("--no-kv-split", action="store_true",
+                   help="decode attention with one program per sequence and KV head, the keys never split (the path "
+                        "before decode_kv_splits): an A/B in one device call")
     p.add_argument("--direct-config", default=None, metavar="JSON_FILE",
                    help="tiles for the unsorted few-token MoE path (e.g. moe_kernel.py --sweep's best) instead of "
                         "moe_config's")

@@ -2,7 +2,8 @@
 # The device calls of one session on a 4-GPU host, written down so that the figures in RESULTS can be
 # re-run as they were taken. Independent work runs side by side on separate GPUs (A/B pairs always
 # on the same GPU, one after the other). From the repository root on the device, .gpu-deps carried:
-#   bash benchmarks/gpu_calls_4gpu.sh decode     30B-A3B decode on GPU 0 (fused router, then unfused) and 8B on GPU 1, then 32B
+#   bash benchmarks/gpu_calls_4gpu.sh decode     30B-A3B decode on GPU 0 (with and without the fused router and the
+#                                                key-split decode attention) and 8B on GPU 1, then 32B
 #                                                TP=2 on GPUs 0-1; beside them the whole GPU suite on GPUs 2-3
 #   bash benchmarks/gpu_calls_4gpu.sh tp4        235B-A22B TP=4 decode (every layer where the cards hold it,
 #                                                else LAYERS_235B), then the cluster stage
@@ -32,12 +33,14 @@ case ${1:-decode} in
   decode)
     ( CUDA_VISIBLE_DEVICES=2,3 timeout "${SUITE_S:-560}" python3 -m pytest -q -rs -m gpu tests/ -p no:cacheprovider \
         --durations=20 > "$W/gpu_suite.log" 2>&1; say "gpu suite rc=$? $(tail -1 "$W/gpu_suite.log")" ) &
-    dec dense8b_cublas 200 1 --preset qwen3-vl-8b &
+    ( dec dense8b_cublas 200 1 --preset qwen3-vl-8b; dec dense8b_no_kv_split 200 1 --preset qwen3-vl-8b --no-kv-split ) &
     p8=$!
-    # the A/B pair on one GPU, one after the other: the fused router kernel (today's) against the logits
-    # GEMM by cuBLAS and the routing kernel after it (2026-11-27's 295.8 tok/s path)
+    # A/B on one GPU, one after the other: today's path (the fused router kernel, decode attention split
+    # over the keys), then each change undone, then both (2026-11-27's 295.8 tok/s path)
     dec moe30b_cublas 200 0 --preset qwen3-vl-30b-a3b --profile 1
-    dec moe30b_unfused_router 200 0 --preset qwen3-vl-30b-a3b --profile 1 --unfused-router
+    dec moe30b_unfused_router 200 0 --preset qwen3-vl-30b-a3b --unfused-router
+    dec moe30b_no_kv_split 200 0 --preset qwen3-vl-30b-a3b --no-kv-split
+    dec moe30b_neither 200 0 --preset qwen3-vl-30b-a3b --unfused-router --no-kv-split
     wait $p8
     dec dense32b_tp2 200 0,1 --preset qwen3-vl-32b --tp 2
     wait ;;

@@ -1,5 +1,6 @@
 """The text model's GPU kernels (app/llm/kernels.py, app/llm/attention.py) against their torch versions."""
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -102,6 +103,58 @@ def test_paged_attention_kernel_equals_per_sequence_attention(dtype):
                 want = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), meta, d ** -0.5)
             tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
             assert (got.float() - want).abs().max() <= tol * want.abs().max(), (heads, kv, d, block_m, block_n, split)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_attention_split_over_the_keys_equals_per_sequence_attention(dtype):
+    """Decode steps with each sequence's keys split over 2, 5 and 16 programs and the partial softmaxes
+    merged: lengths below, at and past one tile and across many, GQA 8 (30B-A3B), 16 with one KV head
+    (235B-A22B per rank at TP=4) and 2; against per-sequence SDPA and the unsplit kernel."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from app.llm.attention import SPLIT_BLOCK_N, AttentionMetadata, paged_attention, paged_attention_torch
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for heads, kv, d in ((32, 4, 128), (16, 1, 128), (16, 8, 128), (4, 2, 16)):
+        bs, nblocks = 16, 400
+        k_cache = torch.randn(nblocks * bs, kv, d, device="cuda", generator=g).to(dtype)
+        v_cache = torch.randn(nblocks * bs, kv, d, device="cuda", generator=g).to(dtype)
+        lens = np.array([1, 37, SPLIT_BLOCK_N, SPLIT_BLOCK_N + 1, 300, 513, 2000], dtype=np.int32)
+        b = len(lens)
+        perm = torch.randperm(nblocks - 1, generator=torch.Generator().manual_seed(4)) + 1
+        tables, i = [], 0
+        for n in lens:
+            need = -(-int(n) // bs)
+            tables.append(perm[i:i + need].tolist())
+            i += need
+        bt = torch.zeros(b + 1, 200, dtype=torch.int32, device="cuda")
+        for r, tb in enumerate(tables):
+            bt[r, :len(tb)] = torch.tensor(tb)
+        q = torch.randn(b, heads, d, device="cuda", generator=g).to(dtype)
+        qstart = np.arange(b + 1, dtype=np.int32)
+
+        ar = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+        one = AttentionMetadata(ar, torch.tensor(lens, device="cuda"), ar[:b], bt, ar[:b],
+                                torch.zeros(b, dtype=torch.int32, device="cuda"), max(1, 16 // (heads // kv)), bs, 64,
+                                host_query_start=qstart, host_seq_lens=lens, host_block_tables=tables)
+        want = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), one, d ** -0.5)
+        unsplit = paged_attention(q, k_cache, v_cache, one, d ** -0.5)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        for splits in (2, 5, 16):
+            got = paged_attention(q, k_cache, v_cache, dataclasses.replace(one, kv_splits=splits), d ** -0.5)
+            assert (got.float() - want).abs().max() <= tol * want.abs().max(), (heads, kv, d, splits)
+            assert (got.float() - unsplit.float()).abs().max() <= tol * want.abs().max(), (heads, kv, d, splits)
+
+
+def test_decode_splits_fill_the_gpu_only_where_a_step_has_few_programs():
+    from app.llm.attention import MAX_KV_SPLITS, decode_kv_splits
+
+    assert decode_kv_splits(1, 4, 132) == MAX_KV_SPLITS  # 30B-A3B, one stream: 4 programs unsplit
+    assert decode_kv_splits(1, 1, 132) == MAX_KV_SPLITS  # 235B-A22B's rank at TP=4: one
+    assert decode_kv_splits(8, 4, 132) == 4
+    assert decode_kv_splits(16, 8, 132) == 1  # 128 programs: the GPU is full either way
+    assert all(decode_kv_splits(b, kv, 132) * b * kv <= max(132, b * kv) for b in range(1, 65) for kv in (1, 2, 4, 8))
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import kv_cache
-from .attention import AttentionMetadata, block_q_for, decode_block_n, work_table
+from .attention import AttentionMetadata, block_q_for, decode_block_n, decode_kv_splits, work_table
 from .block_tables import BlockTables
 from .cuda_graphs import capture_all
 from .model import TextModel, VisionBatch
@@ -95,6 +95,8 @@ class ModelRunner:
         self.decode_block_q = block_q_for(group, DECODE_BLOCK_M)
         self.prefill_block_q = block_q_for(group, PREFILL_BLOCK_M)
         cuda = self.device.type == "cuda"
+        # decode attention splits each sequence's keys where a step has too few programs for the GPU
+        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 0
         self.tokens_host = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=cuda)
                             for _ in range(2)]  # in turn: one may still await its copy
         self._token_turn = 0
@@ -293,6 +295,7 @@ class ModelRunner:
         ar = torch.arange(b + 1, dtype=torch.int32, device=self.device)
         return AttentionMetadata(ar, lens, rows, self.tables.tensor, ar[:b], torch.zeros(b, dtype=torch.int32,
                                  device=self.device), self.decode_block_q, self.block_size, decode_block_n(b),
+                                 decode_kv_splits(b, self.model.local.kv_heads, self.sms) if self.sms else 1,
                                  host_query_start=np.arange(b + 1), host_seq_lens=None, host_block_tables=None)
 
     def decode_forward(self, graph_in: torch.Tensor, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
