@@ -760,11 +760,16 @@ def scale_up_options(start: int, target_requests: float, upscale_delay_s: float)
 
 async def watch_replicas(url: str, t0: float, until_s: float, every_s: float = 0.5) -> list[dict]:
     """The LLM replicas that answer /v1/llm/load (Ray Serve routes only to running ones) every `every_s`:
-    seconds from t0, and per replica when it became ready and took its first request, from t0."""
+    seconds from t0, and per replica when it became ready and took its first request, and the phases of
+    its start (app/serving/startup.py), from t0."""
     wall0 = time.time() - (time.perf_counter() - t0)
 
     def rel(wall: float | None) -> float | None:
         return None if wall is None else wall - wall0
+
+    def phases(r: dict) -> list[dict]:
+        return [{"name": p["name"], "start_s": rel(p["start"]), "end_s": rel(p["end"])}
+                for p in (r.get("startup") or {}).get("phases", [])]
 
     samples = []
     async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=5)) as client:
@@ -773,7 +778,8 @@ async def watch_replicas(url: str, t0: float, until_s: float, every_s: float = 0
             if load is not None:
                 samples.append({"t": time.perf_counter() - t0, "replicas": {
                     str(r.get("replica")): {"ready_s": rel(r.get("ready_at")),
-                                            "first_request_s": rel(r.get("first_request_at"))}
+                                            "first_request_s": rel(r.get("first_request_at")),
+                                            "startup": phases(r)}
                     for r in load.get("replicas", [])}})
             await asyncio.sleep(every_s)
     return samples
@@ -801,8 +807,21 @@ def scale_up_summary(rows: list[dict], samples: list[dict], warm_p99_ms: float, 
         lo, hi = added["ready_s"] - around_s, added["ready_s"] + around_s
         near = [r["p99_ratio"] for r in rows if lo <= r["second"] < hi and not math.isnan(r["p99_ratio"])]
         out["p99_ratio_max_around_join"] = max(near, default=float("nan"))
+        startup = next((x["replicas"][added["replica"]].get("startup") for x in samples[::-1]
+                        if added["replica"] in x["replicas"]), None) or []
+        out["startup_phases"] = [{**p, "p99_ratio_max": _worst_during(rows, p["start_s"], p["end_s"])}
+                                 for p in startup]
     out["within_2x_no_errors"] = base["errors"] == 0 and base["p99_ratio_max"] <= 2.0
     return out
+
+
+def _worst_during(rows: list[dict], start_s: float | None, end_s: float | None) -> float:
+    """The highest per-second TTFT p99 ratio among the seconds [k, k + 1) that overlap [start_s, end_s]."""
+    if start_s is None or end_s is None:
+        return float("nan")
+    seen = [r["p99_ratio"] for r in rows
+            if r["second"] < end_s and r["second"] + 1 > start_s and not math.isnan(r["p99_ratio"])]
+    return max(seen, default=float("nan"))
 
 
 def scale_up_run(bench: Bench, a, wl, rate: float, deploy: Callable[[], None]) -> dict:
@@ -1021,6 +1040,11 @@ def summary_lines(results: dict) -> list[str]:
                      f"errors {s['errors']}, TTFT p99 max {s['p99_ratio_max']:.2f}x warm "
                      f"({s['warm_ttft_p99_ms']:.0f} ms), around the join "
                      f"{s.get('p99_ratio_max_around_join', float('nan')):.2f}x")
+        if s.get("startup_phases"):
+            lines.append("the added replica's start, per phase: seconds from the load's start, and the worst "
+                         "second's TTFT p99 / warm meanwhile: " + "; ".join(
+                             f"{p['name']} {p['start_s']:.1f}-{p['end_s']:.1f} s, {p['p99_ratio_max']:.2f}x"
+                             for p in s["startup_phases"]))
     return lines
 
 
@@ -1080,6 +1104,9 @@ def plot_cold(cold: list[dict], path: Path, title: str = "cold start: per-second
         added = c.get("summary", {}).get("added") or {}
         if added.get("ready_s") is not None:
             ax.axvline(added["ready_s"], color=line.get_color(), ls="--", lw=1)
+        for i, p in enumerate(c.get("summary", {}).get("startup_phases") or []):  # the added replica's start
+            if p["start_s"] is not None and p["end_s"] is not None:
+                ax.axvspan(p["start_s"], p["end_s"], color=f"C{(i % 8) + 2}", alpha=0.15, lw=0, label=p["name"])
         warm = c.get("summary", {}).get("warm_ttft_p99_ms")
         if warm:
             ax.axhline(warm, color=line.get_color(), ls=":", lw=1)
@@ -1307,7 +1334,7 @@ def main(argv: list[str] | None = None) -> dict:
         up = results["scale_up"]
         plot_cold([{**up, "label": f"{up['rate']:g} req/s from {up['summary']['replicas_at_start']} LLM replica(s)"}],
                   out_dir / "scale_up.png", "an LLM replica added by autoscaling under load: per-second TTFT p99 "
-                  "(dotted: warm; dashed: the new replica ready)")
+                  "(dotted: warm; dashed: the new replica ready; shaded: the phases of its start)")
     print(f"wrote {out_dir / 'goodput.json'}", flush=True)
     return results
 

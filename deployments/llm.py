@@ -19,6 +19,7 @@ from app.config import AppConfig
 from app.llm.sequence import GenerationRequest
 from app.serving.fused import build_generation
 from app.serving.prometheus import RequestMetrics
+from app.serving.startup import StartupTimeline
 
 from .logs import route_app_logs
 from .metrics import EncoderMetrics, LLMMetrics
@@ -40,6 +41,7 @@ class TextOnly:
 @serve.deployment(name="LLM", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=60)
 class LLM:
     def __init__(self, config: dict, fused: bool = False):
+        self.startup = StartupTimeline()  # what starting did, and when: /v1/llm/load reports it
         route_app_logs()
         cfg = AppConfig(**config)
         checkpoint = str(resolve_model(cfg.model, cfg.cache_dir))
@@ -47,15 +49,17 @@ class LLM:
         if cfg.placement.llm_tensor_parallel > 1:  # this replica is rank 0 of a group spanning several GPUs
             from .tensor_parallel import start_group
 
-            engine_kw, self.followers = start_group(cfg, checkpoint)
-        self.fused, self.streams = build_generation(cfg, checkpoint, fused, **engine_kw)
+            with self.startup.phase("tensor-parallel group"):
+                engine_kw, self.followers = start_group(cfg, checkpoint)
+        self.fused, self.streams = build_generation(cfg, checkpoint, fused, self.startup, **engine_kw)
         self.warmup, self.first_request_at = None, None
         # the builder resolves None from the cluster's GPUs; a replica built elsewhere decides by its device
         warm = cfg.warmup if cfg.warmup is not None else self.streams.engine.device.type == "cuda"
         if warm:
             from app.serving.warmup import warm_llm_replica
 
-            self.warmup = warm_llm_replica(cfg, checkpoint, self.fused or TextOnly(self.streams), fused)
+            with self.startup.phase("warm-up requests"):
+                self.warmup = warm_llm_replica(cfg, checkpoint, self.fused or TextOnly(self.streams), fused)
         self.engine = self.streams.engine
         if self.fused is not None:
             self.encoder_metrics = EncoderMetrics(self.fused.encoder.stats)
@@ -116,11 +120,12 @@ class LLM:
     def replica_load(self) -> dict:
         """This replica's engine load with its id and GPU, its engine's cumulative GPU time
         (`engine_gpu_ms_total`, `engine_timed_steps`: app/gpu/timing.py), whether it warmed up, when it
-        became ready and when its first request came (wall clock): `/v1/llm/load` merges every replica's."""
+        became ready and when its first request came, and the phases of its start (wall clock):
+        `/v1/llm/load` merges every replica's."""
         return {"replica": serve.get_replica_context().replica_id.unique_id,
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **self._load(),
                 **self.engine.gpu_time(), "ready_at": self.ready_at, "first_request_at": self.first_request_at,
-                "warmed": self.warmup is not None}
+                "warmed": self.warmup is not None, "startup": self.startup.as_dict()}
 
     def record_routing_stats(self) -> dict:
         """Ray Serve calls this every `request_routing_stats_period_s`; the routers' LeastLoadedRouter

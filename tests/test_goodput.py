@@ -250,12 +250,19 @@ def test_scale_up_seconds_are_compared_with_the_warm_app_around_the_join():
     rows = per_second(sent, 30)
     one = {"a": {"ready_s": -40.0, "first_request_s": 0.01}}
     samples = [{"t": 0.5 * i, "replicas": dict(one)} for i in range(25)]
-    samples += [{"t": 0.5 * i, "replicas": {**one, "b": {"ready_s": 12.4, "first_request_s": None if i == 25 else 12.6}}}
+    startup = [{"name": "tower", "start_s": 2.0, "end_s": 5.5}, {"name": "engine: graphs", "start_s": 8.0, "end_s": 11.2},
+               {"name": "warm-up requests", "start_s": 11.2, "end_s": 12.3}]
+    samples += [{"t": 0.5 * i, "replicas": {**one, "b": {"ready_s": 12.4, "first_request_s": None if i == 25 else 12.6,
+                                                          "startup": startup}}}
                 for i in range(25, 60)]
     s = scale_up_summary(rows, samples, warm_p99_ms=100.0)
     assert s["replicas_at_start"] == 1 and s["errors"] == 0
     assert s["added"] == {"replica": "b", "seen_s": 12.5, "ready_s": 12.4, "first_request_s": 12.6}
     assert s["p99_ratio_max"] == pytest.approx(2.0) and s["p99_ratio_max_around_join"] == pytest.approx(2.0)
+    # each phase with the worst second that overlaps it: the tower's were warm (0.8x), the graphs' reach
+    # second 11 (2x), the warm-up's seconds 11-12
+    worst = {p["name"]: p["p99_ratio_max"] for p in s["startup_phases"]}
+    assert worst == pytest.approx({"tower": 0.8, "engine: graphs": 2.0, "warm-up requests": 2.0})
     assert s["within_2x_no_errors"]
     s = scale_up_summary(rows, samples[:25], warm_p99_ms=80.0)  # nothing added; 2.5x: fails
     assert s["added"] is None and "p99_ratio_max_around_join" not in s and not s["within_2x_no_errors"]
@@ -498,8 +505,12 @@ def test_a_scale_up_watches_the_replicas_from_ready(fake, tmp_path):
         server.ready_at = time.monotonic() + 0.5
 
         def add():
-            server.replicas = server.replicas + [{"replica": "b", "ready_at": time.time(),
-                                                  "first_request_at": time.time() + 0.1}]
+            now = time.time()
+            server.replicas = server.replicas + [{"replica": "b", "ready_at": now, "first_request_at": now + 0.1,
+                                                  "startup": {"started_at": now - 1.0, "phases": [
+                                                      {"name": "tower", "start": now - 1.0, "end": now - 0.4},
+                                                      {"name": "warm-up requests", "start": now - 0.4,
+                                                       "end": now}]}}]
         threading.Timer(2.0, add).start()
 
     up = scale_up_run(bench, a, Workload("image", 32), 10.0, deploy)
@@ -508,6 +519,10 @@ def test_a_scale_up_watches_the_replicas_from_ready(fake, tmp_path):
     assert s["replicas_at_start"] == 1 and s["added"]["replica"] == "b" and s["errors"] == 0
     assert 0.8 < s["added"]["ready_s"] < 3.5  # 1.5 s after ready, as the load's clock reads it (shared CPU)
     assert s["added"]["first_request_s"] == pytest.approx(s["added"]["ready_s"] + 0.1, abs=0.01)
+    tower, warm = s["startup_phases"]  # the replica's wall-clock phases on the load's clock
+    assert (tower["name"], warm["name"]) == ("tower", "warm-up requests")
+    assert tower["start_s"] == pytest.approx(s["added"]["ready_s"] - 1.0, abs=0.01)
+    assert warm["end_s"] == pytest.approx(s["added"]["ready_s"], abs=0.01)
     assert len(up["per_second"]) == 4 and up["warm"]["ttft_ms"]["n"] > 0 and len(up["replica_samples"]) >= 4
 
 

@@ -75,6 +75,21 @@ def test_health_and_models(server):
                                          "top_k": 20, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": 256}
 
 
+def test_the_llm_replicas_report_the_phases_of_their_start(server):
+    """/v1/llm/load: each LLM replica's start, phase by phase in wall-clock order, ending before it was
+    ready (app/serving/startup.py): the tower where the replica holds one (`fused`), the engine's weights
+    and KV cache (no graphs on the CPU)."""
+    for r in server.get("/v1/llm/load").json()["replicas"]:
+        phases = r["startup"]["phases"]
+        names = [p["name"] for p in phases]
+        assert names[names.index("engine: weights"):][:2] == ["engine: weights", "engine: KV cache"]
+        assert "tower" not in names or names.index("tower") < names.index("engine: weights")
+        assert r["startup"]["started_at"] <= phases[0]["start"]
+        assert all(p["start"] <= p["end"] for p in phases)
+        assert all(a["end"] <= b["start"] for a, b in zip(phases, phases[1:]))
+        assert phases[-1]["end"] <= r["ready_at"]
+
+
 def test_the_cluster_runs_ray_serve_in_its_low_overhead_mode(server):
     """The environment set before Ray starts (deployments/ray_env.py, as `make serve` does) reaches the
     cluster's processes, where Ray Serve reads it."""

@@ -65,10 +65,12 @@ class Engine:
         self.max_model_len = cfg.max_model_len
         self.max_num_seqs = cfg.resolved_max_num_seqs(self.device.type)
         self.max_waiting = cfg.max_waiting
+        t = time.time()
         if model is None:
             loaded = load_checkpoint(path, self.dtype, self.device, self.max_model_len, tp, cfg.load_format)
         else:
             loaded = load_in_memory(model, tokenizer, self.dtype, self.device, self.max_model_len, tp)
+        weights = ("weights", t, time.time())
         self.model, self.tokenizer, self.eos_ids = loaded.model, loaded.tokenizer, loaded.eos_ids
         self.spec = self.model.spec
         self.rope = Rope.from_config(loaded.config)
@@ -78,6 +80,8 @@ class Engine:
                                   num_kv_blocks=cfg.num_kv_blocks,
                                   gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=cfg.cuda_graphs,
                                   step_graphs=cfg.step_graphs)
+        # (phase, start, end), wall clock: the replica reports them (app/serving/startup.py)
+        self.startup = [weights, *self.runner.startup]
         self.grammars = self.runner.grammars = Grammars(self.tokenizer, self.spec.vocab)
         self.runner.sampler.eos_ids = sorted(self.eos_ids)  # what min_tokens holds back
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)

@@ -105,6 +105,9 @@ class ModelRunner:
         self.logprobs_host = [torch.empty(max_num_seqs * (1 + 2 * MAX_LOGPROBS), dtype=torch.float32,
                                           pin_memory=cuda) for _ in range(2)]
         self.bytes_per_block = kv_cache.bytes_per_block(s, local.kv_heads, block_size, self.dtype)
+        # (phase, start, end) in wall-clock seconds: what starting took (app/serving/startup.py)
+        self.startup: list[tuple[str, float, float]] = []
+        t = time.time()
         if num_kv_blocks:
             self.num_blocks = num_kv_blocks
         elif not cuda:  # the CPU: room for max_num_seqs requests of max_model_len
@@ -115,12 +118,15 @@ class ModelRunner:
                 lambda: self._profile_forward(max_num_batched_tokens, max_model_len), max_num_batched_tokens),
                 self.device)
         self.kv = kv_cache.allocate(s, local.kv_heads, self.num_blocks, block_size, self.dtype, self.device)
+        self.startup.append(("KV cache", t, time.time()))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_buckets: list[int] = []
         self.step_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.step_buckets: list[int] = []
         if cuda_graphs and cuda:
+            t = time.time()
             capture_all(self, step_graphs)
+            self.startup.append(("graphs", t, time.time()))
 
     @torch.inference_mode()
     def _profile_forward(self, tokens: int, max_model_len: int) -> None:

@@ -23,6 +23,7 @@ from ..llm.engine import Engine
 from ..llm.sequence import GenerationRequest
 from ..llm.stream import Chunk
 from ..vision.service import EncoderService, pick_device
+from .startup import StartupTimeline
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +39,18 @@ class FusedBackend:
         return self.streams.engine
 
     @classmethod
-    def build(cls, cfg: AppConfig, checkpoint: str, **engine_kw) -> FusedBackend:
+    def build(cls, cfg: AppConfig, checkpoint: str, timeline: StartupTimeline | None = None,
+              **engine_kw) -> FusedBackend:
         if cfg.encoder.uniform_capture_after:
             log.warning("encoder.uniform_capture_after is ignored under the fused placement: no graph is "
                         "captured while the engine runs in the same process")
             cfg = cfg.model_copy(update={"encoder": cfg.encoder.model_copy(update={"uniform_capture_after": 0})})
         # The tower first: its weights, graphs and buffers take their memory before the engine sizes
         # its KV cache from what is left (llm.gpu_memory_utilization).
-        encoder = EncoderService(cfg, checkpoint, keep_on_device=True)
-        engine = Engine(checkpoint, pick_device(cfg.device), cfg.llm, **engine_kw)
+        timeline = timeline or StartupTimeline()
+        with timeline.phase("tower"):  # weights, graphs, the auto-tune's timing runs
+            encoder = EncoderService(cfg, checkpoint, keep_on_device=True)
+        engine = _engine(cfg, checkpoint, timeline, engine_kw)
         if cfg.encoder.backlog_wait_ms:  # requests waiting for an engine slot gain nothing from early encoding
             encoder.batcher.backlog = engine.short_of_room
         return cls(encoder, AsyncEngine(engine, cfg.llm.stream_interval_ms / 1e3))
@@ -73,12 +77,20 @@ class FusedBackend:
             yield asdict(chunk)
 
 
-def build_generation(cfg: AppConfig, checkpoint: str, fused: bool, **engine_kw) -> tuple[FusedBackend | None, AsyncEngine]:
+def _engine(cfg: AppConfig, checkpoint: str, timeline: StartupTimeline, engine_kw: dict) -> Engine:
+    engine = Engine(checkpoint, pick_device(cfg.device), cfg.llm, **engine_kw)
+    timeline.extend("engine", engine.startup)
+    return engine
+
+
+def build_generation(cfg: AppConfig, checkpoint: str, fused: bool, timeline: StartupTimeline | None = None,
+                     **engine_kw) -> tuple[FusedBackend | None, AsyncEngine]:
     """What an LLM replica (or a batch job's LLM actor) generates with: the engine behind an event
     loop, and under `fused` the tower beside it (else None). `engine_kw`: the tensor-parallel rank
-    and lockstep channel of a replica that spans several GPUs (app/serving/tensor_parallel.py)."""
+    and lockstep channel of a replica that spans several GPUs (app/serving/tensor_parallel.py).
+    `timeline` gets the phases of the start (the tower, the engine's)."""
     if fused:
-        backend = FusedBackend.build(cfg, checkpoint, **engine_kw)
+        backend = FusedBackend.build(cfg, checkpoint, timeline, **engine_kw)
         return backend, backend.streams
-    engine = Engine(checkpoint, pick_device(cfg.device), cfg.llm, **engine_kw)
+    engine = _engine(cfg, checkpoint, timeline or StartupTimeline(), engine_kw)
     return None, AsyncEngine(engine, cfg.llm.stream_interval_ms / 1e3)
