@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_calls_4gpu.sh tower      benchmarks/tower_tp.py at TP=2 and 4, then 235B-A22B served at TP=4
 #   bash benchmarks/gpu_calls_4gpu.sh cold       cold starts at 0.5 and 0.9 of goodput, an LLM replica added under load
 #   bash benchmarks/gpu_calls_4gpu.sh replicas   goodput with 1 LLM replica per GPU, then with 2 (the default)
+#   bash benchmarks/gpu_calls_4gpu.sh stream     goodput with the fused tower on the engine's stream, then its own
 # Everything lands in $OUT/all.tgz (the call's files) and $OUT/summary.txt.
 # (2026-11-27's call 1 also ran each decode with --skinny, an option since removed: it lost to cuBLAS.)
 set -uo pipefail
@@ -69,12 +70,20 @@ case ${1:-decode} in
     OUT=$W SERVE_N=${SERVE_N:-512} STAGES=serve_moe235b_tp4 timeout "${SERVE235_S:-400}" bash benchmarks/gpu_moe_tp.sh \
       > "$W/serve235.log" 2>&1
     say "serve_moe235b_tp4 rc=$? $(grep -E 'req/s|error' "$W/serve235.log" | tail -3 | tr '\n' ' ')" ;;
-  replicas)  # Poisson goodput with one LLM replica per GPU against two (two time-slice the GPU), one GPU each
-    for n in ${REPLICAS:-1 2}; do
-      mkdir -p "$W/r$n"
-      OUT=$W/r$n BUDGET=${BUDGET_EACH:-270} STAGES=one bash benchmarks/gpu_goodput.sh configs/qwen3-vl-2b-gpu.yaml \
-        --app-args "{\"placement\": {\"llm_replicas_per_gpu\": $n}}" > "$W/r$n/goodput.log" 2>&1
-      say "llm_replicas_per_gpu $n rc=$? $(grep -F 'goodput**' "$W/r$n/summary.md" | head -1)"
+  replicas|stream)  # Poisson goodput on one GPU, one variant after the other (BUDGET_EACH s each):
+    # replicas: one LLM replica per GPU against two (the default; two time-slice the GPU);
+    # stream: the fused tower on a stream of its own against the engine's (the default, `shared`): the
+    # tower's part of TTFT is the first to grow above goodput (2026-11-27, fourth session)
+    if [ "$1" = replicas ]; then
+      names=(r1 r2); args=('{"placement": {"llm_replicas_per_gpu": 1}}' '{"placement": {"llm_replicas_per_gpu": 2}}')
+    else
+      names=(shared own); args=('{"encoder": {"stream": "shared"}}' '{"encoder": {"stream": "own"}}')
+    fi
+    for i in "${!names[@]}"; do
+      mkdir -p "$W/${names[$i]}"
+      OUT=$W/${names[$i]} BUDGET=${BUDGET_EACH:-270} STAGES=one bash benchmarks/gpu_goodput.sh \
+        configs/qwen3-vl-2b-gpu.yaml --app-args "${args[$i]}" > "$W/${names[$i]}/goodput.log" 2>&1
+      say "${names[$i]} ${args[$i]} rc=$? $(grep -F 'goodput**' "$W/${names[$i]}/summary.md" | head -1)"
     done ;;
   cold)  # one GPU: the first deploy a cold start at COLD_FIRST req/s, 0.9 x goodput from ready, then a
          # replica added by autoscaling under load (1 LLM replica, then 2 on the GPU)
