@@ -243,6 +243,12 @@ class PlacementConfig(_Strict):
                                         "the autoscaler adds replicas only after seconds of load: on four H200s "
                                         "four replicas served 500.76 req/s, twelve 764.88. Four per GPU keep one "
                                         "GPU's floor at the four measured there (264 req/s, GPU-bound)")
+    prefer_local_node: bool = Field(False, description="each Router sends a request to the media, encoder and "
+                                    "LLM replicas of its own node first, and to another node's only when none "
+                                    "of its own has room: no pixels or tokens cross the network. For a cluster "
+                                    "whose traffic a load balancer spreads over every node's port; with one "
+                                    "entry node it would leave the other nodes' GPUs idle, hence off by "
+                                    "default (docs/guides/cluster.md)")
     router_num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each Router replica")
     media_num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each MediaPreprocessor replica")
     max_ongoing_requests: int = Field(

@@ -7,7 +7,8 @@
 #                                                TP=2 on GPUs 0-1; beside them the whole GPU suite on GPUs 2-3
 #   bash benchmarks/gpu_calls_4gpu.sh tp4        235B-A22B TP=4 decode (every layer where the cards hold it,
 #                                                else LAYERS_235B), then the cluster stage
-#   bash benchmarks/gpu_calls_4gpu.sh cluster    2 nodes x 2 GPUs against 1 node x 4 (CLUSTER_S, LAYOUTS)
+#   bash benchmarks/gpu_calls_4gpu.sh cluster    2 nodes x 2 GPUs against 1 node x 4 (CLUSTER_S, LAYOUTS, APP_ARGS:
+#                                                e.g. '{"placement": {"prefer_local_node": true}}')
 #   BUDGET=... bash benchmarks/gpu_calls_4gpu.sh goodput   gpu_goodput.sh on 1 and on 4 GPUs
 #   bash benchmarks/gpu_calls_4gpu.sh tower      benchmarks/tower_tp.py at TP=2 and 4, then 235B-A22B served at TP=4
 #   bash benchmarks/gpu_calls_4gpu.sh cold       cold starts at 0.5 and 0.9 of goodput, an LLM replica added under load
@@ -55,7 +56,7 @@ case ${1:-decode} in
     say "start cluster"
     S=${CLUSTER_S:-280}
     timeout "$S" python3 benchmarks/cluster_scaling.py --gpus 4 --rate "${RATE:-500}" --deadline-s $(( S - 10 )) \
-      --layouts "${LAYOUTS:-1 2}" --out-dir "$W/cluster" > "$W/cluster.log" 2>&1
+      --layouts "${LAYOUTS:-1 2}" --app-args "${APP_ARGS:-{\}}" --out-dir "$W/cluster" > "$W/cluster.log" 2>&1
     say "end cluster rc=$? $(grep -E 'done in|two nodes / one' "$W/cluster.log" | tail -12 | tr '\n' ' ')" ;;
   goodput)
     OUT=$W BUDGET=${BUDGET:-540} STAGES=${STAGES:-"one all"} bash benchmarks/gpu_goodput.sh > "$W/goodput.log" 2>&1

@@ -129,7 +129,9 @@ class Router:
         # Object references, not values, must cross these handles (app/media/remote.py; the encoder's
         # response goes to the LLM unresolved). Ray's by-value gRPC mode (RAY_SERVE_THROUGHPUT_OPTIMIZED)
         # would otherwise pull both through this process.
-        media, encoder, llm = (h.options(_by_reference=True) for h in (media, encoder, llm))
+        # placement.prefer_local_node: this node's replicas first (deployments/routing.py for the LLM's)
+        local = self.cfg.placement.prefer_local_node
+        media, encoder, llm = (h.options(_by_reference=True, _prefer_local_routing=local) for h in (media, encoder, llm))
         self.metrics = RouterMetrics()
         source = RemoteMedia(media, patch_spec_for(ckpt), RetryPolicy.from_config(self.cfg.retry),
                              on_retry=self.metrics.retries.inc)

@@ -187,16 +187,62 @@ CALL = re.compile(r"vlm_(MediaPreprocessor|LLM) (\w+) ([0-9a-f-]{36}) -- CALL (?
 
 def crossings() -> tuple[int, int]:
     """(requests whose media a replica on one node prepared and the LLM replica on another encoded,
-    requests seen by both), joined on Ray Serve's request id in the replicas' logs. Requests that came
-    through a proxy carry one id through every call; those on the Routers' own port get one per call."""
+    requests seen by both), joined on Ray Serve's request id in the replicas' logs, among the replicas
+    alive now. Requests that came through a proxy carry one id through every call; those on the Routers'
+    own port get one per call."""
     nodes = {rid: node for placed in replica_nodes().values() for rid, node in placed.items()}
     media: dict[str, set[str]] = {}
     llm: dict[str, set[str]] = {}
     for f in log_dir().glob("replica_vlm_*.log"):
         for deployment, replica, request in CALL.findall(f.read_text(errors="replace")):
-            (media if deployment == "MediaPreprocessor" else llm).setdefault(request, set()).add(nodes.get(replica))
+            if replica in nodes:
+                (media if deployment == "MediaPreprocessor" else llm).setdefault(request, set()).add(nodes[replica])
     joined = media.keys() & llm.keys()
     return sum(bool(media[r] - llm[r]) for r in joined), len(joined)
+
+
+def redeploy(cluster, model_cache: str, **args) -> None:
+    """The application again with `args` merged into the test's (a rolling update), every port answering."""
+    from ray.serve._private import api as serve_api
+    from ray.serve.schema import ServeDeploySchema
+
+    from benchmarks.serve import deep_merge
+
+    conf = cluster_config(cluster.head.proxy_port, cluster.head.router_port, model_cache)
+    app = conf["applications"][0]
+    app["args"] = deep_merge(app["args"], args)
+    names = ("Router", "MediaPreprocessor", "LLM")
+    old = {name: set(replica_nodes().get(name, {})) for name in names}
+    serve_api.serve_start(http_options=conf["http_options"]).deploy_apps(ServeDeploySchema.model_validate(conf),
+                                                                          _blocking=False)
+
+    def replaced() -> bool:  # new args: every replica is new, two of each, and the app running
+        now = replica_nodes()
+        return app_running() and all(len(now.get(n, {})) == 2 and not set(now[n]) & old[n] for n in names)
+
+    wait_for(replaced, START_BOUND_S, "the application to run again on two nodes")
+    for node in cluster.nodes:
+        for which in ("router", "proxy"):
+            wait_for(lambda n=node, w=which: answers_health(n.url(w)), START_BOUND_S, f"{node.name}'s {which} port")
+
+
+def test_with_prefer_local_node_a_request_stays_on_the_node_it_entered(cluster, reference, model_cache):
+    """placement.prefer_local_node: the Routers' handles (and the LLM's own router, deployments/routing.py)
+    take their node's replicas while those have room, so no request's media is prepared on one node and
+    encoded on the other; the answers stay the reference's. Then the test's own config again."""
+    reference = reference[6]
+    redeploy(cluster, model_cache, placement={"prefer_local_node": True})
+    try:
+        proxies = [n.url("proxy") for n in cluster.nodes]
+        for base in proxies:
+            for i, body in enumerate(bodies()):
+                resp = post(base, body)
+                assert resp.status_code == 200 and same_answer(resp.json(), reference[i]), (base, i, resp.text)
+        crossed, joined = crossings()
+        print(f"prefer_local_node: media prepared on one node and encoded on the other: {crossed} of {joined}")
+        assert joined >= len(bodies()) and crossed == 0  # every request with media, bar a few, and none crossed
+    finally:
+        redeploy(cluster, model_cache)
 
 
 class Load:

@@ -156,3 +156,33 @@ def test_the_ray_router_backs_off_when_no_replica_has_room_and_puts_the_drawn_on
     ranks = asyncio.run(LeastLoadedRouter.choose_replicas(router, replicas, pending))
     assert pending.routing_context.should_backoff is True
     assert [[r.replica_id for r in rank] for rank in ranks] == [["b"], ["a"], ["c"]]
+
+
+def test_the_ray_router_ranks_its_own_nodes_replicas_first_when_the_handle_prefers_them():
+    """A handle with `_prefer_local_routing` (placement.prefer_local_node): the first try ranks the
+    replicas of the caller's node only, least loaded first, without backing off; the next try all of
+    them, with backoff (Ray's LocalityMixin keeps the try count in the request's routing context)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    pytest.importorskip("ray")
+    from ray.serve._private.request_router.request_router import LocalityScope
+
+    from deployments.routing import LeastLoadedRouter
+
+    router = LeastLoadedRouter.__new__(LeastLoadedRouter)  # the state Ray's constructor would set
+    router._replica_queue_len_cache = {}
+    router.sample, router.waiting_weight, router.kv_weight = 0, 1.0, 8.0
+    router._prefer_local_node_routing, router._prefer_local_az_routing = True, False
+    router._replica_id_set = {"a", "b", "c"}
+    router._colocated_replica_ids = {LocalityScope.NODE: {"a", "c"}, LocalityScope.AVAILABILITY_ZONE: set()}
+    replicas = [SimpleNamespace(replica_id=k, routing_stats={"running": n}) for k, n in (("a", 5), ("b", 1), ("c", 9))]
+    context = SimpleNamespace(tried_same_node=False, tried_same_az=False, should_backoff=False)
+    pending = SimpleNamespace(routing_context=context)
+    first = asyncio.run(LeastLoadedRouter.choose_replicas(router, replicas, pending))
+    assert [[r.replica_id for r in rank] for rank in first] == [["a"], ["c"]] and context.should_backoff is False
+    again = asyncio.run(LeastLoadedRouter.choose_replicas(router, replicas, pending))
+    assert [[r.replica_id for r in rank] for rank in again] == [["b"], ["a"], ["c"]] and context.should_backoff is True
+    router._prefer_local_node_routing = False  # the default: every replica at once
+    context.tried_same_node = False
+    assert len(asyncio.run(LeastLoadedRouter.choose_replicas(router, replicas, pending))) == 3
