@@ -113,6 +113,23 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 if triton is not None:
 
     @triton.jit
+    def _attend_tile(q, k_ptr, v_ptr, kv_row, d, load_mask, visible, m_i, l_i, acc, scale_log2,
+                     MASKED: tl.constexpr, PRECISION: tl.constexpr):
+        # One key tile of the online softmax: its keys and values at `kv_row` (`load_mask` over rows and
+        # head dims), scores masked to `visible` where MASKED; the running max, sum and output updated.
+        k = tl.load(k_ptr + kv_row[:, None] + d[None, :], mask=load_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if MASKED:
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_row[:, None] + d[None, :], mask=load_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, table_stride, rows_ptr, qstart_ptr,
                                 lens_ptr, work_seq_ptr, work_q0_ptr, scale_log2,
                                 H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
@@ -152,30 +169,16 @@ if triton is not None:
             n = start + tl.arange(0, BLOCK_N)
             blk = tl.load(table + n // PAGE).to(tl.int64)
             kv_row = ((blk * PAGE + n % PAGE) * KV + kvh) * D
-            k = tl.load(k_ptr + kv_row[:, None] + d[None, :], mask=dmask[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + kv_row[:, None] + d[None, :], mask=dmask[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, kv_row, d, dmask[None, :], dmask[None, :], m_i, l_i, acc,
+                                         scale_log2, MASKED=False, PRECISION=PRECISION)
         for start in range(open_end, end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < end
             blk = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
             kv_row = ((blk * PAGE + n % PAGE) * KV + kvh) * D
-            k = tl.load(k_ptr + kv_row[:, None] + d[None, :], mask=n_ok[:, None] & dmask[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-            s = tl.where((n[None, :] <= qpos[:, None]) & n_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + kv_row[:, None] + d[None, :], mask=n_ok[:, None] & dmask[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, kv_row, d, n_ok[:, None] & dmask[None, :],
+                                         (n[None, :] <= qpos[:, None]) & n_ok[None, :], m_i, l_i, acc, scale_log2,
+                                         MASKED=True, PRECISION=PRECISION)
         out = acc / l_i[:, None]
         tl.store(o_ptr + ((qs + qi).to(tl.int64) * H + head)[:, None] * D + d[None, :], out.to(q.dtype),
                  mask=row_ok[:, None] & dmask[None, :])
@@ -214,16 +217,8 @@ if triton is not None:
             n_ok = n < hi
             blk = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
             kv_row = ((blk * PAGE + n % PAGE) * KV + kvh) * D
-            k = tl.load(k_ptr + kv_row[:, None] + d[None, :], mask=n_ok[:, None] & dmask[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-            s = tl.where(n_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + kv_row[:, None] + d[None, :], mask=n_ok[:, None] & dmask[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, kv_row, d, n_ok[:, None] & dmask[None, :], n_ok[None, :],
+                                         m_i, l_i, acc, scale_log2, MASKED=True, PRECISION=PRECISION)
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
