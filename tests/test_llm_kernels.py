@@ -55,6 +55,21 @@ def test_triton_kernels_equal_their_torch_versions():
     assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max()
 
 
+def _shuffled_block_tables(lens, block_size: int, num_blocks: int, width: int, seed: int):
+    """Each sequence's blocks drawn in a shuffled order from 1..num_blocks-1 (block 0 is the padding
+    rows'): the host lists and the device table (one row more, for padding)."""
+    perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
+    tables, i = [], 0
+    for n in lens:
+        need = -(-int(n) // block_size)
+        tables.append(perm[i:i + need].tolist())
+        i += need
+    bt = torch.zeros(len(lens) + 1, width, dtype=torch.int32, device="cuda")
+    for r, tb in enumerate(tables):
+        bt[r, :len(tb)] = torch.tensor(tb)
+    return tables, bt
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_paged_attention_kernel_equals_per_sequence_attention(dtype):
@@ -77,15 +92,7 @@ def test_paged_attention_kernel_equals_per_sequence_attention(dtype):
         v_cache = torch.randn(nblocks * bs, kv, d, device="cuda", generator=g).to(dtype)
         lens = np.array([1, 37, 300, 129, 513, 16, 64])  # keys after the step
         qlens = np.array([1, 37, 1, 64, 200, 16, 1])  # new queries (decode, prompt, chunk after a prefix)
-        perm = torch.randperm(nblocks - 1, generator=torch.Generator().manual_seed(2)) + 1
-        tables, i = [], 0
-        for n in lens:
-            need = -(-int(n) // bs)
-            tables.append(perm[i:i + need].tolist())
-            i += need
-        bt = torch.zeros(len(lens) + 1, 64, dtype=torch.int32, device="cuda")
-        for r, tb in enumerate(tables):
-            bt[r, :len(tb)] = torch.tensor(tb)
+        tables, bt = _shuffled_block_tables(lens, bs, nblocks, width=64, seed=2)
         q = torch.randn(int(qlens.sum()), heads, d, device="cuda", generator=g).to(dtype)
         qstart = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
         want = None
@@ -122,15 +129,7 @@ def test_decode_attention_split_over_the_keys_equals_per_sequence_attention(dtyp
         v_cache = torch.randn(nblocks * bs, kv, d, device="cuda", generator=g).to(dtype)
         lens = np.array([1, 37, SPLIT_BLOCK_N, SPLIT_BLOCK_N + 1, 300, 513, 2000], dtype=np.int32)
         b = len(lens)
-        perm = torch.randperm(nblocks - 1, generator=torch.Generator().manual_seed(4)) + 1
-        tables, i = [], 0
-        for n in lens:
-            need = -(-int(n) // bs)
-            tables.append(perm[i:i + need].tolist())
-            i += need
-        bt = torch.zeros(b + 1, 200, dtype=torch.int32, device="cuda")
-        for r, tb in enumerate(tables):
-            bt[r, :len(tb)] = torch.tensor(tb)
+        tables, bt = _shuffled_block_tables(lens, bs, nblocks, width=200, seed=4)
         q = torch.randn(b, heads, d, device="cuda", generator=g).to(dtype)
         qstart = np.arange(b + 1, dtype=np.int32)
 
