@@ -1,9 +1,7 @@
 """A mixture-of-experts feed-forward block (Qwen3-VL-MoE, Qwen3-MoE): route each token to its top-k
 experts, run them, sum their outputs weighted by the router.
 
-The router is transformers' (softmax over every expert in float32, top-k, renormalised when the
-checkpoint says so, weights rounded to the model's dtype), so greedy answers match the reference
-(moe_routing.py).
+The router is transformers' (moe_routing.py), so greedy answers match the reference.
 The experts run in `fused_moe`: one grouped GEMM launch for gate/up and one for down over tokens
 sorted by expert, instead of a Python loop over the experts a step hits; nothing synchronises
 with the host, so the block lives inside the decode and step CUDA graphs.

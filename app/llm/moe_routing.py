@@ -1,23 +1,14 @@
-"""Which experts each token goes to: the router's logits, softmax, top-k (Qwen3-MoE, Qwen3-VL-MoE).
+"""Which experts each token goes to, as transformers routes: the router's bf16 logits, a float32
+softmax over every expert, the k largest (the first index on ties), renormalised when the checkpoint
+says so, rounded to the model's dtype.
 
-As transformers routes: the logits are a bf16 linear layer's output (rounded to the model's dtype),
-the softmax runs over every expert in float32, the k largest are taken (the first index on ties),
-renormalised to sum 1 when the checkpoint says so, and rounded to the model's dtype.
-
-Three ways, one result:
-- `route_topk_torch`: torch ops, the CPU's path and the reference the kernels are tested against;
-- `route_topk`: the logits from cuBLAS, then one Triton kernel for softmax and top-k (torch's
-  softmax, top-k, sum, division and casts are eight launches a layer);
-- `route_tokens` with a few tokens (single-stream decode): one Triton kernel for all of it. The
-  router's weights are [experts, hidden] (0.5 MB at the 30B shape): a few dozen programs each read a
-  few experts' rows and write their logits, and the last program to finish (an atomic counter) does
-  the softmax and top-k. At one token on an H200 the cuBLAS GEMM took 5.0 us and the routing kernel
-  2.3 us, per layer, each a graph node with its gap
-  (benchmarks/results/2026-11-27-models-beyond-one-gpu.md).
-
-The fused kernel's counter is one int32 per (device, stream) that the last program sets back to 0, so
-launches on one stream reuse it in turn; a CUDA graph keeps the counter of the stream it was captured
-on (each capture in cuda_graphs.py runs on a stream of its own).
+`route_topk_torch` is the CPU's path and the reference; `route_topk` runs softmax and top-k in one
+Triton kernel after cuBLAS's logits (torch's ops were eight launches a layer); `route_tokens` with one
+or two tokens (single-stream decode) runs it all in one kernel: programs each compute a few experts'
+logits and the last to finish (an atomic counter, one per stream, set back to 0 by it) routes. At one
+token on an H200 cuBLAS's GEMM took 5.0 us and the routing kernel 2.3 us a layer
+(benchmarks/results/2026-11-27-models-beyond-one-gpu.md). A CUDA graph keeps the counter of the stream
+it was captured on.
 """
 
 from __future__ import annotations
