@@ -43,6 +43,7 @@ case ${1:-decode} in
     dec moe30b_unfused_router 200 0 --preset qwen3-vl-30b-a3b --unfused-router
     dec moe30b_no_kv_split 200 0 --preset qwen3-vl-30b-a3b --no-kv-split
     dec moe30b_neither 200 0 --preset qwen3-vl-30b-a3b --unfused-router --no-kv-split
+    dec moe30b_profile64 200 0 --preset qwen3-vl-30b-a3b --profile 64  # where 64 streams' steps go (H100: 13% short)
     wait $p8
     dec dense32b_tp2 200 0,1 --preset qwen3-vl-32b --tp 2
     wait ;;
