@@ -65,8 +65,9 @@ case ${1:-decode} in
   tower)  # the tower in a TP group, three ways (8B-shaped tower = 235B-A22B's), then 235B-A22B served at TP=4
     for n in 2 4; do
       say "start tower_tp$n"
+      # TOWER_CASES, e.g. "8x448^2" (2026-11-27's 90 s ended before that case); each case is written when done
       timeout "${TOWER_S:-150}" python3 benchmarks/tower_tp.py --preset qwen3-vl-8b --tp $n --out "$W/tower_tp$n.json" \
-        > "$W/tower_tp$n.log" 2>&1
+        ${TOWER_CASES:+--cases $TOWER_CASES} > "$W/tower_tp$n.log" 2>&1
       say "end tower_tp$n rc=$?"
     done
     OUT=$W SERVE_N=${SERVE_N:-512} STAGES=serve_moe235b_tp4 timeout "${SERVE235_S:-400}" bash benchmarks/gpu_moe_tp.sh \

@@ -272,34 +272,33 @@ def worker(rank: int, a, address: str) -> None:
         dtype = torch.bfloat16 if cuda else torch.float32
         rk = Rank(a, rank, a.tp, device, dtype)
         graphs = not a.no_graphs
-        cases = []
-        for name, grids in CASES.items():
-            if a.cases and name not in a.cases:
+        name = torch.cuda.get_device_name(device) if cuda else "CPU"
+        result = {"device": f"{a.tp} x {name} (torch {torch.__version__})", "preset": a.preset, "tp": a.tp,
+                  "dtype": str(dtype).removeprefix("torch."), "backend": "nccl" if cuda else "gloo",
+                  "runs": a.runs, "warmup": a.warmup, "graphs_for_a_b": graphs and cuda,
+                  "capture_s_rank0": rk.capture_s, "fused_body": rk.tower.fused,
+                  "timing": "from uint8 rows on rank 0's host to every embedding on every rank's device; per "
+                            "run the slowest rank's wall clock after a barrier",
+                  "notes": ["(c) runs eagerly only; (a) and (b) also through the graph manager as served "
+                            "(on the CPU its padded static path, nothing captured)",
+                            "video: 8 frames of 224^2 = 4 temporal groups of 14 x 14 patches",
+                            "differences are against the reference path's (a) outputs"],
+                  "cases": []}
+        out = Path(a.out)
+        for case, grids in CASES.items():
+            if a.cases and case not in a.cases:
                 continue
-            row = bench_case(rk, name, grids, a.runs, a.warmup, graphs)
-            cases.append(row)
+            row = bench_case(rk, case, grids, a.runs, a.warmup, graphs)
             if rank == 0:
-                print(f"{name:18s} " + "  ".join(f"{k} {v['median_ms']:.2f}" for k, v in row["paths"].items())
+                print(f"{case:18s} " + "  ".join(f"{k} {v['median_ms']:.2f}" for k, v in row["paths"].items())
                       + f"  -> {row['winner']}", flush=True)
+                # written after every case: a run cut short by its time limit keeps the cases it finished
+                result["cases"].append(row)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(result, indent=1))
+                out.with_suffix(".md").write_text(markdown(result))
         if rank == 0:
-            name = torch.cuda.get_device_name(device) if cuda else "CPU"
-            result = {"device": f"{a.tp} x {name} (torch {torch.__version__})", "preset": a.preset, "tp": a.tp,
-                      "dtype": str(dtype).removeprefix("torch."), "backend": "nccl" if cuda else "gloo",
-                      "runs": a.runs, "warmup": a.warmup, "graphs_for_a_b": graphs and cuda,
-                      "capture_s_rank0": rk.capture_s, "fused_body": rk.tower.fused,
-                      "timing": "from uint8 rows on rank 0's host to every embedding on every rank's device; per "
-                                "run the slowest rank's wall clock after a barrier",
-                      "notes": ["(c) runs eagerly only; (a) and (b) also through the graph manager as served "
-                                "(on the CPU its padded static path, nothing captured)",
-                                "video: 8 frames of 224^2 = 4 temporal groups of 14 x 14 patches",
-                                "differences are against the reference path's (a) outputs"],
-                      "cases": cases}
-            out = Path(a.out)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result, indent=1))
-            md = markdown(result)
-            out.with_suffix(".md").write_text(md)
-            print(md)
+            print(markdown(result))
     finally:
         dist.destroy_process_group()
 
