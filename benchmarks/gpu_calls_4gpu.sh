@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu_calls_4gpu.sh cold       cold starts at 0.5 and 0.9 of goodput, an LLM replica added under load
 #   bash benchmarks/gpu_calls_4gpu.sh replicas   goodput with 1 LLM replica per GPU, then with 2 (the default)
 #   bash benchmarks/gpu_calls_4gpu.sh stream     goodput with the fused tower on the engine's stream, then its own
+#   bash benchmarks/gpu_calls_4gpu.sh mix        the realistic mix's goodput beside 448² images (MIX_STAGES one or all)
 # Everything lands in $OUT/all.tgz (the call's files) and $OUT/summary.txt.
 # (2026-11-27's call 1 also ran each decode with --skinny, an option since removed: it lost to cuBLAS.)
 set -uo pipefail
@@ -88,6 +89,11 @@ case ${1:-decode} in
         configs/qwen3-vl-2b-gpu.yaml --app-args "${args[$i]}" > "$W/${names[$i]}/goodput.log" 2>&1
       say "${names[$i]} ${args[$i]} rc=$? $(grep -F 'goodput**' "$W/${names[$i]}/summary.md" | head -1)"
     done ;;
+  mix)  # the realistic mix's goodput (goodput.py --workload mix; its TTFT bound --ttft-p99-ms-mix) beside 448²
+         # images, on one GPU (STAGES=one) or every GPU (MIX_STAGES=all, RAMP=4 as gpu_goodput.sh advises)
+    OUT=$W BUDGET=${BUDGET:-560} STAGES=${MIX_STAGES:-one} WORKLOADS="image mix" bash benchmarks/gpu_goodput.sh \
+      configs/qwen3-vl-2b-gpu.yaml > "$W/goodput.log" 2>&1
+    say "mix rc=$?"; tail -30 "$W/summary.md" ;;
   cold)  # one GPU: the first deploy a cold start at COLD_FIRST req/s, 0.9 x goodput from ready, then a
          # replica added by autoscaling under load (1 LLM replica, then 2 on the GPU)
     OUT=$W BUDGET=${BUDGET:-560} STAGES=one COLD_FIRST=${COLD_FIRST:-73} bash benchmarks/gpu_goodput.sh \
