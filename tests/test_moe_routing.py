@@ -94,17 +94,20 @@ def test_fused_router_on_random_weights_picks_the_experts_of_the_largest_logits(
 
 @pytest.mark.gpu
 @needs_cuda
-def test_fused_router_replays_in_a_cuda_graph_and_leaves_its_counter_at_zero():
+def test_fused_router_replays_in_the_engines_cuda_graph_and_leaves_its_counter_at_zero():
+    """Captured as the engine captures (cuda_graphs._capture: a warm-up on a side stream, then the capture
+    on it): the graph holds the fused kernel, not the fallback, and replays it on new inputs."""
+    from app.llm.cuda_graphs import _capture
+
     h, w = _exact_inputs(1, 128, 2048, seed=5)
-    route_tokens(h, w, 8, True)  # eager first: kernels compiled, the counter made outside the capture
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        route_tokens(h, w, 8, True)  # the capture stream's counter, made before capturing
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        ids, weights = route_tokens(h, w, 8, True)
+    out = {}
+
+    def step():
+        out["ids"], out["weights"] = route_tokens(h, w, 8, True)
+
+    before = moe_routing.capture_fallbacks
+    graph = _capture(step, h.device, torch.cuda.graph_pool_handle())
+    assert moe_routing.capture_fallbacks == before  # the capture stream had its counter: the fused kernel
     for seed in range(6, 10):
         h2, w2 = _exact_inputs(1, 128, 2048, seed=seed)
         h.copy_(h2)
@@ -112,5 +115,23 @@ def test_fused_router_replays_in_a_cuda_graph_and_leaves_its_counter_at_zero():
         graph.replay()
         torch.cuda.synchronize()
         want_ids, want_w = route_topk(F.linear(h, w), 8, True, torch.bfloat16)
-        assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+        assert torch.equal(out["ids"], want_ids) and torch.equal(out["weights"], want_w)
     assert all(int(c.item()) == 0 for c in moe_routing._counters.values())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_capture_on_a_stream_without_warm_up_falls_back_and_says_so():
+    h, w = _exact_inputs(1, 128, 2048, seed=11)
+    stream = torch.cuda.Stream()
+    # torch hands streams out of a pool: forget any counter an earlier test made for this one
+    moe_routing._counters.pop((h.device.index, stream.cuda_stream), None)
+    before = moe_routing.capture_fallbacks
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):  # a stream no eager call has met
+        ids, weights = route_tokens(h, w, 8, True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert moe_routing.capture_fallbacks == before + 1
+    want_ids, want_w = route_topk(F.linear(h, w), 8, True, torch.bfloat16)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)

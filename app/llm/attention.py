@@ -63,7 +63,7 @@ def decode_block_n(rows: int) -> int:
     return 128 if rows <= 32 else 64
 
 
-MAX_KV_SPLITS = 16
+MAX_KV_SPLITS = 32
 SPLIT_BLOCK_N = 64  # keys per tile when the keys are split: more, shorter ranges in flight
 
 
@@ -250,7 +250,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float, block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
                     split: bool = True) -> torch.Tensor:
     """Tiles from `meta` unless given (benchmarks/llm_attention.py sweeps them); `split=False` masks
-    every tile, as the kernel did before the causal split (kept for that comparison)."""
+    every tile, as the kernel did before the causal split (kept for that comparison). A decode step
+    whose keys are split (`meta.kv_splits` > 1) takes its own tiles (SPLIT_BLOCK_N) and ignores those."""
     if triton is None or not q.is_cuda:
         return paged_attention_torch(q, k_cache, v_cache, meta, scale)
     assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()

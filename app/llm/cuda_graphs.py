@@ -26,13 +26,15 @@ log = logging.getLogger(__name__)
 
 
 def _capture(fn, device: torch.device, pool) -> torch.cuda.CUDAGraph:
+    """`fn` run once on a side stream (compiles, allocates, makes per-stream state such as the fused MoE
+    router's counter, moe_routing.py), then captured on that same stream."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):  # warm-up
         fn()
     torch.cuda.current_stream(device).wait_stream(side)
     g = torch.cuda.CUDAGraph()
-    with collection_paused(), torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+    with collection_paused(), torch.cuda.graph(g, pool=pool, stream=side, capture_error_mode="thread_local"):
         fn()
     return g
 

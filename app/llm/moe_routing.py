@@ -8,10 +8,12 @@ or two tokens (single-stream decode) runs it all in one kernel: programs each co
 logits and the last to finish (an atomic counter, one per stream, set back to 0 by it) routes. At one
 token on an H200 cuBLAS's GEMM took 5.0 us and the routing kernel 2.3 us a layer
 (benchmarks/results/2026-11-27-models-beyond-one-gpu.md). A CUDA graph keeps the counter of the stream
-it was captured on.
+it was captured on (cuda_graphs._capture warms up on that stream first, which makes it).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +29,11 @@ except ImportError:  # CPU-only installs
 FUSED_ROUTER_MAX_TOKENS = 2
 FUSED_BLOCK_E = 4  # experts per program: 32 programs at 128 experts
 FUSED_BLOCK_K = 256
+log = logging.getLogger(__name__)
 
 _counters: dict[tuple[int, int], torch.Tensor] = {}
+# captures that met no counter for their stream and fell back to the unfused path (a test holds it at 0)
+capture_fallbacks = 0
 
 
 def route_topk_torch(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.dtype
@@ -67,6 +72,10 @@ def route_tokens(h: torch.Tensor, router_weight: torch.Tensor, k: int, renormali
         return route_topk(F.linear(h, router_weight), k, renormalize, h.dtype)
     counter = _counter(h.device)
     if counter is None:  # first met inside a graph capture: no counter may be made there
+        global capture_fallbacks
+        capture_fallbacks += 1
+        log.warning("route_tokens: no counter for the capturing stream (no warm-up on it): this graph routes "
+                    "with the unfused path")
         return route_topk(F.linear(h, router_weight), k, renormalize, h.dtype)
     e, hidden = router_weight.shape
     logits = torch.empty(t, e, dtype=h.dtype, device=h.device)
@@ -150,8 +159,9 @@ if triton is not None:
             acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
         tl.store(logits_ptr + rows[:, None] * num_experts + es[None, :], acc.to(logits_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & e_ok[None, :])
-        # acq_rel: this program's logits are visible before its count, and the last program's loads
-        # below see every program's
+        # Every thread's stores done before the count (the atomic's release covers only the thread that
+        # issues it), and acq_rel: the last program's loads below then see every program's logits.
+        tl.debug_barrier()
         done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(0) - 1:
             cols = tl.arange(0, E_PAD)
