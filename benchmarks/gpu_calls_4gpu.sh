@@ -36,7 +36,10 @@ case ${1:-decode} in
   decode)
     ( CUDA_VISIBLE_DEVICES=2,3 timeout "${SUITE_S:-560}" python3 -m pytest -q -rs -m gpu tests/ -p no:cacheprovider \
         --durations=20 > "$W/gpu_suite.log" 2>&1; say "gpu suite rc=$? $(tail -1 "$W/gpu_suite.log")" ) &
-    ( dec dense8b_cublas 200 1 --preset qwen3-vl-8b; dec dense8b_no_kv_split 200 1 --preset qwen3-vl-8b --no-kv-split ) &
+    # the key split on dense models too: 8B, and 2B (the serving preset: a split that does not pay at short
+    # contexts costs its merge kernel in every layer of every small decode step)
+    ( dec dense8b_cublas 200 1 --preset qwen3-vl-8b; dec dense8b_no_kv_split 200 1 --preset qwen3-vl-8b --no-kv-split
+      dec dense2b 200 1 --preset qwen3-vl-2b; dec dense2b_no_kv_split 200 1 --preset qwen3-vl-2b --no-kv-split ) &
     p8=$!
     # A/B on one GPU, one after the other: today's path (the fused router kernel, decode attention split
     # over the keys), then each change undone, then both (2026-11-27's 295.8 tok/s path)
