@@ -175,6 +175,11 @@ class LLMConfig(_Strict):
                               "beside decodes) replayed from a CUDA graph per token bucket instead of launched "
                               "kernel by kernel (a 1000-token prompt's TTFT 7.6-8.1 against 10.2-14.7 ms on an "
                               "H200); false launches them eagerly (benchmarks/RESULTS.md, 'Step graphs')")
+    decode_kv_splits: int = Field(32, ge=1, description="decode attention: the most programs one sequence's "
+                                  "keys are split over (the partial softmaxes merged after), used only where a "
+                                  "decode step's sequences x KV heads fill less than half the GPU (one stream of "
+                                  "a model with few KV heads, or one rank's share under tensor parallelism); 1 "
+                                  "never splits")
     overlap_steps: bool | None = Field(None, description="plan and launch step N+1 while step N runs on the "
                                        "device (its sampled tokens fed back on the device), so the GPU does not "
                                        "wait for the host between steps; None: on with CUDA, off on the CPU "

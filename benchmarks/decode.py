@@ -127,10 +127,6 @@ def rank_main(rank: int, a, path: str, port: int, out: str) -> None:
 
         tiles, pick = json.loads(Path(a.direct_config).read_text()), fused_moe.moe_config
         fused_moe.moe_config = lambda t, *rest: dict(tiles) if t <= fused_moe.DIRECT_MAX_TOKENS else pick(t, *rest)
-    if a.no_kv_split:
-        from app.llm import attention
-
-        attention.MAX_KV_SPLITS = 1
     if a.unfused_router:
         from app.llm import moe_routing
 
@@ -148,7 +144,8 @@ def rank_main(rank: int, a, path: str, port: int, out: str) -> None:
         tp = TensorParallel(rank, a.tp, moe=a.moe)
     t0 = time.perf_counter()
     engine = Engine(path, "cuda", tp=tp, load_format="dummy", max_model_len=a.max_model_len,
-                    max_num_seqs=a.max_num_seqs, gpu_memory_utilization=a.gpu_memory_utilization)
+                    max_num_seqs=a.max_num_seqs, gpu_memory_utilization=a.gpu_memory_utilization,
+                    decode_kv_splits=1 if a.no_kv_split else 32)
     res = {"preset": a.preset, "layers": engine.spec.layers, "tp": a.tp, "moe": a.moe, "legacy_moe": a.legacy_moe,
            "unfused_router": a.unfused_router, "no_kv_split": a.no_kv_split,
            "direct_config": json.loads(Path(a.direct_config).read_text()) if a.direct_config else None,

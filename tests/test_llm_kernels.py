@@ -147,10 +147,11 @@ def test_decode_attention_split_over_the_keys_equals_per_sequence_attention(dtyp
 
 
 def test_decode_splits_fill_the_gpu_only_where_a_step_has_few_programs():
-    from app.llm.attention import MAX_KV_SPLITS, decode_kv_splits
+    from app.llm.attention import decode_kv_splits
 
-    assert decode_kv_splits(1, 4, 132) == MAX_KV_SPLITS == 32  # 30B-A3B, one stream: 4 programs unsplit
-    assert decode_kv_splits(1, 1, 132) == MAX_KV_SPLITS  # 235B-A22B's rank at TP=4: one
+    assert decode_kv_splits(1, 4, 132) == 32  # 30B-A3B, one stream: 4 programs unsplit
+    assert decode_kv_splits(1, 1, 132) == 32  # 235B-A22B's rank at TP=4: one
+    assert decode_kv_splits(1, 1, 132, most=8) == 8 and decode_kv_splits(1, 4, 132, most=1) == 1
     assert decode_kv_splits(8, 4, 132) == 4
     assert decode_kv_splits(16, 8, 132) == 1  # 128 programs: the GPU is full either way
     assert all(decode_kv_splits(b, kv, 132) * b * kv <= max(132, b * kv) for b in range(1, 65) for kv in (1, 2, 4, 8))

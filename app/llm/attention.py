@@ -63,11 +63,10 @@ def decode_block_n(rows: int) -> int:
     return 128 if rows <= 32 else 64
 
 
-MAX_KV_SPLITS = 32
 SPLIT_BLOCK_N = 64  # keys per tile when the keys are split: more, shorter ranges in flight
 
 
-def decode_kv_splits(rows: int, kv_heads: int, sms: int) -> int:
+def decode_kv_splits(rows: int, kv_heads: int, sms: int, most: int = 32) -> int:
     """Programs per (sequence, KV head) in a decode step of `rows` sequences. One program walks a whole
     sequence's keys for one KV head, so a single stream of a model with 4 KV heads (30B-A3B; 1 per rank
     for 235B-A22B at TP=4) runs 4 programs on a GPU of 132 SMs, each a chain of dependent tile loads
@@ -75,11 +74,11 @@ def decode_kv_splits(rows: int, kv_heads: int, sms: int) -> int:
     program takes a range of tiles and a second kernel merges their partial softmaxes
     (`_combine_splits_kernel`). Fixed per batch size, as a CUDA graph needs; the ranges follow each
     sequence's length at run time, and splits past its last tile write nothing that counts. 1 where
-    the step already has programs for half the GPU."""
+    the step already has programs for half the GPU. At most `most` (LLMConfig.decode_kv_splits)."""
     programs = rows * kv_heads
     if programs * 2 >= sms:
         return 1
-    return max(1, min(MAX_KV_SPLITS, sms // programs))
+    return max(1, min(most, sms // programs))
 
 
 def block_q_for(group: int, block_m: int) -> int:

@@ -79,7 +79,7 @@ class Engine:
                                   max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
                                   num_kv_blocks=cfg.num_kv_blocks,
                                   gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=cfg.cuda_graphs,
-                                  step_graphs=cfg.step_graphs)
+                                  step_graphs=cfg.step_graphs, decode_kv_splits=cfg.decode_kv_splits)
         # (phase, start, end), wall clock: the replica reports them (app/serving/startup.py)
         self.startup = [weights, *self.runner.startup]
         self.grammars = self.runner.grammars = Grammars(self.tokenizer, self.spec.vocab)

@@ -73,7 +73,7 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model: TextModel, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
                  block_size: int, num_kv_blocks: int | None, gpu_memory_utilization: float, cuda_graphs: bool,
-                 step_graphs: bool = True):
+                 step_graphs: bool = True, decode_kv_splits: int = 32):
         self.model, self.device, self.dtype = model, model.device, model.dtype
         s, local = model.spec, model.local
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
@@ -97,6 +97,7 @@ class ModelRunner:
         cuda = self.device.type == "cuda"
         # decode attention splits each sequence's keys where a step has too few programs for the GPU
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 0
+        self.most_kv_splits = decode_kv_splits
         self.tokens_host = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=cuda)
                             for _ in range(2)]  # in turn: one may still await its copy
         self._token_turn = 0
@@ -301,7 +302,8 @@ class ModelRunner:
         ar = torch.arange(b + 1, dtype=torch.int32, device=self.device)
         return AttentionMetadata(ar, lens, rows, self.tables.tensor, ar[:b], torch.zeros(b, dtype=torch.int32,
                                  device=self.device), self.decode_block_q, self.block_size, decode_block_n(b),
-                                 decode_kv_splits(b, self.model.local.kv_heads, self.sms) if self.sms else 1,
+                                 decode_kv_splits(b, self.model.local.kv_heads, self.sms, self.most_kv_splits)
+                                 if self.sms else 1,
                                  host_query_start=np.arange(b + 1), host_seq_lens=None, host_block_tables=None)
 
     def decode_forward(self, graph_in: torch.Tensor, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
