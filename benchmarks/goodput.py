@@ -1013,10 +1013,10 @@ def summary_lines(results: dict) -> list[str]:
     for label, w in results.get("workloads", {}).items():
         bal = w.get("closed_loop", {}).get("replica_balance") or []
         if bal:
-            lines.append(f"{label}, closed loop, LLM replicas (GPU: share of engine GPU time, mean running / "
-                         "waiting): " + "; ".join(
-                             f"{b['gpu']}: {100 * (b['gpu_time_share'] or 0):.0f}%, {b['running_mean']:.1f} / "
-                             f"{b['waiting_mean']:.1f}" for b in bal))
+            lines.append(f"{label}, closed loop, LLM replicas (GPU/replica: share of engine GPU time, mean running "
+                         "/ waiting): " + "; ".join(
+                             f"{b['gpu']}/{str(b['replica'])[:8]}: {100 * (b['gpu_time_share'] or 0):.0f}%, "
+                             f"{b['running_mean']:.1f} / {b['waiting_mean']:.1f}" for b in bal))
     for c in results.get("cold_start", []):
         s = c.get("summary", {})
         if "per_second" not in c:
