@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the multi-node harness the cluster tests use
 
-from benchmarks.serve import Workload, deep_merge, run_load, wait_running  # noqa: E402
+from benchmarks.serve import Workload, file_config, run_load, wait_running  # noqa: E402
 from cluster_harness import LocalCluster, environment, replica_nodes  # noqa: E402
 
 T_START = time.perf_counter()
@@ -73,6 +73,15 @@ class Phases:
 
     def total_s(self) -> float:
         return time.perf_counter() - self.t0
+
+    def record(self) -> dict:
+        """The durations so far (the phase in flight, if any, as stopped) and where it stopped, if it did."""
+        rec = {"phases_s": dict(self.durations_s), "total_s": round(self.total_s(), 3)}
+        if self.current is not None:
+            rec["phases_s"][f"{self.current} (stopped)"] = round(time.perf_counter() - self._last, 3)
+        if self.stopped_in is not None or self.current is not None:
+            rec["in_phase"] = self.stopped_in or self.current
+        return rec
 
 
 class OnSigterm:
@@ -117,23 +126,20 @@ def deploy(cluster: LocalCluster, serve_config: str, args: dict, routers: int, m
     from ray.serve._private import api as serve_api
     from ray.serve.schema import ServeDeploySchema
 
-    conf = yaml.safe_load(Path(serve_config).read_text())
-    conf["http_options"] = {"host": "127.0.0.1", "port": cluster.head.proxy_port}
+    nodes = len(cluster.workers)
+    fixed = {name: {"autoscaling_config": {"min_replicas": count, "max_replicas": count, "initial_replicas": count},
+                    "max_replicas_per_node": -(-count // nodes),
+                    **({"ray_actor_options": {"num_cpus": cpus}} if cpus is not None else {})}
+             for name, count in (("Router", routers), ("MediaPreprocessor", media))}
+    # every node serves the Routers' own port; which one is set per node (VLM_ROUTER_HTTP_PORT)
+    conf = file_config(yaml.safe_load(Path(serve_config).read_text()),
+                       {"router_http_port": 8000, "router_http_host": "127.0.0.1"} | args, cluster.head.proxy_port,
+                       fixed)
     conf["proxy_location"] = "EveryNode"
     app = conf["applications"][0]
-    # every node serves the Routers' own port; which one is set per node (VLM_ROUTER_HTTP_PORT)
-    app["args"] = deep_merge(app.get("args") or {}, {"router_http_port": 8000, "router_http_host": "127.0.0.1"}
-                             | args)
-    nodes = len(cluster.workers)
     for d in app["deployments"]:
-        count = {"Router": routers, "MediaPreprocessor": media}.get(d["name"])
-        if count:
-            d.pop("num_replicas", None)
-            d["autoscaling_config"] = {**d.get("autoscaling_config", {}), "min_replicas": count,
-                                       "max_replicas": count, "initial_replicas": count}
-            d["max_replicas_per_node"] = -(-count // nodes)
-            if cpus is not None:
-                d["ray_actor_options"] = {**d.get("ray_actor_options", {}), "num_cpus": cpus}
+        if d["name"] in fixed:
+            d.pop("num_replicas", None)  # the fixed counts above instead
     client = serve_api.serve_start(http_options=conf["http_options"])
     client.deploy_apps(ServeDeploySchema.model_validate(conf), _blocking=False)
     return app["name"]
@@ -303,14 +309,7 @@ def finished(out: dict) -> dict:
     """A layout's record as written: its phases as durations (and the one it was in, if it stopped)."""
     rec = {k: v for k, v in out.items() if k != "phases"}
     ph = out.get("phases")
-    if ph is not None:
-        rec["phases_s"] = dict(ph.durations_s)
-        rec["total_s"] = round(ph.total_s(), 3)
-        if ph.current is not None:  # stopped in it: how long it had run
-            rec["phases_s"][f"{ph.current} (stopped)"] = round(time.perf_counter() - ph._last, 3)
-        if ph.stopped_in is not None or ph.current is not None:
-            rec["in_phase"] = ph.stopped_in or ph.current
-    return rec
+    return rec | ph.record() if ph is not None else rec
 
 
 def write_file(path: Path, text: str) -> None:
