@@ -791,14 +791,14 @@ def scale_up_summary(rows: list[dict], samples: list[dict], warm_p99_ms: float, 
     worst of them from `around_s` before the new replica was ready to `around_s` after, and the issue's
     test: no errors and no second above 2x warm."""
     first = set(samples[0]["replicas"]) if samples else set()
-    added = None
+    added, latest = None, {}  # the added replica, and its report in the last sample that has it
     for smp in samples:
         new = [(rid, r) for rid, r in smp["replicas"].items() if rid not in first]
         if new:
             rid, r = new[0]
+            latest = next(x["replicas"][rid] for x in samples[::-1] if rid in x["replicas"])
             added = {"replica": rid, "seen_s": smp["t"], "ready_s": r["ready_s"],
-                     "first_request_s": next((x["replicas"][rid]["first_request_s"] for x in samples[::-1]
-                                              if rid in x["replicas"]), None)}
+                     "first_request_s": latest["first_request_s"]}
             break
     base = cold_summary(rows, warm_p99_ms)
     out = {"replicas_at_start": len(first), "added": added, "warm_ttft_p99_ms": warm_p99_ms,
@@ -807,10 +807,8 @@ def scale_up_summary(rows: list[dict], samples: list[dict], warm_p99_ms: float, 
         lo, hi = added["ready_s"] - around_s, added["ready_s"] + around_s
         near = [r["p99_ratio"] for r in rows if lo <= r["second"] < hi and not math.isnan(r["p99_ratio"])]
         out["p99_ratio_max_around_join"] = max(near, default=float("nan"))
-        startup = next((x["replicas"][added["replica"]].get("startup") for x in samples[::-1]
-                        if added["replica"] in x["replicas"]), None) or []
         out["startup_phases"] = [{**p, "p99_ratio_max": _worst_during(rows, p["start_s"], p["end_s"])}
-                                 for p in startup]
+                                 for p in latest.get("startup") or []]
     out["within_2x_no_errors"] = base["errors"] == 0 and base["p99_ratio_max"] <= 2.0
     return out
 
@@ -839,12 +837,19 @@ def scale_up_run(bench: Bench, a, wl, rate: float, deploy: Callable[[], None]) -
     warm = bench.point(wl, rate, a.ramp_s, a.cold_warm_window_s)
     out.update(replica_samples=samples, warm=warm)
     out["summary"] = scale_up_summary(out["per_second"], samples, warm["ttft_ms"]["p99"] if warm else float("nan"))
-    s, added = out["summary"], out["summary"]["added"]
-    when = (f"replica added: ready at {added['ready_s']:.1f} s, first request at {added['first_request_s']:.1f} s"
-            if added and added["ready_s"] is not None and added["first_request_s"] is not None else "no replica added")
-    print(f"scale-up at {rate:g} req/s from {s['replicas_at_start']} LLM replica(s): {when}; errors {s['errors']}; "
-          f"TTFT p99 max {s['p99_ratio_max']:.2f}x warm ({s['warm_ttft_p99_ms']:.0f} ms)", flush=True)
+    s = out["summary"]
+    print(f"scale-up at {rate:g} req/s from {s['replicas_at_start']} LLM replica(s): {joined_text(s['added'])}; "
+          f"errors {s['errors']}; TTFT p99 max {s['p99_ratio_max']:.2f}x warm ({s['warm_ttft_p99_ms']:.0f} ms)",
+          flush=True)
     return out
+
+
+def joined_text(added: dict | None) -> str:
+    """When the added replica was ready and took its first request, in words (seconds from the load's start)."""
+    if added and added["ready_s"] is not None and added["first_request_s"] is not None:
+        return (f"the added replica ready at {added['ready_s']:.1f} s, first request at "
+                f"{added['first_request_s']:.1f} s after the load began")
+    return "no replica was added"
 
 
 def deployment_status(deployment: str, name: str = "vlm") -> dict:
@@ -1031,12 +1036,9 @@ def summary_lines(results: dict) -> list[str]:
     if up and "per_second" not in up:
         lines.append(f"scale-up at {up['rate']:g} req/s: skipped ({up.get('skipped')})")
     elif up:
-        s, added = up["summary"], up["summary"]["added"]
-        joined = (f"the added replica ready at {added['ready_s']:.1f} s, first request at "
-                  f"{added['first_request_s']:.1f} s after the load began"
-                  if added and added["ready_s"] is not None and added["first_request_s"] is not None
-                  else "no replica was added")
-        lines.append(f"scale-up at {up['rate']:g} req/s from {s['replicas_at_start']} LLM replica(s): {joined}; "
+        s = up["summary"]
+        lines.append(f"scale-up at {up['rate']:g} req/s from {s['replicas_at_start']} LLM replica(s): "
+                     f"{joined_text(s['added'])}; "
                      f"errors {s['errors']}, TTFT p99 max {s['p99_ratio_max']:.2f}x warm "
                      f"({s['warm_ttft_p99_ms']:.0f} ms), around the join "
                      f"{s.get('p99_ratio_max_around_join', float('nan')):.2f}x")
@@ -1304,7 +1306,8 @@ def main(argv: list[str] | None = None) -> dict:
         scale_rate = a.scale_up_rate or (round(a.scale_up * goodput, 2) if a.scale_up and goodput > 0 else None)
         if scale_rate and not (a.start and a.serve_config):
             raise SystemExit("--scale-up needs --start and --serve-config (the app is deployed again)")
-        if scale_rate and deadline is not None and deadline - time.perf_counter() < a.scale_up_s + a.cold_warm_window_s + 90:
+        needed_s = a.scale_up_s + a.cold_warm_window_s + 90  # the load, the warm reference, a redeploy
+        if scale_rate and deadline is not None and deadline - time.perf_counter() < needed_s:
             print(f"scale-up at {scale_rate:g} req/s: no time left", flush=True)
             results["scale_up"] = {"rate": scale_rate, "skipped": "deadline"}
         elif scale_rate:
