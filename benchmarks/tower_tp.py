@@ -128,6 +128,11 @@ class Rank:
             return self.staging.to_device(parts)
         return torch.cat(parts).to(self.device)
 
+    def empty_rows(self, grids) -> torch.Tensor:
+        """A receiving rank's buffer for the uint8 rows of items of these grids."""
+        return torch.empty(sum(t * h * w for t, h, w in grids), self.tower.patch_dim, dtype=torch.uint8,
+                           device=self.device)
+
     def items_from(self, rows: torch.Tensor, grids) -> list:
         from app.vision.graphs import VisionItem
 
@@ -160,8 +165,7 @@ class Rank:
             mine = [items[i] for i in shares[0]]
         elif shares[self.rank]:
             mine_grids = [grids[i] for i in shares[self.rank]]
-            rows = torch.empty(sum(t * h * w for t, h, w in mine_grids), self.tower.patch_dim, dtype=torch.uint8,
-                               device=self.device)
+            rows = self.empty_rows(mine_grids)
             dist.recv(rows, src=0)
             mine = self.items_from(rows, mine_grids)
         else:
@@ -172,11 +176,7 @@ class Rank:
     def mode_c(self, items, grids):
         import torch.distributed as dist
 
-        if self.rank == 0:
-            rows = self.to_device([it.pixels for it in items])
-        else:
-            rows = torch.empty(sum(t * h * w for t, h, w in grids), self.tower.patch_dim, dtype=torch.uint8,
-                               device=self.device)
+        rows = self.to_device([it.pixels for it in items]) if self.rank == 0 else self.empty_rows(grids)
         dist.broadcast(rows, src=0)
         return self.sharded_mgr.encode(self.items_from(rows, grids), force_eager=True)
 
