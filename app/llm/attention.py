@@ -8,7 +8,8 @@ a small host-built table (sequence, first query), so a step mixing decodes and l
 exactly the work it has; a program takes one KV head and all the query heads sharing it (GQA), so
 each key tile is loaded once for the group. A decode step with too few programs to fill the GPU (a
 single stream) splits each sequence's keys over several programs and merges their partial softmaxes
-(`decode_kv_splits`). The CPU, and any shape the kernel does not take, uses per-sequence SDPA. Timings: benchmarks/results/2026-11-23-1024-one-h200-gpu-time-pinned-copies.md.
+(`decode_kv_splits`). The CPU, and any shape the kernel does not take, uses per-sequence SDPA.
+Timings: benchmarks/results/2026-11-23-1024-one-h200-gpu-time-pinned-copies.md.
 """
 
 from __future__ import annotations

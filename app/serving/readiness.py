@@ -5,8 +5,9 @@ graphs and warming up (app/serving/warmup.py). Ready means, the first time, that
 replicas has reached its target count, all of them running (Ray Serve marks a replica running only after
 its constructor, warm-up included, returned). One running replica was not enough: its siblings were
 still starting (graph capture on the same GPU, imports on the same cores) when load began, the likely
-cause of the first seconds' TTFT p99 at up to 1.87x warm (H200, 2026-11-27). Once ready, a Router stays ready while every such deployment has one replica running,
-so that rolling updates and scale-ups keep it in a load balancer's rotation.
+cause of the first seconds' TTFT p99 at up to 1.87x warm (H200, 2026-11-27); waiting for all of them,
+the worst second was 1.21x. Once ready, a Router stays ready while every such deployment has one replica
+running, so that rolling updates and scale-ups keep it in a load balancer's rotation.
 """
 
 from __future__ import annotations

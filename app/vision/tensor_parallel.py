@@ -69,9 +69,9 @@ def shard_blocks(visual: nn.Module, tp: TensorParallel) -> None:
 class ShardedVisionTower(VisionTower):
     """`VisionTower` over this rank's share of the blocks (`shard_blocks`, done here): each block's
     attention and MLP end in a partial product that one all-reduce completes (`_reduce`, which the fused
-    body calls too), then the whole bias is added. Every rank takes the same rows and metadata and ends with the whole output. Eager only: the
-    graph manager's capture and auto-tune run per rank and could disagree on a path (a collective then
-    waits forever)."""
+    body calls too), then the whole bias is added. Every rank takes the same rows and metadata and ends
+    with the whole output. Eager only: the graph manager's capture and auto-tune run per rank and could
+    disagree on a path (a collective then waits forever)."""
 
     def __init__(self, visual: nn.Module, tp: TensorParallel, pixel_norm: tuple | None = None,
                  fused: bool | None = None):
