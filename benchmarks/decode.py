@@ -127,15 +127,10 @@ def rank_main(rank: int, a, path: str, port: int, out: str) -> None:
 
         tiles, pick = json.loads(Path(a.direct_config).read_text()), fused_moe.moe_config
         fused_moe.moe_config = lambda t, *rest: dict(tiles) if t <= fused_moe.DIRECT_MAX_TOKENS else pick(t, *rest)
-    if a.unfused_router:
-        from app.llm import moe_routing
-
-        moe_routing.FUSED_ROUTER_MAX_TOKENS = 0
     if a.legacy_moe:
         from app.llm import fused_moe, moe_routing
 
         fused_moe.DIRECT_MAX_TOKENS = 0
-        moe_routing.FUSED_ROUTER_MAX_TOKENS = 0
         moe_routing.route_topk = moe_routing.route_topk_torch
     tp = SINGLE
     if a.tp > 1:
@@ -147,7 +142,7 @@ def rank_main(rank: int, a, path: str, port: int, out: str) -> None:
                     max_num_seqs=a.max_num_seqs, gpu_memory_utilization=a.gpu_memory_utilization,
                     decode_kv_splits=1 if a.no_kv_split else 32)
     res = {"preset": a.preset, "layers": engine.spec.layers, "tp": a.tp, "moe": a.moe, "legacy_moe": a.legacy_moe,
-           "unfused_router": a.unfused_router, "no_kv_split": a.no_kv_split,
+           "no_kv_split": a.no_kv_split,
            "direct_config": json.loads(Path(a.direct_config).read_text()) if a.direct_config else None,
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "engine_start_s": time.perf_counter() - t0, "kv_blocks": engine.blocks.usable_blocks,
@@ -207,9 +202,6 @@ def main() -> None:
     p.add_argument("--legacy-moe", action="store_true",
                    help="the MoE path before the routing kernel and the unsorted decode path (torch's router ops, "
                         "always sorted by expert): an A/B against today's in one device call")
-    p.add_argument("--unfused-router", action="store_true",
-                   help="the router's logits by cuBLAS, then the routing kernel, at every token count (the path "
-                        "before the fused router kernel): an A/B in one device call")
     p.add_argument("--no-kv-split", action="store_true",
                    help="decode attention with one program per sequence and KV head, the keys never split (the path "
                         "before decode_kv_splits): an A/B in one device call")

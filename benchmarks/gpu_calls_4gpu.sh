@@ -2,9 +2,11 @@
 # The device calls of one session on a 4-GPU host, written down so that the figures in RESULTS can be
 # re-run as they were taken. Independent work runs side by side on separate GPUs (A/B pairs always
 # on the same GPU, one after the other). From the repository root on the device, .gpu-deps carried:
-#   bash benchmarks/gpu_calls_4gpu.sh decode     30B-A3B decode on GPU 0 (with and without the fused router and the
-#                                                key-split decode attention) and 8B on GPU 1, then 32B
-#                                                TP=2 on GPUs 0-1; beside them the whole GPU suite on GPUs 2-3
+#   bash benchmarks/gpu_calls_4gpu.sh decode     30B-A3B decode on GPU 0 (with and without the key-split decode
+#                                                attention) and 8B on GPU 1, then 32B TP=2 on GPUs 0-1; beside
+#                                                them the whole GPU suite on GPUs 2-3
+#   bash benchmarks/gpu_calls_4gpu.sh two        on a 2-GPU host (issue 41's H100 rows): the new kernels' GPU tests on GPU 1
+#                                                beside the 30B-A3B A/Bs on GPU 0, then 32B TP=2 and the TP tests on both
 #   bash benchmarks/gpu_calls_4gpu.sh tp4        235B-A22B TP=4 decode (every layer where the cards hold it,
 #                                                else LAYERS_235B), then the cluster stage
 #   bash benchmarks/gpu_calls_4gpu.sh cluster    2 nodes x 2 GPUs against 1 node x 4 (CLUSTER_S, LAYOUTS, APP_ARGS:
@@ -14,9 +16,11 @@
 #   bash benchmarks/gpu_calls_4gpu.sh cold       cold starts at 0.5 and 0.9 of goodput, an LLM replica added under load
 #   bash benchmarks/gpu_calls_4gpu.sh replicas   goodput with 1 LLM replica per GPU, then with 2 (the default)
 #   bash benchmarks/gpu_calls_4gpu.sh stream     goodput with the fused tower on the engine's stream, then its own
+#   BUDGET_EACH=170 bash benchmarks/gpu_calls_4gpu.sh ab   the default, one LLM replica per GPU, the tower's own stream
 #   bash benchmarks/gpu_calls_4gpu.sh mix        the realistic mix's goodput beside 448² images (MIX_STAGES one or all)
 # Everything lands in $OUT/all.tgz (the call's files) and $OUT/summary.txt.
 # (2026-11-27's call 1 also ran each decode with --skinny, an option since removed: it lost to cuBLAS.)
+# (2026-11-27's second H100 call also ran the 30B-A3B decodes with --unfused-router; the fused router was removed after it.)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; W=/tmp/calls; rm -rf "$W"; mkdir -p "$W" "$OUT"
 source .gpu-deps/activate
@@ -41,16 +45,26 @@ case ${1:-decode} in
     ( dec dense8b_cublas 200 1 --preset qwen3-vl-8b; dec dense8b_no_kv_split 200 1 --preset qwen3-vl-8b --no-kv-split
       dec dense2b 200 1 --preset qwen3-vl-2b; dec dense2b_no_kv_split 200 1 --preset qwen3-vl-2b --no-kv-split ) &
     p8=$!
-    # A/B on one GPU, one after the other: today's path (the fused router kernel, decode attention split
-    # over the keys), then each change undone, then both (2026-11-27's 295.8 tok/s path)
+    # A/B on one GPU, one after the other: today's path (decode attention split over the keys), then the
+    # split undone
     dec moe30b_cublas 200 0 --preset qwen3-vl-30b-a3b --profile 1
-    dec moe30b_unfused_router 200 0 --preset qwen3-vl-30b-a3b --unfused-router
     dec moe30b_no_kv_split 200 0 --preset qwen3-vl-30b-a3b --no-kv-split
-    dec moe30b_neither 200 0 --preset qwen3-vl-30b-a3b --unfused-router --no-kv-split
     dec moe30b_profile64 200 0 --preset qwen3-vl-30b-a3b --profile 64  # where 64 streams' steps go (H100: 13% short)
     wait $p8
     dec dense32b_tp2 200 0,1 --preset qwen3-vl-32b --tp 2
     wait ;;
+  two)
+    ( CUDA_VISIBLE_DEVICES=1 timeout "${TESTS_S:-330}" python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
+        tests/test_moe_routing.py tests/test_llm_kernels.py tests/test_capture.py tests/test_llm_moe.py \
+        tests/test_fused_moe.py tests/test_llm_batching.py tests/test_logprobs.py tests/test_integration.py \
+        > "$W/gpu_tests_1.log" 2>&1; say "gpu tests (one GPU) rc=$? $(tail -1 "$W/gpu_tests_1.log")" ) &
+    dec moe30b_cublas 200 0 --preset qwen3-vl-30b-a3b --profile 1
+    dec moe30b_no_kv_split 200 0 --preset qwen3-vl-30b-a3b --no-kv-split
+    wait
+    dec dense32b_tp2 150 0,1 --preset qwen3-vl-32b --tp 2
+    CUDA_VISIBLE_DEVICES=0,1 timeout "${TP_TESTS_S:-120}" python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
+      tests/test_tensor_parallel.py tests/test_tower_tp.py > "$W/gpu_tests_2.log" 2>&1
+    say "gpu tests (two GPUs) rc=$? $(tail -1 "$W/gpu_tests_2.log")" ;;
   tp4)
     mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
     L=(--layers "${LAYERS_235B:-24}"); [ "$mem" -gt 120000 ] && L=()   # an H200 holds a quarter of 235B
@@ -62,7 +76,14 @@ case ${1:-decode} in
     S=${CLUSTER_S:-280}
     timeout "$S" python3 benchmarks/cluster_scaling.py --gpus 4 --rate "${RATE:-500}" --deadline-s $(( S - 10 )) \
       --layouts "${LAYOUTS:-1 2}" --app-args "${APP_ARGS:-{\}}" --out-dir "$W/cluster" > "$W/cluster.log" 2>&1
-    say "end cluster rc=$? $(grep -E 'done in|two nodes / one' "$W/cluster.log" | tail -12 | tr '\n' ' ')" ;;
+    say "end cluster rc=$? $(grep -E 'done in|two nodes / one' "$W/cluster.log" | tail -12 | tr '\n' ' ')"
+    # LOCAL_S > 0: then two nodes again with the Routers' handles preferring their own node (the locality A/B)
+    L=${LOCAL_S:-0}
+    [ "$L" -gt 60 ] && { say "start cluster, two nodes, prefer_local_node"
+      timeout "$L" python3 benchmarks/cluster_scaling.py --gpus 4 --rate "${RATE:-500}" --deadline-s $(( L - 10 )) \
+        --layouts 2 --app-args '{"placement": {"prefer_local_node": true}}' --out-dir "$W/cluster_local" \
+        > "$W/cluster_local.log" 2>&1
+      say "end cluster_local rc=$? $(grep -E 'done in|req/s' "$W/cluster_local.log" | tail -6 | tr '\n' ' ')"; } ;;
   goodput)
     OUT=$W BUDGET=${BUDGET:-540} STAGES=${STAGES:-"one all"} bash benchmarks/gpu_goodput.sh > "$W/goodput.log" 2>&1
     say "goodput rc=$?"; tail -60 "$W/summary.md" ;;
@@ -77,12 +98,15 @@ case ${1:-decode} in
     OUT=$W SERVE_N=${SERVE_N:-512} STAGES=serve_moe235b_tp4 timeout "${SERVE235_S:-400}" bash benchmarks/gpu_moe_tp.sh \
       > "$W/serve235.log" 2>&1
     say "serve_moe235b_tp4 rc=$? $(grep -E 'req/s|error' "$W/serve235.log" | tail -3 | tr '\n' ' ')" ;;
-  replicas|stream)  # Poisson goodput on one GPU, one variant after the other (BUDGET_EACH s each):
+  replicas|stream|ab)  # Poisson goodput on one GPU, one variant after the other (BUDGET_EACH s each):
     # replicas: one LLM replica per GPU against two (the default; two time-slice the GPU);
     # stream: the fused tower on a stream of its own against the engine's (the default, `shared`): the
     # tower's part of TTFT is the first to grow above goodput (2026-11-27, fourth session)
     if [ "$1" = replicas ]; then
       names=(r1 r2); args=('{"placement": {"llm_replicas_per_gpu": 1}}' '{"placement": {"llm_replicas_per_gpu": 2}}')
+    elif [ "$1" = ab ]; then  # the default, then each change alone (BUDGET_EACH=170: no cold starts)
+      names=(r2_shared r1_shared r2_own)
+      args=('{}' '{"placement": {"llm_replicas_per_gpu": 1}}' '{"encoder": {"stream": "own"}}')
     else
       names=(shared own); args=('{"encoder": {"stream": "shared"}}' '{"encoder": {"stream": "own"}}')
     fi

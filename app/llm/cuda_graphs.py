@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 
 
 def _capture(fn, device: torch.device, pool) -> torch.cuda.CUDAGraph:
-    """`fn` run once on a side stream (compiles, allocates, makes per-stream state such as the fused MoE
-    router's counter, moe_routing.py), then captured on that same stream."""
+    """`fn` run once on a side stream (Triton compiles and autotunes, the allocator's blocks are made),
+    then captured on that same stream."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):  # warm-up
