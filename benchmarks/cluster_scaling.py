@@ -109,11 +109,24 @@ class OnSigterm:
 on_sigterm = OnSigterm()
 
 
-def node_specs(gpus: int, nodes: int, cpus: int) -> list[dict]:
-    """Per worker node: its GPUs (CUDA_VISIBLE_DEVICES), GPU count and cores; the host's split evenly."""
+def host_object_store_bytes() -> int:
+    """The object store one `ray start` would take on this host (30% of its memory, capped by /dev/shm
+    and 200 GB): the layouts split it, so one node and two have the same in all. `ray.cluster_utils`
+    alone gives every node 150 MiB, which on 2026-11-27 held the one-node layout to 354-379 req/s on four
+    H100s, its TTFT p99 at 14-16 s, while two nodes (300 MiB) served 493."""
+    import psutil
+    from ray._private.utils import resolve_object_store_memory
+
+    return resolve_object_store_memory(psutil.virtual_memory().total)
+
+
+def node_specs(gpus: int, nodes: int, cpus: int, object_store_bytes: int | None = None) -> list[dict]:
+    """Per worker node: its GPUs (CUDA_VISIBLE_DEVICES), GPU count, cores and object store bytes (None:
+    the harness's default); the host's split evenly."""
     per = gpus // nodes
+    store = None if object_store_bytes is None else object_store_bytes // nodes
     return [{"devices": ",".join(str(g) for g in range(i * per, (i + 1) * per)), "num_gpus": per,
-             "num_cpus": cpus // nodes} for i in range(nodes)]
+             "num_cpus": cpus // nodes, "object_store_bytes": store} for i in range(nodes)]
 
 
 def deploy(cluster: LocalCluster, serve_config: str, args: dict, routers: int, media: int,
@@ -263,10 +276,14 @@ def run_layout(a, nodes: int, out: dict) -> dict:
     cluster = LocalCluster(head_cpus=0)
     procs: list = []
     try:
-        for spec in node_specs(a.gpus, nodes, a.cpus):
+        # --smoke (the tiny model, CI's machine): the harness's small store; otherwise the host's, split
+        specs = node_specs(a.gpus, nodes, a.cpus, None if a.smoke else int(a.object_store_gib * 2**30))
+        store = specs[0]["object_store_bytes"]
+        out["object_store_gib_per_node"] = None if store is None else round(store / 2**30, 2)
+        for spec in specs:
             env = {} if a.smoke else {"CUDA_VISIBLE_DEVICES": spec["devices"]}
             with environment(env):
-                cluster.add_worker(spec["num_cpus"], spec["num_gpus"])
+                cluster.add_worker(spec["num_cpus"], spec["num_gpus"], object_store_memory=spec["object_store_bytes"])
         ph.done(f"head and {nodes} worker node{'s' * (nodes > 1)}")
         ph.start("connect")
         cluster.connect()
@@ -364,6 +381,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--app-args", default="{}", help="JSON deep-merged into the application's args")
     p.add_argument("--gpus", type=int, default=4)
     p.add_argument("--cpus", type=int, default=os.cpu_count() or 2, help="the host's cores, split over the nodes")
+    p.add_argument("--object-store-gib", type=float, default=None,
+                   help="the object stores' GiB in all, split over the nodes (default: what one `ray start` would "
+                        "take on this host)")
     p.add_argument("--layouts", default="1 2", help="worker node counts, run in this order (e.g. '2' for one layout)")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="seconds from the start: a layout is skipped when less is left than the previous one took")
@@ -392,6 +412,8 @@ def main(argv: list[str] | None = None) -> dict:
                                 | json.loads(a.app_args))
     a.routers = a.routers or 3 * a.gpus
     a.media = a.media or 4 * a.gpus
+    if a.object_store_gib is None and not a.smoke:
+        a.object_store_gib = host_object_store_bytes() / 2**30
     layouts = [int(x) for x in a.layouts.replace(",", " ").split()]
     for n in layouts:
         if n < 1 or a.gpus % n:

@@ -98,15 +98,19 @@ class LocalCluster:
     def workers(self) -> list[ClusterNode]:
         return self.nodes[1:]
 
-    def add_worker(self, num_cpus: float = 2, num_gpus: int = 0, resources: dict | None = None) -> ClusterNode:
+    def add_worker(self, num_cpus: float = 2, num_gpus: int = 0, resources: dict | None = None,
+                   object_store_memory: int | None = None) -> ClusterNode:
+        """`object_store_memory` (bytes): None keeps `ray.cluster_utils`' default of 150 MiB a node, which
+        suits the tiny model; a real model's images need what `ray start` would give (cluster_scaling.py)."""
         self._count += 1
         name = f"worker-{self._count}"
         proxy, router, metrics = free_port(), free_port(), free_port()
         resources = {name: 1} | (resources or {})
         with environment(self.env | {"RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(proxy),
                                      "VLM_ROUTER_HTTP_PORT": str(router)}):
+            store = {} if object_store_memory is None else {"object_store_memory": object_store_memory}
             node = self.cluster.add_node(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources,
-                                         metrics_export_port=metrics)
+                                         metrics_export_port=metrics, **store)
         added = ClusterNode(name, node, proxy, router, metrics, resources)
         self.nodes.append(added)
         return added

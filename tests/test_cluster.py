@@ -376,7 +376,11 @@ def test_a_node_lost_under_load_loses_no_request(cluster, reference):
 
     # Serve puts the missing replicas (and a proxy) on a node that joins
     t1 = time.monotonic()
-    new = cluster.add_worker(2)
+    new = cluster.add_worker(2, object_store_memory=200 * 2**20)  # the harness's size, not cluster_utils' 150 MiB
+    import ray
+
+    store = {n["NodeID"]: n["Resources"].get("object_store_memory") for n in ray.nodes() if n["Alive"]}
+    assert store[new.node_id] == 200 * 2**20, store
     nodes = {n.node_id for n in cluster.nodes}
     wait_for(lambda: all(set(replica_nodes().get(d, {}).values()) == nodes
                          for d in ("Router", "MediaPreprocessor", "LLM")), RECOVERY_BOUND_S, "replicas on the new node")
