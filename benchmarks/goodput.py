@@ -113,6 +113,7 @@ class Sent:
     status: str  # "ok", "HTTP 503", "stream error", a client exception's name, "unfinished"
     ttft_s: float | None = None
     completion_tokens: int = 0
+    error: str = ""  # what the server or the client said (a 5xx's body, up to 200 bytes)
 
 
 def status_of(r: Result) -> str:
@@ -142,7 +143,7 @@ async def send_schedule(client: aiohttp.ClientSession, items: list[tuple[int, fl
         started[idx] = (at, start)
         r = await one_request(client, body, f"{tag}-{idx}")
         return Sent(idx, at, start, start + r.e2e_s, r.ok, status_of(r), r.ttft_s if r.ok else None,
-                    r.completion_tokens)
+                    r.completion_tokens, "" if r.ok else r.error[:300])
 
     tasks = []
     for idx, at, body in items:
@@ -264,9 +265,19 @@ def analyse(sent: list[Sent], lo: float, hi: float) -> dict:
         "e2e_ms": _ms([s.done_s - s.start_s for s in ok]),
         "errors": dict(Counter(s.status for s in sent if not s.ok)),
         "errors_in_window": dict(Counter(s.status for s in arrived if not s.ok)),
+        "error_examples": error_examples(sent),
         "drain_s": max(finished) - last_due if finished else float("nan"),
         "send_lag_ms": {"p50": 1e3 * pct(lag, 0.5), "p99": 1e3 * pct(lag, 0.99), "max": 1e3 * max(lag, default=0.0)},
     }
+
+
+def error_examples(sent: list[Sent]) -> dict[str, str]:
+    """The first error of each kind, as said (a count alone, 'HTTP 500 x1', cannot be diagnosed)."""
+    out: dict[str, str] = {}
+    for s in sent:
+        if not s.ok and s.status not in out:
+            out[s.status] = s.error
+    return out
 
 
 def verdict(point: dict, ttft_p99_ms: float, min_served: float = 0.98) -> tuple[bool, list[str]]:
@@ -1266,6 +1277,8 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{p['tpot_ms']['p99']:.1f} ms, errors {p['errors'] or 0}, GPU ms/request (engine, tower) "
                       f"{gpu_cell(p)}, TTFT parts ms (encode, queue, prefill) {parts_cell(p)}: "
                       f"{'pass' if p['passes'] else 'fail: ' + '; '.join(p['why_not'])}", flush=True)
+                for kind, said in p["error_examples"].items():
+                    print(f"  {kind}, the first: {said}", flush=True)
                 entry.setdefault("search", {"points": []})["points"].append(p)
                 save()
                 return p

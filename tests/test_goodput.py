@@ -129,15 +129,16 @@ def test_mix_bodies_are_valid_requests_with_the_drawn_media():
 
 
 # ---------------------------------------------------------------------------- arithmetic
-def _sent(i, at, ttft, e2e, ok=True, status="ok", tokens=9):
-    return Sent(i, at, at, at + e2e, ok, status, ttft if ok else None, tokens if ok else 0)
+def _sent(i, at, ttft, e2e, ok=True, status="ok", tokens=9, error=""):
+    return Sent(i, at, at, at + e2e, ok, status, ttft if ok else None, tokens if ok else 0, error)
 
 
 def test_the_steady_window_leaves_out_ramp_and_drain():
     """140 arrivals every 0.1 s over [0, 14); the window is [2, 12). Each takes 0.5 s; request i's TTFT is
     (i mod 100 + 1) ms, 9 tokens. A 503 in the ramp, a request still running at the end."""
     sent = [_sent(i, round(0.1 * i, 6), ((i % 100) + 1) / 1e3, 0.5) for i in range(140)]
-    sent[5] = _sent(5, 0.5, 0, 0.01, ok=False, status="HTTP 503")
+    sent[5] = _sent(5, 0.5, 0, 0.01, ok=False, status="HTTP 503", error="HTTP 503: b'overloaded'")
+    sent[7] = _sent(7, 0.7, 0, 0.01, ok=False, status="HTTP 503", error="HTTP 503: b'the second'")
     sent[139] = Sent(139, 13.9, 13.9, math.inf, False, "unfinished")
     p = analyse(sent, 2.0, 12.0)
     assert p["window_arrivals"] == 100 and p["offered_rps"] == pytest.approx(10.0)
@@ -147,10 +148,11 @@ def test_the_steady_window_leaves_out_ramp_and_drain():
     assert p["ttft_ms"]["n"] == 100 and p["ttft_ms"]["p50"] == pytest.approx(51.0) and p["ttft_ms"]["p99"] == pytest.approx(99.0)
     # TPOT: (0.5 s - TTFT) / 8
     assert p["tpot_ms"]["p50"] == pytest.approx((500 - 50) / 8) and p["tpot_ms"]["p99"] == pytest.approx((500 - 2) / 8)
-    assert p["errors"] == {"HTTP 503": 1, "unfinished": 1} and p["errors_in_window"] == {}
+    assert p["errors"] == {"HTTP 503": 2, "unfinished": 1} and p["errors_in_window"] == {}
+    assert p["error_examples"] == {"HTTP 503": "HTTP 503: b'overloaded'", "unfinished": ""}  # the first of each
     assert p["drain_s"] == pytest.approx(13.8 + 0.5 - 13.9)
     ok, why = verdict(p, ttft_p99_ms=200.0)
-    assert not ok and why == ["errors HTTP 503 x1, unfinished x1"]
+    assert not ok and why == ["errors HTTP 503 x2, unfinished x1"]
 
 
 def test_served_counts_completions_inside_the_window_whatever_they_arrived():
