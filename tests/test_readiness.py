@@ -3,7 +3,7 @@ whole target, and afterwards while each still has one replica running."""
 
 from __future__ import annotations
 
-from app.serving.readiness import ReadinessProbe, deployments_ready
+from app.serving.readiness import ReadinessProbe, deployments_ready, serving_without
 
 
 def test_first_ready_needs_every_deployment_settled_with_its_replicas_running():
@@ -22,6 +22,18 @@ def test_first_ready_needs_every_deployment_settled_with_its_replicas_running():
     assert not deployments_ready(failing)[0] and deployments_ready(failing, whole=False)[0]
     replaced = running | {"LLM": ("UPDATING", {"STOPPING": 1, "STARTING": 1})}
     assert not deployments_ready(replaced, whole=False)[0]  # no LLM replica left: not ready until one runs
+
+
+def test_a_router_joins_a_serving_app_when_every_other_deployment_has_a_replica_running():
+    first_deploy = {"Router": ("UPDATING", {"STARTING": 3}), "MediaPreprocessor": ("HEALTHY", {"RUNNING": 4}),
+                    "LLM": ("UPDATING", {"STARTING": 2}), "VisionEncoder": ("HEALTHY", {})}
+    assert not serving_without(first_deploy, "Router")  # no LLM yet: the app's readiness covers the Routers
+    scale_up = first_deploy | {"Router": ("UPSCALING", {"RUNNING": 3, "STARTING": 1}),
+                               "LLM": ("HEALTHY", {"RUNNING": 2})}
+    assert serving_without(scale_up, "Router")
+    # the only Router replaced: the others serve, so the new one warms itself too
+    assert serving_without(scale_up | {"Router": ("UPDATING", {"STARTING": 1})}, "Router")
+    assert not serving_without(scale_up | {"LLM": ("UPDATING", {"STOPPING": 2})}, "Router")
 
 
 def test_the_probe_latches_after_the_first_whole_readiness_and_asks_at_most_once_per_ttl():

@@ -34,6 +34,12 @@ def deployments_ready(deployments: dict[str, tuple[str, dict[str, int]]], whole:
     return ready, shown
 
 
+def serving_without(deployments: dict[str, tuple[str, dict[str, int]]], name: str) -> bool:
+    """Whether every deployment but `name` that has replicas has one running: a replica of `name` that
+    starts now joins an app that already serves (a scale-up, a replacement), not a first deploy."""
+    return deployments_ready({k: v for k, v in deployments.items() if k != name}, whole=False)[0]
+
+
 class ReadinessProbe:
     """The application's readiness, read from Ray Serve's controller at most once per `ttl_s`: whole the
     first time, then one running replica per deployment."""

@@ -6,10 +6,10 @@ grows, decoders import codecs. At half capacity that meant 503s and multi-second
 20 s after `/health` turned green (issue 45, "Real traffic").
 
 So each LLM replica sends itself real requests through the real path before its constructor returns
-(Ray Serve routes to it only after that): the chat API, media and the tower (under `fused`: a small
-and a large image, a video), prefill longer than a step's budget, concurrent decodes, every sampling
-filter, log-probabilities, a JSON schema, several choices, a stream. A media replica decodes one item
-of each kind. What the warm-up did is logged and kept (`WarmupReport`).
+(Ray Serve routes to it only after that): the chat API, media and the tower (under `fused`: a small and
+a large image, a video), prefill longer than a step's budget, concurrent decodes, every sampling filter,
+log-probabilities, a JSON schema, several choices, a stream. A media replica decodes one item of each
+kind; a Router joining an app that serves sends requests through its own routes (`warm_router`).
 """
 
 from __future__ import annotations
@@ -143,3 +143,40 @@ def warm_media(pipeline) -> float:
     t0 = time.perf_counter()
     run_off_loop(lambda: pipeline.prepare_all(refs), timeout_s=120)
     return time.perf_counter() - t0
+
+
+def router_warmup_bodies() -> list[dict]:
+    """A joining Router's own requests: short answers over its routes, handles and media paths (an image
+    small enough for its own threads, a 448² JPEG and a PNG for the media replicas, a stream)."""
+    tiny = {"type": "image_url", "image_url": {"url": _data_url(image_bytes(64, 64, 4, "JPEG"), "image/jpeg")}}
+    jpeg = {"type": "image_url", "image_url": {"url": _data_url(image_bytes(448, 448, 5, "JPEG"), "image/jpeg")}}
+    png = {"type": "image_url", "image_url": {"url": _data_url(image_bytes(640, 480, 6, "PNG"), "image/png")}}
+    text = {"type": "text", "text": "What is this?"}
+    return [{"messages": _user("Hello"), "max_tokens": 2, "temperature": 0},
+            {"messages": _user("Stream this"), "max_tokens": 2, "temperature": 0, "stream": True},
+            {"messages": _user([tiny, text]), "max_tokens": 2, "temperature": 0},
+            {"messages": _user([jpeg, text]), "max_tokens": 2, "temperature": 0},
+            {"messages": _user([png, text]), "max_tokens": 2, "temperature": 0, "stream": True}]
+
+
+async def warm_router(asgi_app, api_key: str | None, rounds: int = 2) -> WarmupReport:
+    """`router_warmup_bodies` and GET /v1/models through the Router's ASGI app in this process (FastAPI's
+    parsing, the API key check, the chat service, the handles to the media and LLM replicas), all at
+    once, `rounds` times. A failed request is reported, not raised."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    report, t0 = WarmupReport(), time.perf_counter()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi_app), base_url="http://warmup",
+                                 headers=headers, timeout=None) as client:
+        for _ in range(rounds):
+            calls = [client.get("/v1/models")]
+            calls += [client.post("/v1/chat/completions", json=b) for b in router_warmup_bodies()]
+            for r in await asyncio.gather(*calls, return_exceptions=True):
+                report.requests += 1
+                if isinstance(r, Exception):
+                    report.errors.append(f"{type(r).__name__}: {r}"[:300])
+                elif r.status_code != 200:
+                    report.errors.append(f"HTTP {r.status_code}: {r.text}"[:300])
+    report.seconds = time.perf_counter() - t0
+    return report
