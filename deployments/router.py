@@ -118,8 +118,8 @@ async def open_shared_port(router, host: str, port: int, api_key: str | None) ->
     routes find their `self` through it, which Serve sets after the constructor returns, so a request the
     port took in between would have none. A Router that joins an app already serving first sends its own
     warm-up requests through its routes (app/serving/warmup.py: `warm_router`): on one H100 (2026-11-27),
-    the points that met a Router added under load had TTFT p99 400 ms at a fifth of the GPU's capacity,
-    with the engine's parts of it under 40 ms. At the first deploy the app's readiness covers that."""
+    the points that met a Router added under load had TTFT p99 over 400 ms at 40-47 req/s, with the
+    engine's parts of it under 40 ms. At the first deploy the app's readiness covers that."""
     while serve.get_replica_context().servable_object is None:
         await asyncio.sleep(0.01)
     ctx = serve.get_replica_context()

@@ -1,6 +1,6 @@
 """benchmarks/cluster_scaling.py's layouts: every node gets an equal share of the host's GPUs, cores and
-object store, so one node and two hold the same in all (2026-11-27: ray.cluster_utils' 150 MiB store per
-node, left as it was, made two nodes look 1.3x faster than one)."""
+object store, so one node and two hold the same in all (2026-11-27: with ray.cluster_utils' 150 MiB store
+per node left as it was, two nodes served 1.3x one, the likely cause)."""
 
 from __future__ import annotations
 
