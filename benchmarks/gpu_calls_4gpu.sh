@@ -7,6 +7,7 @@
 #                                                them the whole GPU suite on GPUs 2-3
 #   bash benchmarks/gpu_calls_4gpu.sh two        on a 2-GPU host (issue 41's H100 rows): the new kernels' GPU tests on GPU 1
 #                                                beside the 30B-A3B A/Bs on GPU 0, then 32B TP=2 and the TP tests on both
+#   bash benchmarks/gpu_calls_4gpu.sh long       the key split at a LONG_PROMPT-token context (16384), 30B-A3B and 8B
 #   bash benchmarks/gpu_calls_4gpu.sh tp4        235B-A22B TP=4 decode (every layer where the cards hold it,
 #                                                else LAYERS_235B), then the cluster stage
 #   bash benchmarks/gpu_calls_4gpu.sh cluster    2 nodes x 2 GPUs against 1 node x 4 (CLUSTER_S, LAYOUTS, APP_ARGS:
@@ -16,7 +17,8 @@
 #   bash benchmarks/gpu_calls_4gpu.sh cold       cold starts at 0.5 and 0.9 of goodput, an LLM replica added under load
 #   bash benchmarks/gpu_calls_4gpu.sh replicas   goodput with 1 LLM replica per GPU, then with 2 (the default)
 #   bash benchmarks/gpu_calls_4gpu.sh stream     goodput with the fused tower on the engine's stream, then its own
-#   BUDGET_EACH=170 bash benchmarks/gpu_calls_4gpu.sh ab   the default, one LLM replica per GPU, the tower's own stream
+#   BUDGET_EACH=270 bash benchmarks/gpu_calls_4gpu.sh ab   the default, one LLM replica per GPU, the tower's own stream (two fit
+#                                                a call at 270 s each; 2026-11-27's 170 s cut every search short)
 #   bash benchmarks/gpu_calls_4gpu.sh mix        the realistic mix's goodput beside 448² images (MIX_STAGES one or all)
 # Everything lands in $OUT/all.tgz (the call's files) and $OUT/summary.txt.
 # (2026-11-27's call 1 also ran each decode with --skinny, an option since removed: it lost to cuBLAS.)
@@ -65,6 +67,13 @@ case ${1:-decode} in
     CUDA_VISIBLE_DEVICES=0,1 timeout "${TP_TESTS_S:-120}" python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
       tests/test_tensor_parallel.py tests/test_tower_tp.py > "$W/gpu_tests_2.log" 2>&1
     say "gpu tests (two GPUs) rc=$? $(tail -1 "$W/gpu_tests_2.log")" ;;
+  long)  # decode attention split over the keys at long contexts (what it was built for; at a 128-token
+         # prompt it changed nothing, 2026-11-27): 30B-A3B on GPU 0 and 8B on GPU 1, each with and without
+    P=(--prompt "${LONG_PROMPT:-16384}" --max-model-len $(( ${LONG_PROMPT:-16384} + 512 )) --streams 8)  # 8 x 16.9k fits an H100's 30B KV (191k)
+    ( dec dense8b_long 200 1 --preset qwen3-vl-8b "${P[@]}"; dec dense8b_long_no_kv_split 200 1 --preset qwen3-vl-8b "${P[@]}" --no-kv-split ) &
+    dec moe30b_long 200 0 --preset qwen3-vl-30b-a3b "${P[@]}"
+    dec moe30b_long_no_kv_split 200 0 --preset qwen3-vl-30b-a3b "${P[@]}" --no-kv-split
+    wait ;;
   tp4)
     mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
     L=(--layers "${LAYERS_235B:-24}"); [ "$mem" -gt 120000 ] && L=()   # an H200 holds a quarter of 235B
@@ -104,9 +113,11 @@ case ${1:-decode} in
     # tower's part of TTFT is the first to grow above goodput (2026-11-27, fourth session)
     if [ "$1" = replicas ]; then
       names=(r1 r2); args=('{"placement": {"llm_replicas_per_gpu": 1}}' '{"placement": {"llm_replicas_per_gpu": 2}}')
-    elif [ "$1" = ab ]; then  # the default, then each change alone (BUDGET_EACH=170: no cold starts)
-      names=(r2_shared r1_shared r2_own)
-      args=('{}' '{"placement": {"llm_replicas_per_gpu": 1}}' '{"encoder": {"stream": "own"}}')
+    elif [ "$1" = ab ]; then  # the default, then each change alone (AB_VARIANTS: a subset, e.g. "0 2")
+      all_names=(r2_shared r1_shared r2_own)
+      all_args=('{}' '{"placement": {"llm_replicas_per_gpu": 1}}' '{"encoder": {"stream": "own"}}')
+      names=(); args=()
+      for i in ${AB_VARIANTS:-0 1 2}; do names+=("${all_names[$i]}"); args+=("${all_args[$i]}"); done
     else
       names=(shared own); args=('{"encoder": {"stream": "shared"}}' '{"encoder": {"stream": "own"}}')
     fi
