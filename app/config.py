@@ -200,6 +200,10 @@ class LLMConfig(_Strict):
     moe_parallel: Literal["tp", "ep"] = Field("tp", description="under tensor parallelism, how MoE layers split: "
                                               "every expert's units over the ranks (tp) or whole experts per rank "
                                               "(ep)")
+    tp_all_reduce: Literal["nccl", "symm_mem"] = Field(
+        "nccl", description="under tensor parallelism, the all-reduces of up to 512 KB (decode steps): NCCL's, or "
+        "one kernel over torch's symmetric memory (checked against NCCL at start, NCCL kept if it cannot; "
+        "app/llm/symm_all_reduce.py). Not yet measured on GPUs")
 
     def resolved_max_num_seqs(self, device_type: str) -> int:
         return self.max_num_seqs or (256 if device_type == "cuda" else 8)

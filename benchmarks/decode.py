@@ -137,12 +137,16 @@ def rank_main(rank: int, a, path: str, port: int, out: str) -> None:
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=a.tp,
                                 device_id=torch.device("cuda", rank))
         tp = TensorParallel(rank, a.tp, moe=a.moe)
+        if a.symm_all_reduce:
+            from app.llm.symm_all_reduce import checked_symm_all_reduce
+
+            tp.fast = checked_symm_all_reduce(None, torch.device("cuda", rank), torch.bfloat16, rank)
     t0 = time.perf_counter()
     engine = Engine(path, "cuda", tp=tp, load_format="dummy", max_model_len=a.max_model_len,
                     max_num_seqs=a.max_num_seqs, gpu_memory_utilization=a.gpu_memory_utilization,
                     decode_kv_splits=1 if a.no_kv_split else 32)
     res = {"preset": a.preset, "layers": engine.spec.layers, "tp": a.tp, "moe": a.moe, "legacy_moe": a.legacy_moe,
-           "no_kv_split": a.no_kv_split,
+           "no_kv_split": a.no_kv_split, "symm_all_reduce": a.tp > 1 and tp.fast is not None,
            "direct_config": json.loads(Path(a.direct_config).read_text()) if a.direct_config else None,
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "engine_start_s": time.perf_counter() - t0, "kv_blocks": engine.blocks.usable_blocks,
@@ -205,6 +209,9 @@ def main() -> None:
     p.add_argument("--no-kv-split", action="store_true",
                    help="decode attention with one program per sequence and KV head, the keys never split (the path "
                         "before decode_kv_splits): an A/B in one device call")
+    p.add_argument("--symm-all-reduce", action="store_true",
+                   help="with --tp: the decode steps' all-reduces through symmetric memory instead of NCCL "
+                        "(app/llm/symm_all_reduce.py): an A/B in one device call")
     p.add_argument("--direct-config", default=None, metavar="JSON_FILE",
                    help="tiles for the unsorted few-token MoE path (e.g. moe_kernel.py --sweep's best) instead of "
                         "moe_config's")

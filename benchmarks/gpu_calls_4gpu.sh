@@ -6,7 +6,8 @@
 #                                                attention) and 8B on GPU 1, then 32B TP=2 on GPUs 0-1; beside
 #                                                them the whole GPU suite on GPUs 2-3
 #   bash benchmarks/gpu_calls_4gpu.sh two        on a 2-GPU host (issue 41's H100 rows): the new kernels' GPU tests on GPU 1
-#                                                beside the 30B-A3B A/Bs on GPU 0, then 32B TP=2 and the TP tests on both
+#                                                beside the 30B-A3B A/Bs on GPU 0, then 32B TP=2 (NCCL, then the
+#                                                symmetric-memory all-reduce) and the TP tests on both
 #   bash benchmarks/gpu_calls_4gpu.sh long       the key split at a LONG_PROMPT-token context (16384), 30B-A3B and 8B
 #   bash benchmarks/gpu_calls_4gpu.sh tp4        235B-A22B TP=4 decode (every layer where the cards hold it,
 #                                                else LAYERS_235B), then the cluster stage
@@ -54,9 +55,10 @@ case ${1:-decode} in
     dec moe30b_profile64 200 0 --preset qwen3-vl-30b-a3b --profile 64  # where 64 streams' steps go (H100: 13% short)
     wait $p8
     dec dense32b_tp2 200 0,1 --preset qwen3-vl-32b --tp 2
+    dec dense32b_tp2_symm 200 0,1 --preset qwen3-vl-32b --tp 2 --symm-all-reduce
     wait ;;
   two)
-    ( CUDA_VISIBLE_DEVICES=1 timeout "${TESTS_S:-330}" python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
+    ( CUDA_VISIBLE_DEVICES=1 timeout "${TESTS_S:-300}" python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
         tests/test_moe_routing.py tests/test_llm_kernels.py tests/test_capture.py tests/test_llm_moe.py \
         tests/test_fused_moe.py tests/test_llm_batching.py tests/test_logprobs.py tests/test_integration.py \
         > "$W/gpu_tests_1.log" 2>&1; say "gpu tests (one GPU) rc=$? $(tail -1 "$W/gpu_tests_1.log")" ) &
@@ -64,6 +66,7 @@ case ${1:-decode} in
     dec moe30b_no_kv_split 200 0 --preset qwen3-vl-30b-a3b --no-kv-split
     wait
     dec dense32b_tp2 150 0,1 --preset qwen3-vl-32b --tp 2
+    dec dense32b_tp2_symm 150 0,1 --preset qwen3-vl-32b --tp 2 --symm-all-reduce  # llm.tp_all_reduce: symm_mem
     CUDA_VISIBLE_DEVICES=0,1 timeout "${TP_TESTS_S:-120}" python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
       tests/test_tensor_parallel.py tests/test_tower_tp.py > "$W/gpu_tests_2.log" 2>&1
     say "gpu tests (two GPUs) rc=$? $(tail -1 "$W/gpu_tests_2.log")" ;;

@@ -59,7 +59,7 @@ def start_group(cfg: AppConfig, checkpoint: str) -> tuple[dict, list]:
     if pg is None:
         raise RuntimeError(f"placement.llm_tensor_parallel {size} needs the LLM deployment's placement group "
                            "(placement_group_bundles); start the application through deployments.app")
-    rv = Rendezvous(free_address(ray.util.get_node_ip_address()), size, cfg.llm.moe_parallel)
+    rv = Rendezvous(free_address(ray.util.get_node_ip_address()), size, cfg.llm.moe_parallel, cfg.llm.tp_all_reduce)
     bundle = pg.bundle_specs[1] if len(pg.bundle_specs) > 1 else {}
     group = uuid.uuid4().hex[:8]
     followers = [LLMFollower.options(

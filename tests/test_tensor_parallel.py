@@ -107,27 +107,87 @@ def test_shares_follow_the_heads_units_and_vocabulary():
         LocalShapes.of(spec, TensorParallel(0, 3))
 
 
+def test_an_all_reduce_goes_through_the_fast_path_only_where_it_fits():
+    """TensorParallel.all_reduce: a tensor the small-message path takes goes there; any other to NCCL
+    (here: no process group, so torch.distributed says so)."""
+
+    class Fast:
+        def __init__(self):
+            self.calls = 0
+
+        def fits(self, x):
+            return x.numel() <= 4
+
+        def __call__(self, x):
+            self.calls += 1
+            return x.mul_(2)  # what two ranks holding the same x would sum to
+
+    from app.llm.parallel import TensorParallel
+
+    fast = Fast()
+    tp = TensorParallel(0, 2, fast=fast)
+    assert torch.equal(tp.all_reduce(torch.ones(4)), torch.full((4,), 2.0)) and fast.calls == 1
+    with pytest.raises((RuntimeError, ValueError), match="[Dd]efault process group|init_process_group"):
+        tp.all_reduce(torch.ones(5))
+    assert fast.calls == 1
+    assert TensorParallel(0, 1, fast=fast).all_reduce(torch.ones(2)).sum() == 2 and fast.calls == 1  # one rank
+
+
 def _gpu_rank(rank: int, size: int, port: int, cache: str, out: str) -> None:
     import torch.distributed as dist
 
     from app.checkpoints.model_builder import ensure_embedded
     from app.llm.loader import load_checkpoint
     from app.llm.parallel import TensorParallel
+    from app.llm.symm_all_reduce import checked_symm_all_reduce
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             device_id=torch.device("cuda", rank))
     try:
         results = {}
+        dev = torch.device("cuda", rank)
+        fast = checked_symm_all_reduce(None, dev, torch.bfloat16, rank)
+        results["symm_available"] = fast is not None
+        if fast is not None:
+            results["symm_in_graph"] = _symm_all_reduce_in_a_graph(fast, rank, dev)
         for preset, moe in CASES:
-            tp = TensorParallel(rank, size, moe=moe)
             path = ensure_embedded(preset, cache)
-            model = load_checkpoint(path, torch.bfloat16, torch.device("cuda", rank), 256, tp).model
-            results[(preset, moe)] = _prefill_logits_cuda(model).float().cpu()
+            for how in ("nccl", "symm") if fast is not None else ("nccl",):
+                tp = TensorParallel(rank, size, moe=moe, fast=fast if how == "symm" else None)
+                model = load_checkpoint(path, torch.bfloat16, dev, 256, tp).model
+                results[(preset, moe, how)] = _prefill_logits_cuda(model).float().cpu()
+                del model
         if rank == 0:
             torch.save(results, out)
     finally:
         dist.destroy_process_group()
+
+
+def _symm_all_reduce_in_a_graph(fast, rank: int, dev: torch.device) -> bool:
+    """The symmetric all-reduce captured in a CUDA graph and replayed on new inputs equals NCCL's sums
+    (integers: exact in any order), as the engine's decode graphs replay it."""
+    import torch.distributed as dist
+
+    x = torch.zeros(7, 2048, dtype=torch.bfloat16, device=dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        fast(x)  # warm-up on the capturing stream
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            fast(x)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    same = True
+    for step in range(3):
+        fresh = ((torch.arange(x.numel(), device=dev) * (step + 1) + rank) % 31).to(torch.bfloat16).view_as(x)
+        want = fresh.clone()
+        dist.all_reduce(want)
+        x.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        same = same and torch.equal(x, want)
+    return same
 
 
 def _prefill_logits_cuda(model) -> torch.Tensor:
@@ -155,7 +215,8 @@ def _prefill_logits_cuda(model) -> torch.Tensor:
 
 @pytest.mark.gpu
 def test_two_gpus_over_nccl_give_one_gpus_logits(model_cache, tmp_path):
-    """bf16: two ranks' logits against one rank's, within bf16 rounding of the partial sums' order."""
+    """bf16: two ranks' logits against one rank's, within bf16 rounding of the partial sums' order; with
+    the symmetric-memory all-reduce, the same as NCCL's."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     from app.checkpoints.model_builder import ensure_embedded
@@ -169,8 +230,14 @@ def test_two_gpus_over_nccl_give_one_gpus_logits(model_cache, tmp_path):
     for preset, moe in CASES:
         model = load_checkpoint(ensure_embedded(preset, model_cache), torch.bfloat16, torch.device("cuda", 0), 256).model
         want = _prefill_logits_cuda(model).float().cpu()
-        err = (got[(preset, moe)] - want).norm() / want.norm()
+        err = (got[(preset, moe, "nccl")] - want).norm() / want.norm()
         assert err < 2e-2, (preset, moe, float(err))
+    # the symmetric-memory all-reduce (llm.tp_all_reduce: symm_mem): at two ranks a sum has two terms,
+    # rounded once either way, so its logits equal NCCL's bit for bit, and so do its graph replays
+    assert got["symm_available"], "symmetric memory did not start on two GPUs of one host (see the ranks' log)"
+    assert got["symm_in_graph"]
+    for preset, moe in CASES:
+        assert torch.equal(got[(preset, moe, "symm")], got[(preset, moe, "nccl")]), (preset, moe)
 
 
 def test_each_rank_reads_only_its_share_of_the_checkpoint(model_cache):

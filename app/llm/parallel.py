@@ -9,6 +9,7 @@ A model too large for one GPU is split Megatron-style across N ranks (GPUs of on
 - embedding and LM head split by vocabulary rows (a masked lookup, then an all-reduce; logits gathered);
 - MoE layers split every expert's units (`moe: "tp"`) or give whole experts to ranks (`"ep"`); either
   ends in the same all-reduce. With N = 1 every helper is the identity, without torch.distributed.
+Small all-reduces may go through symmetric memory instead of NCCL (`fast`: app/llm/symm_all_reduce.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class TensorParallel:
     size: int = 1
     group: Any = None  # a torch.distributed process group of the `size` ranks (None: the default group)
     moe: Literal["tp", "ep"] = "tp"
+    fast: Any = None  # a small-message all-reduce (symm_all_reduce.SymmetricAllReduce) used where it fits
 
     @property
     def enabled(self) -> bool:
@@ -55,6 +57,8 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's `x`, in place."""
         if self.size > 1:
+            if self.fast is not None and self.fast.fits(x):
+                return self.fast(x)
             import torch.distributed as dist
 
             dist.all_reduce(x, group=self.group)

@@ -24,6 +24,7 @@ class Rendezvous:
     address: str  # host:port of rank 0's store
     size: int
     moe: str = "tp"
+    all_reduce: str = "nccl"  # or "symm_mem": small all-reduces through symmetric memory (llm.tp_all_reduce)
 
 
 def free_address(host: str) -> str:
@@ -45,4 +46,8 @@ def join(rv: Rendezvous, rank: int, device: torch.device, spec: TextSpec, dtype:
                             world_size=rv.size, timeout=timedelta(seconds=timeout_s), **kw)
     ticks = dist.new_group(backend="gloo") if cuda else None  # on the CPU the default group is gloo already
     tp = TensorParallel(rank, rv.size, moe=rv.moe)
+    if cuda and rv.all_reduce == "symm_mem":
+        from ..llm.symm_all_reduce import checked_symm_all_reduce
+
+        tp.fast = checked_symm_all_reduce(None, device, dtype, rank)
     return tp, Channel(rank, ticks, None, device, spec.hidden, dtype)
