@@ -146,8 +146,9 @@ def warm_media(pipeline) -> float:
 
 
 def router_warmup_bodies() -> list[dict]:
-    """A joining Router's own requests: short answers over its routes, handles and media paths (an image
-    small enough for its own threads, a 448² JPEG and a PNG for the media replicas, a stream)."""
+    """A joining Router's own requests: short answers over its routes and handles, a stream, and three
+    images; sent at once, one is prepared on the Router's own threads and the others by the media
+    replicas (media.router_local_below), so both paths run."""
     tiny = {"type": "image_url", "image_url": {"url": _data_url(image_bytes(64, 64, 4, "JPEG"), "image/jpeg")}}
     jpeg = {"type": "image_url", "image_url": {"url": _data_url(image_bytes(448, 448, 5, "JPEG"), "image/jpeg")}}
     png = {"type": "image_url", "image_url": {"url": _data_url(image_bytes(640, 480, 6, "PNG"), "image/png")}}
