@@ -769,6 +769,26 @@ def scale_up_options(start: int, target_requests: float, upscale_delay_s: float)
         "policy": {"policy_function": "app.serving.autoscaling:LLMAutoscalingPolicy"}}}}
 
 
+def startup_durations(load: dict) -> dict[str, dict]:
+    """Per LLM replica of a `/v1/llm/load` answer: the seconds from its process start to ready, and each
+    phase of its start in seconds (app/serving/startup.py), to say where a slow start went."""
+    out = {}
+    for r in load.get("replicas", []):
+        st = r.get("startup") or {}
+        t0 = st.get("started_at")
+        ready = r.get("ready_at")
+        out[str(r.get("replica"))] = {
+            "to_ready_s": None if t0 is None or ready is None else round(ready - t0, 2),
+            "phases_s": {p["name"]: round(p["end"] - p["start"], 2) for p in st.get("phases", [])}}
+    return out
+
+
+async def fetch_startups(url: str) -> dict[str, dict]:
+    async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=10)) as client:
+        load = await _get_json(client, "/v1/llm/load")
+    return startup_durations(load or {})
+
+
 async def watch_replicas(url: str, t0: float, until_s: float, every_s: float = 0.5) -> list[dict]:
     """The LLM replicas that answer /v1/llm/load (Ray Serve routes only to running ones) every `every_s`:
     seconds from t0, and per replica when it became ready and took its first request, and the phases of
@@ -1246,6 +1266,12 @@ def main(argv: list[str] | None = None) -> dict:
             started = True
             results["meta"]["ready_s"] = time.perf_counter() - t
             print(f"application ready in {results['meta']['ready_s']:.1f} s; load to {url}", flush=True)
+        if a.start:  # where the LLM replicas' starts went (issue 45's ready in <= 60 s)
+            results["meta"]["llm_startup"] = asyncio.run(fetch_startups(url))
+            for rid, st in results["meta"]["llm_startup"].items():
+                top = sorted(st["phases_s"].items(), key=lambda kv: -kv[1])[:4]
+                print(f"LLM replica {rid}: ready {st['to_ready_s']} s after its start; longest phases: "
+                      + ", ".join(f"{k} {v:.1f} s" for k, v in top), flush=True)
         for k, wl in enumerate(workloads):
             entry: dict = {"ttft_p99_bound_ms": bound_of(wl, a)}
             results["workloads"][wl.label] = entry

@@ -33,6 +33,7 @@ from benchmarks.goodput import (
     scale_up_options,
     scale_up_summary,
     search_goodput,
+    startup_durations,
     status_of,
     verdict,
 )
@@ -560,6 +561,8 @@ def test_a_sweep_and_a_cold_start_against_the_real_app_on_the_cpu(model_cache, t
     took = time.perf_counter() - t
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads((out / "goodput.json").read_text())
+    starts = r["meta"]["llm_startup"]  # where each LLM replica's start went, read at ready
+    assert starts and all(st["to_ready_s"] > 0 and st["phases_s"] for st in starts.values()), starts
     w = r["workloads"]["image 64^2"]
     pts = w["search"]["points"]
     assert [p["rate"] for p in pts] == [1, 2]
@@ -579,3 +582,17 @@ def test_a_sweep_and_a_cold_start_against_the_real_app_on_the_cpu(model_cache, t
     assert r["meta"]["ready_s"] == r["cold_start"][0]["ready_s"]
     assert (out / "goodput.png").exists() and (out / "cold_start.png").exists()
     print(f"real-app goodput sweep: {took:.0f} s")
+
+
+def test_a_replicas_start_is_told_in_seconds_per_phase():
+    """/v1/llm/load's wall-clock phases (app/serving/startup.py) as durations, and the time to ready."""
+    from app.serving.startup import StartupTimeline
+
+    st = StartupTimeline(started_at=1000.0)
+    st.add("model", 1000.5, 1012.0)
+    st.extend("engine", [("graphs", 1012.0, 1030.25)])
+    load = {"replicas": [{"replica": "a", "ready_at": 1041.0, "startup": st.as_dict()},
+                         {"replica": "b", "ready_at": None, "startup": None}]}
+    assert startup_durations(load) == {
+        "a": {"to_ready_s": 41.0, "phases_s": {"model": 11.5, "engine: graphs": 18.25}},
+        "b": {"to_ready_s": None, "phases_s": {}}}
