@@ -113,7 +113,7 @@ class Sent:
     status: str  # "ok", "HTTP 503", "stream error", a client exception's name, "unfinished"
     ttft_s: float | None = None
     completion_tokens: int = 0
-    error: str = ""  # what the server or the client said (a 5xx's body, up to 200 bytes)
+    error: str = ""  # what the server or the client said (a 5xx: its status and its body's first 200 bytes)
 
 
 def status_of(r: Result) -> str:
@@ -770,8 +770,8 @@ def scale_up_options(start: int, target_requests: float, upscale_delay_s: float)
 
 
 def startup_durations(load: dict) -> dict[str, dict]:
-    """Per LLM replica of a `/v1/llm/load` answer: the seconds from its process start to ready, and each
-    phase of its start in seconds (app/serving/startup.py), to say where a slow start went."""
+    """Per LLM replica of a `/v1/llm/load` answer: the seconds from its constructor's start (its startup
+    timeline, app/serving/startup.py) to ready, and each phase in seconds, to say where a slow start went."""
     out = {}
     for r in load.get("replicas", []):
         st = r.get("startup") or {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -96,6 +97,7 @@ def router_warmups() -> list[tuple[int, int]]:
 
 def test_routers_scale_up_on_their_own_ports_load_and_back_down(served):
     assert running_replicas("Router") == 1
+    before = router_warmups()  # the first Router warms itself too if it started after the LLM replica
     streams = LongStreams(DIRECT_PORT)  # on the shared port: Ray Serve never sees these requests
     with NewConnections(DIRECT_PORT) as probe:
         try:
@@ -103,16 +105,15 @@ def test_routers_scale_up_on_their_own_ports_load_and_back_down(served):
             # 6 streams against target_ongoing_requests 2: 3 Routers wanted, max_replicas caps it at 2
             wait_for(lambda: running_replicas("Router") == 2, 120, "a second Router")
             # and on until the new Router's port has opened (after its warm-up)
-            wait_for(lambda: router_warmups(), 120, "the new Router's warm-up in its log")
+            wait_for(lambda: len(router_warmups()) > len(before), 120, "the new Router's warm-up in its log")
             n = probe.ok
             wait_for(lambda: probe.ok >= n + 20, 60, "more requests after the new port opened")
         finally:
             streams.stop()
     assert not streams.errors, streams.errors
     assert not probe.bad, (probe.ok, probe.bad[:5])  # no connection meets a Router before it is ready
-    # the Router added under load warmed itself (the first one, deployed with the app, did not need to)
-    assert [errors for _, errors in router_warmups()] == [0], router_warmups()
-    assert router_warmups()[0][0] == 12  # two rounds of GET /v1/models and five chat requests
+    # the Router added under load warmed itself: two rounds of GET /v1/models and five chat requests
+    assert Counter(router_warmups()) - Counter(before) == Counter({(12, 0): 1}), (before, router_warmups())
     wait_for(lambda: running_replicas("Router") == 1, 120, "the Routers scaled back to one")
     # the remaining Router still answers on the shared port, and so does the proxy
     for port in (DIRECT_PORT, PORT):

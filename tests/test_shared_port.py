@@ -13,7 +13,7 @@ from starlette.applications import Starlette
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
-from app.api.shared_port import SharedPortServer, listen_shared
+from app.api.shared_port import SharedPortServer, bind_shared, listen_shared
 
 
 def free_port() -> int:
@@ -52,6 +52,36 @@ def test_two_listeners_share_one_port():
     finally:
         a.close()
         b.close()
+
+
+def test_a_bound_port_takes_no_connection_until_it_listens_and_a_held_port_fails_the_bind():
+    """A Router binds its port in its constructor and listens only once ready: until then the kernel
+    gives every new connection to the node's listening Routers. A port another program holds without
+    SO_REUSEPORT fails the bind at once (the constructor, so Serve reports the replica failed)."""
+    port = free_port()
+    ready = listen_shared("127.0.0.1", port)
+    joining = bind_shared("127.0.0.1", port)
+    try:
+        clients = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(20)]
+        ready.setblocking(True)
+        accepted = [ready.accept()[0] for _ in clients]  # all 20 queued on the listening socket
+        joining.listen(16)
+        joining.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            joining.accept()  # nothing was queued on it while it was only bound
+        for c in clients + accepted:
+            c.close()
+    finally:
+        ready.close()
+        joining.close()
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    try:
+        with pytest.raises(OSError):
+            bind_shared("127.0.0.1", held.getsockname()[1])
+    finally:
+        held.close()
 
 
 def test_requests_in_flight_are_counted_and_a_drain_lets_them_finish():

@@ -19,15 +19,27 @@ import contextlib
 import socket
 
 
-def listen_shared(host: str, port: int, backlog: int = 2048) -> socket.socket:
-    """A listening socket on host:port that other processes may bind as well (SO_REUSEPORT)."""
+def bind_shared(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port that other processes may bind as well (SO_REUSEPORT), not yet
+    listening: the kernel hands a node's new connections only to the listening ones, so a Router can
+    take its port (and fail at once if another program holds it) before it is ready to serve."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(backlog)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
     sock.setblocking(False)
+    return sock
+
+
+def listen_shared(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A listening socket on host:port that other processes may bind as well (SO_REUSEPORT)."""
+    sock = bind_shared(host, port)
+    sock.listen(backlog)
     return sock
 
 
@@ -82,10 +94,14 @@ class CountInFlight:
 class SharedPortServer:
     """uvicorn serving `app` on a shared port, as a task of the running event loop."""
 
-    def __init__(self, app, host: str, port: int):
+    def __init__(self, app, host: str, port: int, sock: socket.socket | None = None, backlog: int = 2048):
+        """`sock`: one `bind_shared` made earlier, which starts listening here."""
         import uvicorn
 
-        self.sock = listen_shared(host, port)
+        if sock is None:
+            sock = bind_shared(host, port)
+        sock.listen(backlog)
+        self.sock = sock
         self.counter = CountInFlight(app)
         # log_config=None: uvicorn's default runs logging.config.dictConfig, which closes every handler the
         # process has, Ray Serve's too, and the replica's log file went silent from here on

@@ -5,8 +5,9 @@ H100s: 1.27 ms of a 14.5 ms token (2026-11-27). At that size the cost is latency
 symmetric memory every rank maps the others' buffers over NVLink, and one kernel per rank reads every
 peer's copy and sums it (torch's `one_shot_all_reduce`), behind a barrier of signal pads. NVLink
 multicast is not needed. Larger inputs (prefill) stay with NCCL.
-Opt-in (`llm.tp_all_reduce: symm_mem`, `decode.py --symm-all-reduce`) until an A/B on GPUs says more:
-it is built and checked on the CPU machine only, and at start it checks itself against NCCL.
+Opt-in (`decode.py --symm-all-reduce`, `llm.tp_all_reduce: symm_mem`) until a GPU A/B measures it; it
+checks itself against NCCL at start. Under Ray each rank sees its one GPU as cuda:0, which torch's
+rendezvous refuses: a served replica then keeps NCCL (logged) until its ranks see every GPU.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 512 * 1024  # 64 decode tokens at hidden 4096 in bf16; NCCL's ring above
+SUPPORTED = (torch.bfloat16, torch.float32)
 
 
 class SymmetricAllReduce:
@@ -38,7 +40,8 @@ class SymmetricAllReduce:
         self._ret = ops.one_shot_all_reduce
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.dtype == self.buffer.dtype and x.is_contiguous() and x.numel() <= self.buffer.numel()
+        return (x.dtype == self.buffer.dtype and x.is_contiguous() and x.numel() <= self.buffer.numel()
+                and x.numel() * x.element_size() % 4 == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         staged = self.buffer[: x.numel()]
@@ -55,7 +58,8 @@ def checked_symm_all_reduce(group, device: torch.device, dtype: torch.dtype, ran
     """A SymmetricAllReduce that gave NCCL's sums on integers (exact in any order and dtype) on every rank,
     or None, with a warning, where torch, the driver or the links cannot (the caller keeps NCCL). Every
     rank must call it: the rendezvous, the sums and the agreements are collectives, and the ranks agree
-    after each step so that none waits in a barrier another skipped."""
+    after each step so that none waits in a barrier another skipped. torch's kernel takes bf16 and
+    float32 only, in multiples of 4 bytes (`fits` asks for that)."""
     import torch.distributed as dist
 
     def everyone(ok: bool) -> bool:
@@ -64,20 +68,28 @@ def checked_symm_all_reduce(group, device: torch.device, dtype: torch.dtype, ran
         return bool(flag.item())
 
     fast, why = None, ""
-    try:
-        fast = SymmetricAllReduce(group, device, dtype, max_bytes)
-    except Exception as e:  # noqa: BLE001 - said below, NCCL kept
-        why = f"{type(e).__name__}: {e}"
+    if dtype in SUPPORTED:
+        try:
+            fast = SymmetricAllReduce(group, device, dtype, max_bytes)
+        except Exception as e:  # noqa: BLE001 - said below, NCCL kept
+            why = f"{type(e).__name__}: {e}"
+    else:
+        why = f"{dtype} (torch's kernel takes {', '.join(map(str, SUPPORTED))})"
     if not everyone(fast is not None):
         log.warning("symmetric-memory all-reduce unavailable, NCCL kept: %s", why or "another rank failed")
         return None
     same = True
-    for n in (1, 4096 + 3, fast.buffer.numel()):
+    for n in (2, 4096 + 2, fast.buffer.numel()):
         x = (torch.arange(n, device=device) % 17 + rank).to(dtype)
         want = x.clone()
         dist.all_reduce(want, group=group)
-        same = same and torch.equal(fast(x.clone()), want)
+        try:  # every rank makes the call whatever an earlier size gave: a rank that skipped it would hang the rest
+            ok = torch.equal(fast(x.clone()), want)
+        except Exception as e:  # noqa: BLE001 - a raise here is local (the size checks run before the kernel)
+            ok, why = False, f"{type(e).__name__}: {e}"
+        same = same and ok
     if not everyone(same):
-        log.warning("symmetric-memory all-reduce differs from NCCL on some rank: NCCL kept")
+        log.warning("symmetric-memory all-reduce differs from NCCL or failed on some rank, NCCL kept: %s",
+                    why or "another rank")
         return None
     return fast
