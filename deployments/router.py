@@ -113,8 +113,8 @@ METRICS_TIMEOUT_S = 2.0  # GET /metrics waits this long for the replicas' number
 ROUTER_WARMUP_S = 60.0  # a joining Router's warm-up gives up after this and opens its port anyway
 
 
-async def open_shared_port(router, sock, api_key: str | None) -> SharedPortServer:
-    """A Router's shared port, opened only once Ray Serve has made `router` the replica's instance: FastAPI's
+async def open_shared_port(sock, api_key: str | None) -> SharedPortServer:
+    """A Router's shared port, opened only once Ray Serve has made the Router the replica's instance: FastAPI's
     routes find their `self` through it, which Serve sets after the constructor returns, so a request the
     port took in between would have none. A Router that joins an app already serving first sends its own
     warm-up requests through its routes (app/serving/warmup.py: `warm_router`): on one H100 (2026-11-27),
@@ -129,12 +129,11 @@ async def open_shared_port(router, sock, api_key: str | None) -> SharedPortServe
             lambda: serving_without(serve_replica_states(ctx.app_name), ctx.deployment)), 10.0)
         if serving:
             report = await asyncio.wait_for(warm_router(api, api_key), ROUTER_WARMUP_S)
-            router.warmup = report
             log.info("Router warm-up: %d requests in %.1f s, %d errors%s", report.requests, report.seconds,
                      len(report.errors), f" (first: {report.errors[0]})" if report.errors else "")
     except Exception as e:  # noqa: BLE001 - a warm-up that fails leaves the Router cold, not down
         log.warning("Router warm-up failed, opening the shared port cold: %s: %s", type(e).__name__, e)
-    server = SharedPortServer(api, "", 0, sock=sock)
+    server = SharedPortServer(api, sock)
     await server.started()
     return server
 
@@ -175,13 +174,13 @@ class Router:
         self.completions, self.responses = CompletionService(self.chat), ResponseService(self.chat)
         self.tokens = TokenizeService(self.chat)
         self.encoder, self.llm, self.fused = encoder, llm, fused
-        self.direct, self.opening, self.warmup = None, None, None
+        self.direct, self.opening = None, None
         if self.cfg.router_http_port:
             # a node may give its Routers a port of its own (app/serving/cluster.py: several nodes on one host);
             # bound here, so that a port another program holds fails this constructor, and served after it,
             # once the replica is Serve's (check_health reports a later failure)
             sock = bind_shared(self.cfg.router_http_host, node_router_port(self.cfg.router_http_port))
-            self.opening = asyncio.get_running_loop().create_task(open_shared_port(self, sock, api.state.api_key))
+            self.opening = asyncio.get_running_loop().create_task(open_shared_port(sock, api.state.api_key))
             self.opening.add_done_callback(self._port_opened)
 
     def _port_opened(self, task: asyncio.Task) -> None:

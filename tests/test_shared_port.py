@@ -87,7 +87,7 @@ def test_a_bound_port_takes_no_connection_until_it_listens_and_a_held_port_fails
 def test_requests_in_flight_are_counted_and_a_drain_lets_them_finish():
     async def main():
         release, port = asyncio.Event(), free_port()
-        server = SharedPortServer(slow_app(release), "127.0.0.1", port)
+        server = SharedPortServer(slow_app(release), bind_shared("127.0.0.1", port))
         await server.started()
         assert server.ongoing == 0
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
@@ -115,7 +115,7 @@ def test_requests_in_flight_are_counted_and_a_drain_lets_them_finish():
 def test_a_drain_gives_up_after_its_timeout():
     async def main():
         release, port = asyncio.Event(), free_port()
-        server = SharedPortServer(slow_app(release), "127.0.0.1", port)
+        server = SharedPortServer(slow_app(release), bind_shared("127.0.0.1", port))
         await server.started()
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
             async def fetch():
@@ -163,7 +163,7 @@ def test_a_client_that_leaves_a_non_streamed_answer_cancels_it_and_one_that_stay
 
     async def main():
         port = free_port()
-        server = SharedPortServer(Starlette(routes=[Route("/a", answer, methods=["POST"])]), "127.0.0.1", port)
+        server = SharedPortServer(Starlette(routes=[Route("/a", answer, methods=["POST"])]), bind_shared("127.0.0.1", port))
         await server.started()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")

@@ -94,12 +94,10 @@ class CountInFlight:
 class SharedPortServer:
     """uvicorn serving `app` on a shared port, as a task of the running event loop."""
 
-    def __init__(self, app, host: str, port: int, sock: socket.socket | None = None, backlog: int = 2048):
-        """`sock`: one `bind_shared` made earlier, which starts listening here."""
+    def __init__(self, app, sock: socket.socket, backlog: int = 2048):
+        """`sock`: a `bind_shared` socket, which starts listening here."""
         import uvicorn
 
-        if sock is None:
-            sock = bind_shared(host, port)
         sock.listen(backlog)
         self.sock = sock
         self.counter = CountInFlight(app)

@@ -37,6 +37,11 @@ def _data_url(data: bytes, mime: str) -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
+def _part(kind: str, data: bytes, mime: str) -> dict:
+    """A chat content part carrying `data` inline: kind "image_url" or "video_url"."""
+    return {"type": kind, kind: {"url": _data_url(data, mime)}}
+
+
 def _user(content) -> list[dict]:
     return [{"role": "user", "content": content}]
 
@@ -59,9 +64,9 @@ def warmup_bodies(max_num_batched_tokens: int, media: bool) -> list[dict]:
     ]
     bodies += [{"messages": _user(f"Short question {i}"), "max_tokens": 8, "temperature": 0} for i in range(8)]
     if media:
-        small = {"type": "image_url", "image_url": {"url": _data_url(image_bytes(448, 448, 1, "JPEG"), "image/jpeg")}}
-        large = {"type": "image_url", "image_url": {"url": _data_url(image_bytes(768, 1024, 2, "PNG"), "image/png")}}
-        video = {"type": "video_url", "video_url": {"url": _data_url(mp4_bytes(8, seed=3), "video/mp4")}}
+        small = _part("image_url", image_bytes(448, 448, 1, "JPEG"), "image/jpeg")
+        large = _part("image_url", image_bytes(768, 1024, 2, "PNG"), "image/png")
+        video = _part("video_url", mp4_bytes(8, seed=3), "video/mp4")
         text = {"type": "text", "text": "What is this?"}
         bodies += [{"messages": _user([small, text]), "max_tokens": 4, "temperature": 0},
                    {"messages": _user([large, text]), "max_tokens": 4, "temperature": 0},
@@ -149,9 +154,9 @@ def router_warmup_bodies() -> list[dict]:
     """A joining Router's own requests: short answers over its routes and handles, a stream, and three
     images; sent at once, one is prepared on the Router's own threads and the others by the media
     replicas (media.router_local_below), so both paths run."""
-    tiny = {"type": "image_url", "image_url": {"url": _data_url(image_bytes(64, 64, 4, "JPEG"), "image/jpeg")}}
-    jpeg = {"type": "image_url", "image_url": {"url": _data_url(image_bytes(448, 448, 5, "JPEG"), "image/jpeg")}}
-    png = {"type": "image_url", "image_url": {"url": _data_url(image_bytes(640, 480, 6, "PNG"), "image/png")}}
+    tiny = _part("image_url", image_bytes(64, 64, 4, "JPEG"), "image/jpeg")
+    jpeg = _part("image_url", image_bytes(448, 448, 5, "JPEG"), "image/jpeg")
+    png = _part("image_url", image_bytes(640, 480, 6, "PNG"), "image/png")
     text = {"type": "text", "text": "What is this?"}
     return [{"messages": _user("Hello"), "max_tokens": 2, "temperature": 0},
             {"messages": _user("Stream this"), "max_tokens": 2, "temperature": 0, "stream": True},
