@@ -112,8 +112,8 @@ on_sigterm = OnSigterm()
 def host_object_store_bytes() -> int:
     """The object store one `ray start` would take on this host (30% of its memory, capped by /dev/shm
     and 200 GB): the layouts split it, so one node and two have the same in all. `ray.cluster_utils`
-    alone gives every node 150 MiB, which on 2026-11-27 held the one-node layout to 354-379 req/s on four
-    H100s, its TTFT p99 at 14-16 s, while two nodes (300 MiB) served 493."""
+    alone gives every node 150 MiB, the likely reason the one-node layout served 354-379 req/s on four
+    H100s on 2026-11-27 (TTFT p99 14-16 s) while two nodes (300 MiB in all) served 493."""
     import psutil
     from ray._private.utils import resolve_object_store_memory
 
@@ -276,8 +276,8 @@ def run_layout(a, nodes: int, out: dict) -> dict:
     cluster = LocalCluster(head_cpus=0)
     procs: list = []
     try:
-        # --smoke (the tiny model, CI's machine): the harness's small store; otherwise the host's, split
-        specs = node_specs(a.gpus, nodes, a.cpus, None if a.smoke else int(a.object_store_gib * 2**30))
+        # None (--smoke's default: the tiny model, CI's machine): the harness's small store
+        specs = node_specs(a.gpus, nodes, a.cpus, None if a.object_store_gib is None else int(a.object_store_gib * 2**30))
         store = specs[0]["object_store_bytes"]
         out["object_store_gib_per_node"] = None if store is None else round(store / 2**30, 2)
         for spec in specs:
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cpus", type=int, default=os.cpu_count() or 2, help="the host's cores, split over the nodes")
     p.add_argument("--object-store-gib", type=float, default=None,
                    help="the object stores' GiB in all, split over the nodes (default: what one `ray start` would "
-                        "take on this host)")
+                        "take on this host; with --smoke, ray.cluster_utils' 150 MiB a node)")
     p.add_argument("--layouts", default="1 2", help="worker node counts, run in this order (e.g. '2' for one layout)")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="seconds from the start: a layout is skipped when less is left than the previous one took")

@@ -144,7 +144,7 @@ def rank_main(rank: int, a, path: str, port: int, out: str) -> None:
     t0 = time.perf_counter()
     engine = Engine(path, "cuda", tp=tp, load_format="dummy", max_model_len=a.max_model_len,
                     max_num_seqs=a.max_num_seqs, gpu_memory_utilization=a.gpu_memory_utilization,
-                    decode_kv_splits=1 if a.no_kv_split else 32)
+                    **({"decode_kv_splits": 1} if a.no_kv_split else {}))
     res = {"preset": a.preset, "layers": engine.spec.layers, "tp": a.tp, "moe": a.moe, "legacy_moe": a.legacy_moe,
            "no_kv_split": a.no_kv_split, "symm_all_reduce": a.tp > 1 and tp.fast is not None,
            "direct_config": json.loads(Path(a.direct_config).read_text()) if a.direct_config else None,

@@ -165,19 +165,14 @@ def _gpu_rank(rank: int, size: int, port: int, cache: str, out: str) -> None:
 
 
 def _symm_all_reduce_in_a_graph(fast, rank: int, dev: torch.device) -> bool:
-    """The symmetric all-reduce captured in a CUDA graph and replayed on new inputs equals NCCL's sums
-    (integers: exact in any order), as the engine's decode graphs replay it."""
+    """The symmetric all-reduce captured in a CUDA graph as the engine captures its decode graphs
+    (cuda_graphs._capture) and replayed on new inputs equals NCCL's sums (integers: exact in any order)."""
     import torch.distributed as dist
 
+    from app.llm.cuda_graphs import _capture
+
     x = torch.zeros(7, 2048, dtype=torch.bfloat16, device=dev)
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        fast(x)  # warm-up on the capturing stream
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            fast(x)
-    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = _capture(lambda: fast(x), dev, None)
     same = True
     for step in range(3):
         fresh = ((torch.arange(x.numel(), device=dev) * (step + 1) + rank) % 31).to(torch.bfloat16).view_as(x)
