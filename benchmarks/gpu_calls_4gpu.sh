@@ -5,9 +5,8 @@
 #   bash benchmarks/gpu_calls_4gpu.sh decode     30B-A3B decode on GPU 0 (with and without the key-split decode
 #                                                attention) and 8B on GPU 1, then 32B TP=2 on GPUs 0-1; beside
 #                                                them the whole GPU suite on GPUs 2-3
-#   bash benchmarks/gpu_calls_4gpu.sh two        on a 2-GPU host (issue 41's H100 rows): the new kernels' GPU tests on GPU 1
-#                                                beside the 30B-A3B A/Bs on GPU 0, then 32B TP=2 (NCCL, then the
-#                                                symmetric-memory all-reduce) and the TP tests on both
+#   bash benchmarks/gpu_calls_4gpu.sh two        on a 2-GPU host (issue 41's H100 rows): 32B TP=2 (NCCL, then the
+#                                                symmetric-memory all-reduce), the TP tests, the tower's 8 x 448² case at TP=2
 #   bash benchmarks/gpu_calls_4gpu.sh long       the key split at a LONG_PROMPT-token context (16384), 30B-A3B and 8B
 #   bash benchmarks/gpu_calls_4gpu.sh tp4        235B-A22B TP=4 decode (every layer where the cards hold it,
 #                                                else LAYERS_235B), then the cluster stage
@@ -57,19 +56,17 @@ case ${1:-decode} in
     dec dense32b_tp2 200 0,1 --preset qwen3-vl-32b --tp 2
     dec dense32b_tp2_symm 200 0,1 --preset qwen3-vl-32b --tp 2 --symm-all-reduce
     wait ;;
-  two)
-    ( CUDA_VISIBLE_DEVICES=1 timeout "${TESTS_S:-300}" python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
-        tests/test_moe_routing.py tests/test_llm_kernels.py tests/test_capture.py tests/test_llm_moe.py \
-        tests/test_fused_moe.py tests/test_llm_batching.py tests/test_logprobs.py tests/test_integration.py \
-        > "$W/gpu_tests_1.log" 2>&1; say "gpu tests (one GPU) rc=$? $(tail -1 "$W/gpu_tests_1.log")" ) &
-    dec moe30b_cublas 200 0 --preset qwen3-vl-30b-a3b --profile 1
-    dec moe30b_no_kv_split 200 0 --preset qwen3-vl-30b-a3b --no-kv-split
-    wait
+  two)  # (2026-11-27's fifth session also ran the new kernels' one-GPU tests beside 30B-A3B A/Bs on GPU 0 here)
     dec dense32b_tp2 150 0,1 --preset qwen3-vl-32b --tp 2
     dec dense32b_tp2_symm 150 0,1 --preset qwen3-vl-32b --tp 2 --symm-all-reduce  # llm.tp_all_reduce: symm_mem
     CUDA_VISIBLE_DEVICES=0,1 timeout "${TP_TESTS_S:-120}" python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
       tests/test_tensor_parallel.py tests/test_tower_tp.py > "$W/gpu_tests_2.log" 2>&1
-    say "gpu tests (two GPUs) rc=$? $(tail -1 "$W/gpu_tests_2.log")" ;;
+    say "gpu tests (two GPUs) rc=$? $(tail -1 "$W/gpu_tests_2.log")"
+    # the tower case the fourth session's timeout cut off: many items, where data-parallel may win
+    say "start tower_tp2 ${TOWER_CASES:-8x448^2}"
+    CUDA_VISIBLE_DEVICES=0,1 timeout "${TOWER_S:-150}" python3 benchmarks/tower_tp.py --preset qwen3-vl-8b --tp 2 \
+      --cases "${TOWER_CASES:-8x448^2}" --out "$W/tower_tp2.json" > "$W/tower_tp2.log" 2>&1
+    say "end tower_tp2 rc=$?" ;;
   long)  # decode attention split over the keys at long contexts (what it was built for; at a 128-token
          # prompt it changed nothing, 2026-11-27): 30B-A3B on GPU 0 and 8B on GPU 1, each with and without
     P=(--prompt "${LONG_PROMPT:-16384}" --max-model-len $(( ${LONG_PROMPT:-16384} + 512 )) --streams 8)  # 8 x 16.9k fits an H100's 30B KV (191k)
@@ -85,7 +82,7 @@ case ${1:-decode} in
     ;&  # (2026-11-27's call 2 went on to the cluster run here; it timed out in its second layout)
   cluster)  # 2 nodes x 2 GPUs against 1 node x 4, each layout written as soon as it is done
     say "start cluster"
-    S=${CLUSTER_S:-280}
+    S=${CLUSTER_S:-480}  # (2026-11-27, sixth session: one node took 237 s, two 160 s; 340 left no room for both)
     timeout "$S" python3 benchmarks/cluster_scaling.py --gpus 4 --rate "${RATE:-500}" --deadline-s $(( S - 10 )) \
       --layouts "${LAYOUTS:-1 2}" --app-args "${APP_ARGS:-{\}}" --out-dir "$W/cluster" > "$W/cluster.log" 2>&1
     say "end cluster rc=$? $(grep -E 'done in|two nodes / one' "$W/cluster.log" | tail -12 | tr '\n' ' ')"

@@ -13,6 +13,7 @@ rendezvous refuses: a served replica then keeps NCCL (logged) until its ranks se
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 
@@ -31,8 +32,10 @@ class SymmetricAllReduce:
 
         group = group or dist.group.WORLD
         self.group_name = group.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required before a rendezvous in older torch
-            symm_mem.enable_symm_mem_for_group(self.group_name)
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required before a rendezvous in older torch;
+            with warnings.catch_warnings():  # newer ones call it deprecated but still honour it
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(self.group_name)
         self.buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)  # collective: every rank, same order
         ops = torch.ops.symm_mem
