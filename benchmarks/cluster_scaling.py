@@ -32,8 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the multi-node harness the cluster tests use
 
+from benchmarks.monitor import Monitor  # noqa: E402
 from benchmarks.serve import Workload, file_config, run_load, wait_running  # noqa: E402
-from cluster_harness import LocalCluster, environment, replica_nodes  # noqa: E402
+from cluster_harness import UNBUFFERED_LOGS, LocalCluster, environment, replica_nodes  # noqa: E402
 
 T_START = time.perf_counter()
 NAMES = {1: "one_node", 2: "two_nodes"}
@@ -220,6 +221,16 @@ def summary(reports: list[dict]) -> dict:
             "ttft_ms_p99_per_node": [r["ttft_ms"]["p99"] for r in reports]}
 
 
+def monitor_record(m) -> dict:
+    """What the JSON keeps of a load's benchmarks/monitor.py summary (the whole load, warm-up excluded,
+    ramp and drain included): GPU busy per GPU, host CPU, cores and busiest thread per process group."""
+    return {"gpu_busy_pct": [round(u, 1) for u in m.gpu_mean], "gpu_source": m.gpu_source,
+            "host_busy": round(m.host_busy, 3), "host_cores": m.host_cores,
+            "groups": {k: {"processes": g["processes"], "cores": round(g["cores"], 2),
+                           "busiest_thread": round(g["busiest_thread"], 2)} for k, g in m.groups.items()},
+            "verdict": m.verdict}
+
+
 def node_processes(cluster: LocalCluster) -> list:
     """The worker nodes' raylets and everything under them (replicas, their own children): the
     processes that should be gone before the next layout takes the GPUs."""
@@ -273,7 +284,9 @@ def run_layout(a, nodes: int, out: dict) -> dict:
     out.update(nodes=nodes, gpus=a.gpus)
     apply_serve_env()  # as `make serve` starts Ray
     ph.start("cluster start")
-    cluster = LocalCluster(head_cpus=0)
+    # Serve's own request-log buffering, as `make serve` runs it, unless asked for the tests' line-by-line logs
+    cluster = LocalCluster(head_cpus=0, env=None if a.unbuffered_logs else {UNBUFFERED_LOGS: None})
+    out["request_logs"] = "line by line" if a.unbuffered_logs else "Serve's buffering"
     procs: list = []
     try:
         # None (--smoke's default: the tiny model, CI's machine): the harness's small store
@@ -307,9 +320,11 @@ def run_layout(a, nodes: int, out: dict) -> dict:
                 ph.done(f"{w['requests']} requests, {w['failed']} failed, "
                         f"{w['requests'] / max(w['duration_s'], 1e-9):.1f} req/s")
             ph.start(load)
-            r = out[load] = summary(load_all(urls, wl, a, seed, rate))
+            with Monitor() as mon:  # which stage saturates: GPU busy per GPU, CPU per process group
+                reports = load_all(urls, wl, a, seed, rate)
+            r = out[load] = summary(reports) | {"monitor": monitor_record(mon.summary())}
             ph.done(f"{r['request_throughput']:.2f} req/s, {r['successful']} ok, {r['failed']} failed, "
-                    f"timed part {r['duration_s']:.1f} s")
+                    f"timed part {r['duration_s']:.1f} s; " + "; ".join(r["monitor"]["verdict"]))
         placed = {dep: sorted(replicas.values()) for dep, replicas in replica_nodes().items()}
         out["replica_nodes"] = {dep: len(set(ns)) for dep, ns in placed.items()}
         out["replicas"] = {dep: len(ns) for dep, ns in placed.items()}
@@ -336,6 +351,16 @@ def write_file(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def busy_cells(r: dict) -> str:
+    """The table's GPU and process cells for one load (blank where no monitor ran)."""
+    m = r.get("monitor")
+    if not m:
+        return " | "
+    top = max(m["groups"].items(), key=lambda kv: kv[1]["cores"], default=None)
+    gpus = ", ".join(f"{u:.0f}" for u in m["gpu_busy_pct"]) or "none"
+    return gpus + " | " + (f"{top[0]} ({top[1]['cores']:.1f}, {top[1]['busiest_thread']:.2f})" if top else "")
+
+
 def write_results(a, results: dict) -> None:
     """cluster.json and cluster.md from the layouts so far; the ratio once one node and two are both done."""
     done = {k: v for k, v in results.items() if isinstance(v, dict) and "closed_loop" in v and "stopped" not in v}
@@ -345,8 +370,8 @@ def write_results(a, results: dict) -> None:
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_file(out / "cluster.json", json.dumps(results, indent=1))
-    lines = ["| layout | load | req/s | per node | TTFT p50 / p99 ms per node | failed | ready s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| layout | load | req/s | per node | TTFT p50 / p99 ms per node | failed | ready s | GPU busy % | "
+             "busiest process group (cores, busiest thread) |", "|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for name, rec in results.items():
         if not isinstance(rec, dict):
@@ -359,7 +384,7 @@ def write_results(a, results: dict) -> None:
             label = load if load == "closed_loop" else f"Poisson {a.rate or 0:g}"
             lines.append(f"| {name} ({a.gpus} GPUs) | {label} | "
                          f"{r['request_throughput']:.2f} | " + ", ".join(f"{x:.1f}" for x in r["per_node_throughput"])
-                         + f" | {ttft} | {r['failed']} | {rec.get('ready_s', float('nan')):.0f} |")
+                         + f" | {ttft} | {r['failed']} | {rec.get('ready_s', float('nan')):.0f} | {busy_cells(r)} |")
         if "skipped" in rec:
             notes.append(f"{name}: skipped: {rec['skipped']}")
         elif "stopped" in rec:
@@ -401,6 +426,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--media", type=int, default=None, help="media replicas in all, split over the nodes (default: "
                    "4 per GPU, the app's media_replicas_per_gpu)")
     p.add_argument("--replica-cpus", type=float, default=None, help="the Routers' and media replicas' CPU reservation")
+    p.add_argument("--unbuffered-logs", action="store_true", help="replicas write request logs line by line, as the "
+                   "tests' clusters do (2026-11-27's runs did; the default is Serve's own buffering)")
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny model, two fake GPUs, a few requests")
     p.add_argument("--out-dir", default="benchmarks/cluster_results")
     a = p.parse_args(argv)

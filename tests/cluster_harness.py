@@ -25,8 +25,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-# Ray's own variables for the processes of every node (deployments/ray_env.py adds the app's).
-CLUSTER_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1"}
+# Ray's own variables for the processes of every node (deployments/ray_env.py adds the app's). Tests
+# read replicas' request logs while they run, so those are written line by line; a benchmark passes
+# `env={UNBUFFERED_LOGS: None}` to keep Serve's own buffering (1,000 lines in its throughput mode).
+UNBUFFERED_LOGS = "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE"
+CLUSTER_ENV = {"RAY_USAGE_STATS_ENABLED": "0", UNBUFFERED_LOGS: "1"}
 
 
 def free_port() -> int:
@@ -36,15 +39,17 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def environment(values: dict[str, str]) -> Iterator[None]:
-    """`values` in os.environ inside the block (processes started there inherit them), restored after."""
+def environment(values: dict[str, str | None]) -> Iterator[None]:
+    """`values` in os.environ inside the block (processes started there inherit them; None: unset),
+    restored after."""
     saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    for k, v in values.items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     try:
         yield
     finally:
         for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 @dataclass
@@ -72,7 +77,7 @@ class LocalCluster:
     """A head node and workers added with `add_worker`; `remove` kills one (not the head: the GCS and
     the test's driver live there)."""
 
-    def __init__(self, head_cpus: float = 2, env: dict[str, str] | None = None):
+    def __init__(self, head_cpus: float = 2, env: dict[str, str | None] | None = None):
         from ray.cluster_utils import Cluster
 
         self.temp_dir = tempfile.mkdtemp(prefix="vlmc-", dir="/tmp")  # short: Ray's socket paths must fit
