@@ -7,11 +7,12 @@
 #              search per workload, then cold start at 50% and 90% of the first workload's goodput (the app
 #              deployed again; the load starts the moment /health and /v1/models answer).
 #   all        every GPU of the host: closed loop, warm-up, goodput search (no cold start).
-#   crosscheck GuideLLM against a fresh 1-GPU app at the goodput that `one` found, beside our own point of the
-#              same shape, when guidellm is importable here (or GUIDELLM names its command); otherwise it
-#              writes why it was skipped to
-#              $OUT/crosscheck.txt (docs/guides/goodput.md: neither GuideLLM nor AIPerf fits the 64 MiB
-#              carry beside .gpu-deps today).
+#   crosscheck GuideLLM against a fresh 1-GPU app at the goodput that `one` found (or CROSSCHECK_RATE), beside
+#              our own point of the same shape, when guidellm is importable here, GUIDELLM names its command,
+#              or .gpu-guidellm is carried (benchmarks/bundle_guidellm.sh; it does not fit beside .gpu-deps,
+#              so it goes in a call of its own on a machine an earlier call left with .gpu-deps unpacked:
+#              STAGES=crosscheck CROSSCHECK_RATE=R); otherwise it writes why it was skipped to
+#              $OUT/crosscheck.txt.
 # Environment (defaults in brackets):
 #   WORKLOADS [image]        goodput.py --workload, e.g. "image mix" (the mix's TTFT bound: --ttft-p99-ms-mix)
 #   CLOSED_ONE [512 2048]    closed loop on 1 GPU: concurrency and requests (per workload); about 8 s at saturation
@@ -81,8 +82,10 @@ for s in $ALL_STAGES; do
         --closed-loop ${CLOSED_ALL:-$(( 256 * NG )) $(( 2048 * NG ))} \
         ${RATES_ALL:+--rates $RATES_ALL} "$@" ;;
     crosscheck)
-      g=$(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(next(iter(r['workloads'].values()))['search']['goodput'])" \
-          "$OUT/goodput_1gpu/goodput.json" 2>/dev/null)
+      g=${CROSSCHECK_RATE:-$(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(next(iter(r['workloads'].values()))['search']['goodput'])" \
+          "$OUT/goodput_1gpu/goodput.json" 2>/dev/null)}
+      # GuideLLM from its own bundle when carried (benchmarks/bundle_guidellm.sh; too large beside .gpu-deps)
+      [ -z "${GUIDELLM:-}" ] && [ -f .gpu-guidellm/install ] && GUIDELLM=$(bash .gpu-guidellm/install)
       have=no; { [ -n "${GUIDELLM:-}" ] || python3 -c "import guidellm" 2>/dev/null; } && have=yes
       if [ "$have" = no ] || [ -z "$g" ] || [ "$g" = "0.0" ]; then
         echo "crosscheck skipped: guidellm importable or GUIDELLM set: $have; 1-GPU goodput: ${g:-none}" \
