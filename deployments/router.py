@@ -113,29 +113,41 @@ METRICS_TIMEOUT_S = 2.0  # GET /metrics waits this long for the replicas' number
 ROUTER_WARMUP_S = 60.0  # a joining Router's warm-up gives up after this and opens its port anyway
 
 
-async def open_shared_port(sock, api_key: str | None) -> SharedPortServer:
+async def open_shared_port(app, sock, api_key: str | None) -> SharedPortServer:
     """A Router's shared port, opened only once Ray Serve has made the Router the replica's instance: FastAPI's
     routes find their `self` through it, which Serve sets after the constructor returns, so a request the
     port took in between would have none. A Router that joins an app already serving first sends its own
     warm-up requests through its routes (app/serving/warmup.py: `warm_router`): on one H100 (2026-11-27),
     the points that met a Router added under load had TTFT p99 over 400 ms at 40-47 req/s, with the
     engine's parts of it under 40 ms. At the first deploy the app's readiness covers that. `sock` was
-    bound in the constructor (a port another program holds fails the replica there); it listens here."""
-    while serve.get_replica_context().servable_object is None:
-        await asyncio.sleep(0.01)
-    ctx = serve.get_replica_context()
+    bound in the constructor (a port another program holds fails the replica there); it listens here.
+    `app` is the FastAPI app as the Router's own methods see it: Serve pickles the Router with a copy of
+    the module's `api`, and only that copy holds the API key the constructor set (the module's own `api`,
+    which this function would otherwise find, has none: the port once let every request through). A
+    failed or cancelled opening stops what it started and closes the socket."""
+    server = None
     try:
-        serving = await asyncio.wait_for(asyncio.to_thread(
-            lambda: serving_without(serve_replica_states(ctx.app_name), ctx.deployment)), 10.0)
-        if serving:
-            report = await asyncio.wait_for(warm_router(api, api_key), ROUTER_WARMUP_S)
-            log.info("Router warm-up: %d requests in %.1f s, %d errors%s", report.requests, report.seconds,
-                     len(report.errors), f" (first: {report.errors[0]})" if report.errors else "")
-    except Exception as e:  # noqa: BLE001 - a warm-up that fails leaves the Router cold, not down
-        log.warning("Router warm-up failed, opening the shared port cold: %s: %s", type(e).__name__, e)
-    server = SharedPortServer(api, sock)
-    await server.started()
-    return server
+        while serve.get_replica_context().servable_object is None:
+            await asyncio.sleep(0.01)
+        ctx = serve.get_replica_context()
+        try:
+            serving = await asyncio.wait_for(asyncio.to_thread(
+                lambda: serving_without(serve_replica_states(ctx.app_name), ctx.deployment)), 10.0)
+            if serving:
+                report = await asyncio.wait_for(warm_router(app, api_key), ROUTER_WARMUP_S)
+                log.info("Router warm-up: %d requests in %.1f s, %d errors%s", report.requests, report.seconds,
+                         len(report.errors), f" (first: {report.errors[0]})" if report.errors else "")
+        except Exception as e:  # noqa: BLE001 - a warm-up that fails leaves the Router cold, not down
+            log.warning("Router warm-up failed, opening the shared port cold: %s: %s", type(e).__name__, e)
+        server = SharedPortServer(app, sock)
+        await server.started()
+        return server
+    except BaseException:
+        if server is not None:
+            server.stop()
+            server.task.cancel()
+        sock.close()
+        raise
 
 
 @serve.deployment(name="Router", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=ANSWER_GRACE_S)
@@ -180,7 +192,7 @@ class Router:
             # bound here, so that a port another program holds fails this constructor, and served after it,
             # once the replica is Serve's (check_health reports a later failure)
             sock = bind_shared(self.cfg.router_http_host, node_router_port(self.cfg.router_http_port))
-            self.opening = asyncio.get_running_loop().create_task(open_shared_port(sock, api.state.api_key))
+            self.opening = asyncio.get_running_loop().create_task(open_shared_port(api, sock, api.state.api_key))
             self.opening.add_done_callback(self._port_opened)
 
     def _port_opened(self, task: asyncio.Task) -> None:
@@ -188,22 +200,34 @@ class Router:
             self.direct = task.result()
 
     def check_health(self) -> None:
-        """Ray Serve's periodic check: a shared port that failed to open (taken, refused) fails it, and Serve
-        replaces the replica, as a failed constructor did before the port opened after it."""
+        """Ray Serve's periodic check: a shared port that failed to open (taken, refused), or whose server
+        stopped later, fails it, and Serve replaces the replica, as a failed constructor did before the port
+        opened after it."""
         if self.opening is not None and self.opening.done():
             if self.opening.cancelled():
                 raise RuntimeError("the shared port's opening was cancelled")
             if self.opening.exception() is not None:
                 raise RuntimeError(f"the shared port did not open: {self.opening.exception()!r}")
+        if self.direct is not None and self.direct.task.done() and not self.direct.server.should_exit:
+            raise RuntimeError("the shared port's HTTP server stopped")
 
     async def __del__(self):
         """Ray Serve awaits this when it stops the replica, after draining the requests it counted: the
         shared port stops taking connections and its requests in flight get to finish (within the
-        deployment's `graceful_shutdown_timeout_s`, after which Ray stops the process anyway)."""
-        if getattr(self, "opening", None) is not None and not self.opening.done():
-            self.opening.cancel()
-        if getattr(self, "direct", None) is not None:
-            await self.direct.drain(SHARED_PORT_DRAIN_S)
+        deployment's `graceful_shutdown_timeout_s`, after which Ray stops the process anyway). An opening
+        still under way is cancelled and stops what it started; one that finished but whose callback has
+        not run yet is drained like the others."""
+        opening, direct = getattr(self, "opening", None), getattr(self, "direct", None)
+        if opening is not None and not opening.done():
+            opening.cancel()
+            await asyncio.wait({opening})  # its own cleanup runs; its outcome is not ours to raise
+        elif direct is None and opening is not None and not opening.cancelled() and opening.exception() is None:
+            direct = opening.result()
+        if direct is not None:
+            try:
+                await direct.drain(SHARED_PORT_DRAIN_S)
+            except Exception as e:  # noqa: BLE001 - its server had failed; the rest still has to stop
+                log.warning("the shared port's server had failed: %s: %s", type(e).__name__, e)
         if getattr(self, "media_pool", None) is not None:
             self.media_pool.shutdown(wait=False, cancel_futures=True)
 

@@ -33,12 +33,12 @@ from replicas import replica_logs, replica_processes
 from served import config_from_file, deployed
 
 pytestmark = pytest.mark.integration
-PORT, METRICS_PORT = 8785, 8786
+PORT, METRICS_PORT, DIRECT_PORT = 8785, 8786, 8787
 KEY = "sk-fault-test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 # Two LLM slots and a 300 ms encoder batching window keep requests waiting inside each replica (in
 # the encoder's queue, in the engine's queue) when it is killed: those must be retried, not failed.
-ARGS = {"model": "embedded:tiny", "api_key": KEY,
+ARGS = {"model": "embedded:tiny", "api_key": KEY, "router_http_port": DIRECT_PORT, "router_http_host": "127.0.0.1",
         "encoder": {"min_budget": 64, "max_budget": 1024, "batch_wait_ms": 300, "autotune": False},
         "llm": {"max_num_seqs": 2}, "retry": {"max_attempts": 6, "budget_s": 150, "backoff_s": 0.5}}
 KILLED = ("VisionEncoder", "LLM", "MediaPreprocessor")
@@ -67,14 +67,17 @@ def image_body(i: int, stream: bool = False, max_tokens: int = 8, ignore_eos: bo
             "ignore_eos": stream if ignore_eos is None else ignore_eos}
 
 
-def test_the_api_key_is_required_on_v1_but_not_on_health(app):
-    bare = httpx.Client(base_url=f"http://127.0.0.1:{PORT}", timeout=60)
+@pytest.mark.parametrize("port", [PORT, DIRECT_PORT], ids=["proxy", "router_port"])
+def test_the_api_key_is_required_on_v1_but_not_on_health(app, port):
+    """Through Serve's proxy and through the Routers' own port alike (the port's server once served a copy
+    of the app that had never been given the key, and let every request through)."""
+    bare = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
     try:
         assert bare.get("/health").json() == {"status": "ok"}
         for resp in (bare.get("/v1/models"), bare.post("/v1/chat/completions", json=image_body(0)),
                      bare.get("/v1/models", headers={"authorization": "Bearer wrong"})):
             assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
-        assert app.get("/v1/models").status_code == 200
+        assert bare.get("/v1/models", headers=AUTH).status_code == 200
     finally:
         bare.close()
 

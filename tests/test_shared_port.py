@@ -181,3 +181,66 @@ def test_a_client_that_leaves_a_non_streamed_answer_cancels_it_and_one_that_stay
         await server.drain(2)
 
     asyncio.run(main())
+
+
+class _Context:
+    servable_object, app_name, deployment = object(), "vlm", "Router"
+
+
+def test_the_router_opens_its_port_on_the_app_it_was_given(monkeypatch):
+    """deployments/router.py's `open_shared_port` serves the app its caller passes (the Router's own copy,
+    the one holding the API key), not the module's `api` it would find by name, which has no key."""
+    import deployments.router as router
+
+    monkeypatch.setattr(router.serve, "get_replica_context", lambda: _Context)
+    monkeypatch.setattr(router, "serve_replica_states", lambda name: {})
+    given = Starlette(routes=[Route("/given", lambda r: StreamingResponse(iter([b"given"])))])
+
+    async def main():
+        sock = bind_shared("127.0.0.1", free_port())
+        server = await router.open_shared_port(given, sock, None)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}") as client:
+                assert (await client.get("/given")).text == "given"
+                assert (await client.get("/v1/models")).status_code == 404  # not the module's app
+        finally:
+            assert await server.drain(5)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("failure", ["start", "cancel"])
+def test_a_failed_or_cancelled_opening_closes_the_port(monkeypatch, failure):
+    """A server that does not start, or an opening cancelled (the replica stopping), leaves nothing
+    listening: the socket is closed and the server told to stop."""
+    import deployments.router as router
+
+    monkeypatch.setattr(router.serve, "get_replica_context", lambda: _Context)
+    monkeypatch.setattr(router, "serve_replica_states", lambda name: {})
+    made = []
+
+    class Failing(SharedPortServer):
+        def __init__(self, app, sock):
+            super().__init__(app, sock)
+            made.append(self)
+
+        async def started(self, timeout_s: float = 10.0) -> None:
+            if failure == "start":
+                raise TimeoutError("did not start")
+            await asyncio.sleep(60)
+
+    monkeypatch.setattr(router, "SharedPortServer", Failing)
+
+    async def main():
+        sock = bind_shared("127.0.0.1", free_port())
+        task = asyncio.get_running_loop().create_task(router.open_shared_port(slow_app(asyncio.Event()), sock, None))
+        if failure == "cancel":
+            await wait_until(lambda: bool(made))
+            task.cancel()
+        with pytest.raises(TimeoutError if failure == "start" else asyncio.CancelledError):
+            await task
+        assert sock.fileno() == -1 and made[0].server.should_exit
+        await asyncio.sleep(0.05)
+        assert made[0].task.done()
+
+    asyncio.run(main())
