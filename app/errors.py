@@ -20,3 +20,12 @@ class Overloaded(ClientError):
     def __init__(self, message: str = "the server is at capacity; retry shortly", retry_after_s: int = 1):
         super().__init__(message, status=503, type="server_busy", code="overloaded",
                          headers={"Retry-After": str(retry_after_s)})
+
+
+class Unavailable(ClientError):
+    """This replica can serve nothing more (a tensor-parallel group that lost step is being replaced):
+    503 with Retry-After; the client's retry meets a healthy replica or the replaced one."""
+
+    def __init__(self, message: str, retry_after_s: int = 5):
+        super().__init__(message, status=503, type="server_error", code="replica_failed",
+                         headers={"Retry-After": str(retry_after_s)})

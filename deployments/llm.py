@@ -110,7 +110,10 @@ class LLM:
 
     def check_health(self) -> None:
         """Serve replaces a replica whose check raises: a tensor-parallel replica with a follower gone
-        (its collectives would wait forever) is replaced whole, followers and all."""
+        (its collectives would wait forever), or whose own rank stopped after a failed step
+        (app/llm/engine.py: `_break_group`), is replaced whole, followers and all."""
+        if not self.engine.alive:
+            raise RuntimeError(f"the LLM engine has stopped: {self.engine.broken!r}")
         if self.followers:
             from .tensor_parallel import followers_alive
 

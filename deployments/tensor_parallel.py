@@ -48,7 +48,7 @@ class LLMFollower:
         self.engine = Engine(checkpoint, pick_device(cfg.device), cfg.llm, tp=tp, lockstep=channel)
 
     def alive(self) -> bool:
-        return self.engine._thread.is_alive()
+        return self.engine.alive
 
 
 def start_group(cfg: AppConfig, checkpoint: str) -> tuple[dict, list]:

@@ -107,3 +107,85 @@ def test_a_lockstep_pair_answers_as_one_engine(tiny_checkpoint, requests, tmp_pa
     assert got["after"] == want[:1]
     first_tokens, reason = got["cancel"]
     assert first_tokens and reason == "cancelled"
+
+
+def _rank_faults(rank: int, port: int, path: str, reqs_file: str, out: str) -> None:
+    """Short collective timeouts (the ticks' group 2 s, the model's 15 s) and a 0.3 s idle turn: the pair
+    idles for 4 s and then answers (the empty turns kept the follower's wait alive); then the leader's
+    third launch raises, and the group stops: its request and any later one get a 503, both ranks report
+    themselves dead (the follower once its collective times out, with nobody to pair with)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import app.llm.engine as engine_module
+    from app.errors import Unavailable
+    from app.llm.engine import Engine
+    from app.llm.lockstep import Channel
+    from app.llm.parallel import TensorParallel
+
+    torch.set_num_threads(1)
+    engine_module.LOCKSTEP_IDLE_TURN_S = 0.3
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=15))
+    ticks = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))
+    try:
+        channel = Channel(rank, ticks, None, torch.device("cpu"), 64, torch.float32)
+        engine = Engine(path, "cpu", tp=TensorParallel(rank, 2), lockstep=channel, **KW)
+        if rank == 0:
+            with open(reqs_file, "rb") as f:
+                reqs, long_one = pickle.load(f)
+            import time
+
+            time.sleep(4)  # twice the ticks' timeout, idle
+            after_idle = _answers(engine, reqs[:1])
+            launch, calls = engine.runner.launch, []
+
+            def failing(plan, previous):
+                calls.append(1)
+                if len(calls) == 3:
+                    raise RuntimeError("injected on rank 0 only")
+                return launch(plan, previous)
+
+            engine.runner.launch = failing
+            seq, error = engine.submit(long_one), None
+            try:
+                while not seq.next_chunk(timeout=120).finish_reason:
+                    pass
+            except Unavailable as e:
+                error = e
+            try:
+                engine.submit(reqs[0])
+                refused = None
+            except Unavailable as e:
+                refused = e
+            engine._thread.join(timeout=30)
+            torch.save({"after_idle": after_idle, "status": getattr(error, "status", None),
+                        "refused": getattr(refused, "status", None), "alive": engine.alive,
+                        "thread": engine._thread.is_alive()}, out)
+        else:
+            engine._thread.join(timeout=120)
+            torch.save({"alive": engine.alive, "thread": engine._thread.is_alive(),
+                        "broken": repr(engine.broken)}, out + ".follower")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_idle_pair_keeps_step_and_a_step_failed_on_one_rank_stops_the_group(tiny_checkpoint, requests,
+                                                                              world, tmp_path):
+    from app.llm.engine import Engine
+
+    reqs, _ = requests
+    long_one = make_request(world, [], data_seed=5, max_tokens=40, ignore_eos=True)[0]
+    single = Engine(str(tiny_checkpoint), "cpu", **KW)
+    want = _answers(single, reqs[:1])
+    single.shutdown()
+    reqs_file, out = str(tmp_path / "reqs.pkl"), str(tmp_path / "out.pt")
+    with open(reqs_file, "wb") as f:
+        pickle.dump((reqs, long_one), f)
+    mp.spawn(_rank_faults, args=(_free_port(), str(tiny_checkpoint), reqs_file, out), nprocs=2, join=True)
+    leader, follower = torch.load(out), torch.load(out + ".follower")
+    assert leader["after_idle"] == want
+    assert leader["status"] == 503 and leader["refused"] == 503
+    assert not leader["alive"] and not leader["thread"]
+    assert not follower["alive"] and not follower["thread"], follower

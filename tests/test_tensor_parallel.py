@@ -263,3 +263,20 @@ def test_each_rank_reads_only_its_share_of_the_checkpoint(model_cache):
     assert split and all(read[n][0] * 2 == read[n][1] for n in split), {n: read[n] for n in split}
     norms = [n for n in read if n.endswith("norm.weight") or n.endswith("mlp.gate.weight")]
     assert norms and all(read[n][0] == read[n][1] for n in norms)  # replicated: read whole
+
+
+def test_the_symmetric_path_takes_only_what_its_kernel_can_write():
+    """SymmetricAllReduce.fits, on a buffer made without a process group (the method reads only its
+    dtype and size): bf16 or float32 of its dtype, contiguous, at most its size, whole 4-byte words,
+    and 16-byte aligned, since the kernel writes its result into the tensor in 16-byte vectors."""
+    from app.llm.symm_all_reduce import SymmetricAllReduce
+
+    fast = SymmetricAllReduce.__new__(SymmetricAllReduce)
+    fast.buffer = torch.empty(64, dtype=torch.bfloat16)
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    assert x.data_ptr() % 16 == 0 and fast.fits(x) and fast.fits(x[:8])
+    assert not fast.fits(x[1:9])  # 2 bytes past an aligned start
+    assert not fast.fits(x[8:11])  # 6 bytes: not whole words
+    assert not fast.fits(torch.zeros(65, dtype=torch.bfloat16))  # larger than the buffer
+    assert not fast.fits(torch.zeros(8, dtype=torch.float32))  # another dtype
+    assert not fast.fits(torch.zeros(8, 8, dtype=torch.bfloat16)[:, :2])  # not contiguous

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..config import LLMConfig
-from ..errors import ClientError, Overloaded
+from ..errors import ClientError, Overloaded, Unavailable
 from ..gpu.timing import GpuTimer
 from .block_manager import BlockManager
 from .grammar import Grammars
@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 __all__ = ["Chunk", "Engine", "GenerationRequest", "VisionInput"]
 
 STEP_LOG = 8192  # steps kept for host-time statistics
+# An idle tensor-parallel leader sends an empty turn this often: a follower waits for the next tick in a
+# gloo broadcast, which raises after its group's timeout (30 minutes by default), and a follower whose
+# thread died so would take the replica down at its first request after a quiet half hour.
+LOCKSTEP_IDLE_TURN_S = 60.0
 
 
 class Engine:
@@ -104,6 +108,7 @@ class Engine:
         self._cv = threading.Condition()
         self._stop = False
         self.lockstep = lockstep
+        self.broken: Exception | None = None  # under lockstep: the step failure that stopped this rank (`alive`)
         follower = lockstep is not None and not lockstep.leader
         if follower:
             self.emit = _discard
@@ -140,6 +145,8 @@ class Engine:
         """Queue the request's `params.n` choices, one sink each (as `submit`'s). Choice i draws with
         `seed + i` when the request has a seed. The choices after the first are forks of it
         (`Sequence.fork`): they share its prompt's KV blocks and embeddings."""
+        if self.broken is not None:
+            raise Unavailable("this replica's tensor-parallel group failed and is being replaced; retry shortly")
         length, n = len(req.input_ids), req.params.n
         if len(sinks) != n:
             raise ValueError(f"{len(sinks)} sinks for {n} choices")
@@ -278,6 +285,12 @@ class Engine:
         the engine's GPU time per request (benchmarks/goodput.py)."""
         return self.gpu_timer.snapshot("engine", "steps")
 
+    @property
+    def alive(self) -> bool:
+        """Its loop runs: false once stopped, or under lockstep once a step failed (the replica's health check
+        then fails and Serve replaces the whole group)."""
+        return self._thread.is_alive() and self.broken is None
+
     def shutdown(self) -> None:
         with self._cv:
             self._stop = True
@@ -292,7 +305,8 @@ class Engine:
         while True:
             with self._cv:
                 while not self._stop and not self._inbox and not self.scheduler.has_work() and self._inflight is None:
-                    self._cv.wait()
+                    if not self._cv.wait(LOCKSTEP_IDLE_TURN_S if self.lockstep is not None else None):
+                        break  # an empty turn: its tick keeps the followers' wait under their group's timeout
                 if self._stop:
                     if self.lockstep is not None:
                         self.lockstep.send(Tick(stop=True), {})
@@ -302,6 +316,8 @@ class Engine:
             for seq in inbox:
                 self.scheduler.add(seq)
             self._guarded_step(cancelled)
+            if self.broken is not None:
+                return
 
     def _tick(self, inbox: list[Sequence]) -> set[Sequence]:
         """Leader: tell the followers what this turn's step starts from; the cancellations it takes."""
@@ -337,6 +353,8 @@ class Engine:
             for seq in cancelled:
                 seq.cancel()
             self._guarded_step(cancelled)
+            if self.broken is not None:
+                return
             if turn % 256 == 255:
                 mine = {i: s for i, s in mine.items() if s.status is not Status.FINISHED}
 
@@ -344,6 +362,9 @@ class Engine:
         try:
             self._step(cancelled)
         except Exception as e:  # never let the loop die; what was running fails, cleanly
+            if self.lockstep is not None:
+                self._break_group(e)
+                return
             log.exception("engine step failed")
             self._inflight = None  # its tokens are lost: whoever waits for one fails too
             try:
@@ -379,6 +400,8 @@ class Engine:
                 launched = self.runner.launch(plan, previous)
             except Exception as e:
                 self.gpu_timer.cancel(mark)
+                if self.lockstep is not None:  # the group stops (`_break_group`), not this rank alone
+                    raise
                 log.exception("step of %d requests failed", len(plan.seqs))
                 if previous is not None:  # queued before this one: its tokens stand
                     self._complete(previous)
@@ -468,6 +491,27 @@ class Engine:
         # host time: preparing and launching, reading the tokens, the outputs (not the wait for the device)
         host = result.host_s + (now - t0)
         self.step_log.append((len(plan.seqs), sum(plan.num_tokens), result.graph, host, now - step.started))
+
+    def _break_group(self, error: Exception) -> None:
+        """Under lockstep a failed step stops this rank for good. Recovering alone, as a single engine does,
+        would leave this rank's scheduler different from the others': from then on each would plan other
+        batches, and their collectives would pair up wrong (a hang under NCCL, silently wrong sums through
+        symmetric memory). So every request this rank holds fails with a 503 (on the leader they are the
+        clients'), new ones are refused (`submit_choices`), the loop ends, and the replica's health check
+        (`alive`, `followers_alive`) makes Serve replace the group."""
+        log.exception("tensor-parallel step failed on this rank: the group stops and will be replaced")
+        self.broken = error
+        self._inflight = None
+        unavailable = Unavailable("this replica's tensor-parallel group failed and is being replaced; retry shortly")
+        with self._cv:
+            inbox, self._inbox = self._inbox, []
+        held = list(dict.fromkeys([*self.scheduler.running, *self.scheduler.waiting]))
+        try:
+            self._fail(held, unavailable)
+        except Exception:  # noqa: BLE001 - their answers matter more than the pool's bookkeeping now
+            log.exception("releasing the failed group's requests failed; answering them anyway")
+            self.emit([(s, TokenDelta([], error=unavailable)) for s in held if s.status is not Status.FINISHED])
+        self.emit([(s, TokenDelta([], error=unavailable)) for s in inbox])
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> None:
         failed = [seq for seq in seqs if seq.status is not Status.FINISHED]

@@ -37,14 +37,22 @@ class SymmetricAllReduce:
                 warnings.simplefilter("ignore", FutureWarning)
                 symm_mem.enable_symm_mem_for_group(self.group_name)
         self.buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)  # collective: every rank, same order
         ops = torch.ops.symm_mem
         self._out = getattr(ops, "one_shot_all_reduce_out", None)
         self._ret = ops.one_shot_all_reduce
 
+    def rendezvous(self) -> None:
+        """Map every rank's buffer: a collective, so every rank calls it (after all have allocated)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.rendezvous(self.buffer, self.group_name)
+
     def fits(self, x: torch.Tensor) -> bool:
+        """Whether `x` goes through the buffer: its dtype, contiguous, small enough, whole 4-byte words, and
+        16-byte aligned (the kernel writes the result into `x` in 16-byte vectors and checks only its
+        input's alignment; a misaligned one would be a sticky CUDA error)."""
         return (x.dtype == self.buffer.dtype and x.is_contiguous() and x.numel() <= self.buffer.numel()
-                and x.numel() * x.element_size() % 4 == 0)
+                and x.numel() * x.element_size() % 4 == 0 and x.data_ptr() % 16 == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         staged = self.buffer[: x.numel()]
@@ -78,6 +86,15 @@ def checked_symm_all_reduce(group, device: torch.device, dtype: torch.dtype, ran
             why = f"{type(e).__name__}: {e}"
     else:
         why = f"{dtype} (torch's kernel takes {', '.join(map(str, SUPPORTED))})"
+    # agreed before the rendezvous: a rank whose allocation failed would skip it and leave the others
+    # waiting in it, each rank in a different collective
+    if everyone(fast is not None):
+        try:
+            fast.rendezvous()
+        except Exception as e:  # noqa: BLE001 - said below, NCCL kept
+            fast, why = None, f"rendezvous: {type(e).__name__}: {e}"
+    else:
+        fast = None
     if not everyone(fast is not None):
         log.warning("symmetric-memory all-reduce unavailable, NCCL kept: %s", why or "another rank failed")
         return None
