@@ -53,10 +53,11 @@ def test_shards_are_whole_files_and_a_rerun_resumes_after_them(tmp_path):
     w = ShardWriter(out, shard_rows=2)
     for i in range(5):
         w.add({"id": f"r{i}", "response": {"n": i}})
-    assert sorted(os.listdir(out)) == ["part-00000.jsonl", "part-00001.jsonl"]  # r4 still buffered
+    assert sorted(os.listdir(out)) == [".lock", "part-00000.jsonl", "part-00001.jsonl"]  # r4 still buffered
     first = (out / "part-00000.jsonl").read_bytes()
     assert [json.loads(x)["id"] for x in first.splitlines()] == ["r0", "r1"]
     (out / ".part-00002.jsonl.tmp").write_bytes(b'{"id": "r4", "resp')  # a shard being written at a kill
+    w.release()  # the killed driver's lock went with its process
     w2 = ShardWriter(out, shard_rows=2)
     assert w2.done == {"r0", "r1", "r2", "r3"} and w2.next_index == 2
     assert not (out / ".part-00002.jsonl.tmp").exists()
@@ -240,6 +241,31 @@ def test_an_output_folder_is_one_jobs_and_one_drivers_at_a_time(tmp_path):
     again.release()
 
 
+def test_a_refused_second_driver_leaves_the_first_ones_shard_in_progress(tmp_path):
+    """The folder's lock comes before anything the constructor does to the folder: a second driver used
+    to delete the running one's `.part-*.tmp` before being refused, and the first then crashed renaming it."""
+    out = tmp_path / "out"
+    first = ShardWriter(out, 10)
+    in_progress = out / ".part-00000.jsonl.tmp"
+    in_progress.write_bytes(b'{"id": "r0"}\n')
+    with pytest.raises(RuntimeError, match="another batch job is writing"):
+        ShardWriter(out, 10)
+    assert in_progress.exists()
+    first.release()
+
+
+def test_a_line_nested_too_deep_to_parse_is_that_lines_error(tmp_path):
+    """json.loads raises RecursionError, not ValueError, past about 1,000 levels: once it escaped and
+    stopped the job at that line on every rerun."""
+    deep = "[" * 5000 + "]" * 5000
+    path = write_lines(tmp_path / "in.jsonl", [json.dumps({"id": "ok", "messages": []}), deep,
+                                               json.dumps({"id": "after", "messages": []})])
+    rows = list(read_rows(path))
+    assert [r.id for r in rows] == ["ok", "line-2", "after"]
+    assert rows[0].error is None and rows[2].error is None
+    assert rows[1].error.code == "invalid_json" and "RecursionError" in rows[1].error.message
+
+
 def test_fused_llm_actors_share_a_gpu_as_serving_replicas_do():
     """Under `fused`, `llm_replicas_per_gpu` actors per GPU, each with its share of the KV budget, when the
     pool can fill every GPU so; an explicit pool share wins; without GPUs none. The 4-GPU example config
@@ -335,7 +361,7 @@ def test_a_chunk_sends_again_only_its_busy_rows_and_answers_every_row_in_order(m
     assert out[3][0]["status"] == 400 and out[3][0]["error"]["code"] == "invalid_json"
 
 
-def test_a_chunk_whose_actor_died_is_sent_again_whole_and_an_unexpected_error_is_not(monkeypatch):
+def test_a_chunk_whose_actor_died_is_sent_again_whole_and_one_that_broke_is_sent_row_by_row(monkeypatch):
     from app.batch import job
 
     calls = []
@@ -356,9 +382,22 @@ def test_a_chunk_whose_actor_died_is_sent_again_whole_and_an_unexpected_error_is
         raise KeyError("usage")
 
     out = asyncio.run(_stages(monkeypatch, breaks).run_chunk(_rows()))
-    assert calls == [3]
+    assert calls == [3, 1, 1, 1]  # the chunk once, then each row alone, once
     assert all(rec["status"] == 500 and "KeyError" in rec["error"]["message"] for rec, _ in out[:3])
     assert out[3][0]["error"]["code"] == "invalid_json"
+
+    calls.clear()
+
+    async def one_poison_row(rows):  # e.g. a row that cannot be pickled fails the whole call it is in
+        calls.append([r.id for r in rows])
+        if any(r.id == "b" for r in rows):
+            raise RecursionError("maximum recursion depth exceeded while pickling")
+        return [({"id": r.id}, 0) for r in rows]
+
+    out = asyncio.run(_stages(monkeypatch, one_poison_row).run_chunk(_rows()))
+    assert calls[0] == ["a", "b", "c"] and sorted(map(tuple, calls[1:])) == [("a",), ("b",), ("c",)]
+    assert [rec for rec, _ in out[:1]] == [{"id": "a"}] and out[2][0] == {"id": "c"}
+    assert out[1][0]["status"] == 500 and "RecursionError" in out[1][0]["error"]["message"]
 
 
 def test_callers_are_served_in_turn_so_a_large_chunk_is_not_starved_by_smaller_later_ones():

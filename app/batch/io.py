@@ -64,8 +64,8 @@ def _jsonl(path: Path) -> Iterator[tuple[int, object]]:
                 continue
             try:
                 yield n, json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
-                yield n, ClientError(f"line {n} is not valid JSON: {e}", code="invalid_json")
+            except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+                yield n, ClientError(f"line {n} is not valid JSON: {type(e).__name__}: {e}", code="invalid_json")
 
 
 def _parquet(path: Path) -> Iterator[tuple[int, object]]:
@@ -83,9 +83,9 @@ def _parquet(path: Path) -> Iterator[tuple[int, object]]:
             try:
                 if isinstance(body.get("messages"), str):
                     body["messages"] = json.loads(body["messages"])
-            except ValueError as e:
-                yield n, ClientError(f"row {n}: 'messages' is not valid JSON: {e}", param="messages",
-                                     code="invalid_json")
+            except (ValueError, RecursionError) as e:
+                yield n, ClientError(f"row {n}: 'messages' is not valid JSON: {type(e).__name__}: {e}",
+                                     param="messages", code="invalid_json")
                 continue
             yield n, body
 
@@ -113,11 +113,14 @@ def count_rows(path: str | os.PathLike) -> int:
 
 
 class ShardWriter:
-    """Existing shards are read once for their ids (resume), then left alone."""
+    """Existing shards are read once for their ids (resume), then left alone. The folder's lock is taken
+    first: a second driver started on a folder another is writing must not delete that one's shard in
+    progress (a `.part-*.tmp`) before it is refused."""
 
     def __init__(self, folder: str | os.PathLike, shard_rows: int):
         self.folder, self.shard_rows = Path(folder), shard_rows
         self.folder.mkdir(parents=True, exist_ok=True)
+        self._lock_folder()
         for stray in self.folder.glob(".part-*.tmp"):  # a shard being written when the last run died
             stray.unlink()
         self.done: set[str] = set()
@@ -132,18 +135,25 @@ class ShardWriter:
         self.buffer: list[bytes] = []
         self.shards_written = 0
 
-    def claim(self, input_path: str | os.PathLike) -> None:
-        """Make the folder this job's, or refuse: another driver writing to it now (a lock held while
-        this process lives: two writers would both number their shards from the same index, and one
-        rename would replace the other's rows), or an earlier job's output for another input (whose ids,
-        often 0, 1, 2..., would be skipped as answered)."""
+    def _lock_folder(self) -> None:
+        """Refuse a folder another driver is writing to now (a lock held while this process lives, or
+        until `release`: two writers would both number their shards from the same index, and one rename
+        would replace the other's rows)."""
         import fcntl
 
         self._lock = open(self.folder / ".lock", "a")  # noqa: SIM115 - held until the process ends
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
+            self._lock.close()
+            self._lock = None
             raise RuntimeError(f"another batch job is writing to {self.folder}") from None
+
+    def claim(self, input_path: str | os.PathLike) -> None:
+        """Make the folder this job's (its lock is held since the constructor), or refuse an earlier job's
+        output for another input (whose ids, often 0, 1, 2..., would be skipped as answered)."""
+        if getattr(self, "_lock", None) is None:  # released: take it again
+            self._lock_folder()
         source = str(Path(input_path).resolve())
         manifest = self.folder / "manifest.json"
         if manifest.is_file():

@@ -7,8 +7,8 @@ them into embeddings, which go straight to an LLM actor as an object reference (
 answers come back to this driver, which writes shards. It keeps enough rows in flight to fill every
 pool's slots, reading the input lazily, so memory does not grow with the input. A chunk whose actor
 died (a lost node, a preempted instance) or a row whose engine was full (503) is tried again, up to
-`max_retries`; anything else unexpected becomes the row's `server_error` object, client errors are
-answered at once, and nothing a row does stops the job.
+`max_retries`; a chunk that fails otherwise is tried again row by row, and what still fails becomes that
+row's `server_error` object; client errors are answered at once, and nothing a row does stops the job.
 """
 
 from __future__ import annotations
@@ -160,6 +160,11 @@ class Stages:
                 continue
             except Exception as e:
                 log.exception("a chunk of %d rows (lines %d...) failed", len(todo), rows[todo[0]].line)
+                if len(todo) > 1:  # one bad row (say, one that cannot be pickled) must cost that row alone
+                    alone = await asyncio.gather(*(self.run_chunk([rows[i]]) for i in todo))
+                    answers.update((i, got[0]) for i, got in zip(todo, alone, strict=True))
+                    todo = []
+                    break
                 last.update(dict.fromkeys(todo, e))
                 break
             for i, answer in zip(todo, done, strict=True):
