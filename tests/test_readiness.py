@@ -22,6 +22,10 @@ def test_first_ready_needs_every_deployment_settled_with_its_replicas_running():
     assert not deployments_ready(failing)[0] and deployments_ready(failing, whole=False)[0]
     replaced = running | {"LLM": ("UPDATING", {"STOPPING": 1, "STARTING": 1})}
     assert not deployments_ready(replaced, whole=False)[0]  # no LLM replica left: not ready until one runs
+    # every LLM replica failed to start and Serve drained the deployment to none: not ready, whatever came before
+    given_up = running | {"LLM": ("DEPLOY_FAILED", {})}
+    assert not deployments_ready(given_up)[0] and not deployments_ready(given_up, whole=False)[0]
+    assert not deployments_ready(running | {"LLM": ("UNHEALTHY", {})}, whole=False)[0]
 
 
 def test_a_router_joins_a_serving_app_when_every_other_deployment_has_a_replica_running():

@@ -17,6 +17,10 @@ from collections.abc import Callable
 
 # A deployment's status once every replica of its target has started (UPDATING before; failing ones never)
 SETTLED = frozenset({"HEALTHY", "UPSCALING", "DOWNSCALING"})
+# A deployment Serve gave up on (every replica failed to start, and it drained them to none) or whose
+# replicas keep failing: with none left it serves nothing, unlike one that has none by design (the `fused`
+# placement's dormant VisionEncoder, HEALTHY at zero)
+FAILED = frozenset({"DEPLOY_FAILED", "UNHEALTHY"})
 
 
 def deployments_ready(deployments: dict[str, tuple[str, dict[str, int]]], whole: bool = True
@@ -30,6 +34,8 @@ def deployments_ready(deployments: dict[str, tuple[str, dict[str, int]]], whole:
         running = states.get("RUNNING", 0)
         shown[name] = f"{running}/{total} {status}"
         if total and (not running or (whole and status not in SETTLED)):
+            ready = False
+        elif not total and status in FAILED:
             ready = False
     return ready, shown
 
