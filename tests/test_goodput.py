@@ -145,10 +145,10 @@ def test_the_steady_window_leaves_out_ramp_and_drain():
     assert p["window_arrivals"] == 100 and p["offered_rps"] == pytest.approx(10.0)
     assert p["window_completions"] == 100 and p["served_rps"] == pytest.approx(10.0)  # sent in [1.5, 11.5)
     assert p["served_ratio"] == pytest.approx(1.0) and p["ratio_shift_s"] == pytest.approx(0.5)
-    # arrivals 20..119 have TTFTs 21..100 and 1..20 ms: nearest rank p50 = sorted[50], p99 = sorted[98]
-    assert p["ttft_ms"]["n"] == 100 and p["ttft_ms"]["p50"] == pytest.approx(51.0) and p["ttft_ms"]["p99"] == pytest.approx(99.0)
+    # arrivals 20..119 have TTFTs 21..100 and 1..20 ms: nearest rank (rank ceil(q n)) p50 = the 50th, p99 the 99th
+    assert p["ttft_ms"]["n"] == 100 and p["ttft_ms"]["p50"] == pytest.approx(50.0) and p["ttft_ms"]["p99"] == pytest.approx(99.0)
     # TPOT: (0.5 s - TTFT) / 8
-    assert p["tpot_ms"]["p50"] == pytest.approx((500 - 50) / 8) and p["tpot_ms"]["p99"] == pytest.approx((500 - 2) / 8)
+    assert p["tpot_ms"]["p50"] == pytest.approx((500 - 51) / 8) and p["tpot_ms"]["p99"] == pytest.approx((500 - 2) / 8)
     assert p["errors"] == {"HTTP 503": 2, "unfinished": 1} and p["errors_in_window"] == {}
     assert p["error_examples"] == {"HTTP 503": "HTTP 503: b'overloaded'", "unfinished": ""}  # the first of each
     assert p["drain_s"] == pytest.approx(13.8 + 0.5 - 13.9)
@@ -226,6 +226,18 @@ def test_cold_start_seconds_are_compared_with_the_warm_app():
     assert s["p99_ratio_max_after_10s"] == pytest.approx(0.9) and s["errors_after_10s"] == 0
     assert not s["within_1_5x_from_first_second"] and s["within_2x_after_10s"]
     assert s["within_1_5x_from_second"] == 1
+    # no warm reference (its point ran out of time): no second is within anything, rather than every one
+    s = cold_summary(per_second(sent, 20), warm_p99_ms=float("nan"))
+    assert s["within_1_5x_from_second"] is None and not s["within_1_5x_from_first_second"]
+
+
+def test_fixed_rates_take_the_highest_pass_below_the_lowest_fail():
+    from benchmarks.goodput import fixed_rates_result
+
+    pts = [{"rate": r, "passes": ok} for r, ok in ((50, True), (100, False), (150, True))]
+    r = fixed_rates_result(pts, 3)
+    assert (r["goodput"], r["fails_at"], r["passes_above_fail"], r["complete"]) == (50, 100, [150], True)
+    assert fixed_rates_result(pts[:1], 3)["goodput"] == 50 and fixed_rates_result(pts[1:2], 1)["goodput"] == 0.0
 
 
 def test_the_scale_up_options_reach_the_llm_deployment_of_the_config_file():
@@ -596,3 +608,15 @@ def test_a_replicas_start_is_told_in_seconds_per_phase():
     assert startup_durations(load) == {
         "a": {"to_ready_s": 41.0, "phases_s": {"model": 11.5, "engine: graphs": 18.25}},
         "b": {"to_ready_s": None, "phases_s": {}}}
+
+
+def test_percentiles_are_nearest_rank():
+    """benchmarks/stats.py's pct: rank ceil(q n), so one slow request in 60 is the p99 (it once took rank
+    round(q (n - 1)) + 1: the second largest, and a point with one 2 s TTFT in 60 passed a 500 ms bound)."""
+    from benchmarks.stats import p99, pct
+
+    assert p99([300.0] * 59 + [2000.0]) == 2000.0
+    assert p99([float(i) for i in range(1, 101)]) == 99.0 and p99([float(i) for i in range(1, 1001)]) == 990.0
+    assert pct([float(i) for i in range(1, 101)], 0.5) == 50.0 and pct([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert pct([5.0], 0.99) == 5.0 and pct([1.0, 2.0], 0.0) == 1.0 and pct([1.0, 2.0], 1.0) == 2.0
+    assert math.isnan(pct([], 0.5))
