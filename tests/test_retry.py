@@ -229,3 +229,59 @@ def test_a_cancelled_collect_cancels_its_stream_on_the_replica():
         return stream.cancelled
 
     assert asyncio.run(main())
+
+
+class _Hanging:
+    """A stream whose first chunk never comes (a retried call queued behind a replica being replaced)."""
+
+    def __init__(self):
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.Event().wait()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("call", ["first_chunk", "collect"])
+def test_a_retry_waits_for_its_first_chunk_no_longer_than_what_is_left_of_the_budget(call):
+    """`budget_s` is the request's: once spent, a retried attempt still waiting is cancelled and the
+    request answered replica_failed (it used to wait with no bound while the replica was replaced)."""
+    import time
+
+    policy = RetryPolicy(max_attempts=5, budget_s=1.0, backoff_s=0)
+    died = ActorDiedError()  # made here: its first construction can take longer than the budget
+    started = []
+
+    def start():
+        started.append(chunks(1, die_after=0, error=died) if not started else _Hanging())
+        return started[-1]
+
+    async def main():
+        t0 = time.monotonic()
+        with pytest.raises(ClientError) as got:
+            await (first_chunk(start, policy) if call == "first_chunk" else collect(start, policy))
+        return got.value, time.monotonic() - t0
+
+    err, took = asyncio.run(main())
+    assert len(started) == 2 and started[1].cancelled
+    assert err.code == "replica_failed" and err.status == 503 and 0.9 < took < 4
+
+
+def test_a_first_attempt_slower_than_the_budget_is_not_cut():
+    """The bound is for retries only: a first answer that takes longer than `budget_s` (a long queue
+    under load) is waited for."""
+
+    async def slow():
+        await asyncio.sleep(0.3)
+        yield {"text": "late", "finish_reason": "stop"}
+
+    policy = RetryPolicy(max_attempts=3, budget_s=0.1, backoff_s=0)
+    first, _, retries = asyncio.run(first_chunk(slow, policy))
+    assert first["text"] == "late" and retries == 0
+    got, _, retries = asyncio.run(collect(slow, policy))
+    assert [c["text"] for c in got] == ["late"] and retries == 0

@@ -98,6 +98,21 @@ async def _close(stream) -> None:
             return
 
 
+async def _first_of(stream: AsyncIterator[dict], policy: RetryPolicy, attempt: int, t0: float) -> dict:
+    """The stream's first chunk. A retried attempt waits for it at most what is left of the policy's
+    budget: it sits in the handle's queue while the failed replica is replaced (weights, graphs: minutes),
+    and the budget is the request's, not each attempt's. Past it, the stream is cancelled and the request
+    answered `replica_failed` (503, Retry-After)."""
+    if attempt <= 1:
+        return await anext(stream)
+    left = policy.budget_s - (time.monotonic() - t0)
+    try:
+        return await asyncio.wait_for(anext(stream), max(left, 0.0))
+    except TimeoutError as e:
+        cancel_stream(stream)
+        raise replica_failed(attempt - 1) from e
+
+
 async def first_chunk(start: Callable[[], AsyncIterator[dict]], policy: RetryPolicy, attempts: int = 0,
                       t0: float | None = None, failed: BaseException | None = None
                       ) -> tuple[dict, AsyncIterator[dict], int]:
@@ -112,7 +127,7 @@ async def first_chunk(start: Callable[[], AsyncIterator[dict]], policy: RetryPol
         attempt += 1
         stream = aiter(start())
         try:
-            return await anext(stream), stream, attempt - 1
+            return await _first_of(stream, policy, attempt, t0), stream, attempt - 1
         except StopAsyncIteration:
             raise
         except Exception as e:
@@ -136,7 +151,11 @@ async def collect(start: Callable[[], AsyncIterator[dict]], policy: RetryPolicy,
         chunks, first_at, finished = [], None, 0
         stream = aiter(start())
         try:
-            async for chunk in stream:
+            try:
+                head = [await _first_of(stream, policy, attempt, t0)]
+            except StopAsyncIteration:
+                head = []
+            async for chunk in _chain(head, stream):
                 first_at = time.perf_counter() if first_at is None else first_at
                 chunks.append(chunk)
                 finished += bool(chunk.get("finish_reason"))
@@ -150,6 +169,13 @@ async def collect(start: Callable[[], AsyncIterator[dict]], policy: RetryPolicy,
         except BaseException:  # cancelled (the client left): stop the generation
             cancel_stream(stream)
             raise
+
+
+async def _chain(head: list[dict], rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    for chunk in head:
+        yield chunk
+    async for chunk in rest:
+        yield chunk
 
 
 _draining: set[asyncio.Task] = set()  # strong references: a pending task may otherwise be collected

@@ -170,6 +170,8 @@ class Engine:
                 seq.reader, sink = reader, reader.put
             seq.sink = sink
         with self._cv:
+            if self.broken is not None:  # stopped since the check above: the loop would never take these
+                raise Unavailable("this replica's tensor-parallel group failed and is being replaced; retry shortly")
             if len(self._inbox) + len(self.scheduler.waiting) + n > self.max_waiting:
                 raise Overloaded()
             now = time.perf_counter()
@@ -500,10 +502,10 @@ class Engine:
         clients'), new ones are refused (`submit_choices`), the loop ends, and the replica's health check
         (`alive`, `followers_alive`) makes Serve replace the group."""
         log.exception("tensor-parallel step failed on this rank: the group stops and will be replaced")
-        self.broken = error
         self._inflight = None
         unavailable = Unavailable("this replica's tensor-parallel group failed and is being replaced; retry shortly")
-        with self._cv:
+        with self._cv:  # with the inbox's lock: a request queued after this is refused, not left in it
+            self.broken = error
             inbox, self._inbox = self._inbox, []
         held = list(dict.fromkeys([*self.scheduler.running, *self.scheduler.waiting]))
         try:
