@@ -279,8 +279,9 @@ class RetryConfig(_Strict):
     """Router retries of encoder + LLM calls that failed because a replica died (app/api/retry.py)."""
 
     max_attempts: int = Field(4, ge=1, description="tries per request, the first included")
-    budget_s: float = Field(90.0, gt=0, description="no new try starts after this long (a restarted replica on "
-                            "a loaded CPU machine takes tens of seconds)")
+    budget_s: float = Field(90.0, gt=0, description="no new try starts after this long, and a retried try "
+                            "waits for its first chunk only until then (a restarted replica on a loaded CPU "
+                            "machine takes tens of seconds)")
     backoff_s: float = Field(0.5, ge=0, description="wait before the first retry; doubles on each further one")
 
 
