@@ -254,6 +254,19 @@ def test_a_refused_second_driver_leaves_the_first_ones_shard_in_progress(tmp_pat
     first.release()
 
 
+def test_a_shard_is_never_replaced_even_where_the_lock_does_nothing(tmp_path):
+    """Storage whose flock is a no-op let two writers number shards from the same index; a commit that
+    finds its name taken moves to the next instead of replacing the other writer's rows."""
+    out = tmp_path / "out"
+    w = ShardWriter(out, shard_rows=10)
+    (out / "part-00000.jsonl").write_text('{"id": "theirs"}\n')  # another writer, unseen by this one
+    w.add({"id": "mine"})
+    w.flush()
+    assert json.loads((out / "part-00000.jsonl").read_text()) == {"id": "theirs"}
+    assert json.loads((out / "part-00001.jsonl").read_text()) == {"id": "mine"}
+    assert not list(out.glob(".part-*.tmp")) and w.next_index == 2
+
+
 def test_a_line_nested_too_deep_to_parse_is_that_lines_error(tmp_path):
     """json.loads raises RecursionError, not ValueError, past about 1,000 levels: once it escaped and
     stopped the job at that line on every rerun."""

@@ -180,13 +180,24 @@ class ShardWriter:
     def flush(self) -> None:
         if not self.buffer:
             return
-        name = f"part-{self.next_index:05d}.jsonl"
-        tmp = self.folder / f".{name}.tmp"
+        tmp = self.folder / f".part-{self.next_index:05d}.jsonl.tmp"
         with tmp.open("wb") as f:
             f.writelines(self.buffer)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, self.folder / name)
+        # a hard link, not a rename: it fails rather than replace a shard of that name, which only another
+        # writer can have made (on storage where the folder's lock does nothing); then the next index
+        while True:
+            final = self.folder / f"part-{self.next_index:05d}.jsonl"
+            try:
+                os.link(tmp, final)
+                tmp.unlink()
+                break
+            except FileExistsError:
+                self.next_index += 1
+            except OSError:  # no hard links on this storage (some FUSE mounts): the rename, as before
+                os.replace(tmp, final)
+                break
         dir_fd = os.open(self.folder, os.O_RDONLY)
         try:
             os.fsync(dir_fd)  # the rename itself survives a power cut
