@@ -120,6 +120,32 @@ def webm_bytes(frames: int = 8, size: int = 64, seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
+@functools.cache
+def mjpeg_with_one_big_frame(size: int = 64, big: int = 2000, frames: int = 6, at: int = 3) -> bytes:
+    """A Matroska MJPEG stream whose header says `size` x `size` and whose frame `at` is a `big` x `big`
+    JPEG: every MJPEG frame carries its own size, so the header's does not bound the frames."""
+    from fractions import Fraction
+
+    import av
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="matroska") as out:
+        s = out.add_stream("mjpeg", rate=10)
+        s.width = s.height = size
+        s.pix_fmt = "yuvj420p"
+        s.time_base = Fraction(1, 10)
+        for i in range(frames):
+            side = big if i == at else size
+            jpeg = io.BytesIO()
+            Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8)).save(jpeg, "JPEG", quality=50)
+            packet = av.Packet(jpeg.getvalue())
+            packet.stream, packet.pts, packet.dts, packet.time_base = s, i, i, Fraction(1, 10)
+            out.mux(packet)
+    return buf.getvalue()
+
+
 def webm_declaring_seconds(seconds: float) -> bytes:
     """A WebM whose segment header claims `seconds` (Matroska's Duration element, in milliseconds)."""
     data = bytearray(webm_bytes())

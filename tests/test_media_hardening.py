@@ -100,6 +100,35 @@ def test_video_frame_size_and_decoded_bytes_are_checked_before_decoding_them():
     assert err.code == "video_too_large" and "decoded-video limit" in err.message
 
 
+def test_minicpm_v_refuses_the_aspect_ratios_qwen_refuses():
+    """A few-KB PNG of 1 x 8,000,000 pixels became 362,040 patch rows on the MiniCPM-V path (the short
+    side is scaled up to a patch); like Qwen's smart_resize, slicing refuses sides more than 200 apart."""
+    import io
+
+    from PIL import Image
+
+    def png(w: int, h: int) -> bytes:
+        buf = io.BytesIO()
+        Image.new("RGB", (w, h), (9, 99, 199)).save(buf, "PNG")
+        return buf.getvalue()
+
+    spec, cfg = _minicpmv_spec(), MediaConfig()
+    for w, h in ((1, 4000), (5000, 2)):
+        err = refusal(lambda w=w, h=h: prepare_bytes(png(w, h), MediaRef("image", "u", "p"), cfg, spec))
+        assert err.code == "invalid_image" and "aspect ratio" in err.message
+    assert prepare_bytes(png(20, 3000), MediaRef("image", "u", "p"), cfg, spec).patches  # 150: still served
+
+
+def test_a_frame_larger_than_its_streams_header_is_refused():
+    """MJPEG frames carry their own sizes: a 2000 x 2000 frame in a stream that says 64 x 64 passes the
+    header's check. FFmpeg is told a bound (twice the limit and a margin) so that it refuses such a frame
+    before allocating it; the exact limit is checked on every decoded frame."""
+    data = bombs.mjpeg_with_one_big_frame()
+    assert as_video(data, max_pixels=64 * 64 * 4).code in ("invalid_video", "video_too_large")  # FFmpeg's bound
+    assert as_video(data, max_pixels=3_000_000).code == "video_too_large"  # FFmpeg's bound passes, ours not
+    assert decode_video(data, param="p", **(VIDEO | {"max_pixels": 2000 * 2000})).frames.shape[0] >= 2
+
+
 def test_playlists_and_scripts_never_make_ffmpeg_open_other_files(tmp_path, monkeypatch):
     """Probing would pick FFmpeg's concat demuxer for this script and read clip.mp4 from the working
     directory; the server names the demuxer from the magic number instead, so it is refused."""

@@ -180,6 +180,45 @@ def test_the_batcher_runs_its_idle_task_after_the_queue_drains():
     assert events == [("batch", 2), ("idle",)]
 
 
+def test_a_failing_metrics_hook_or_round_never_strands_a_request():
+    """A raising `on_batch` (the metrics hook) used to kill the batcher's task: the requests it had taken
+    from the queue, and every later one, waited for ever. Now the hook's error is logged and the batch
+    answered; a round that fails (here: packing raises once) fails its own requests, and the next is served."""
+    import app.vision.batcher as batcher_module
+    from app.vision.batcher import EncodeBatcher
+    from app.vision.graphs import VisionEmbedding
+
+    def run_batch(items):
+        return [VisionEmbedding(it.pixels[:1], []) for it in items], sum(it.pixels.shape[0] for it in items)
+
+    def on_batch(*_):
+        raise RuntimeError("metrics broke")
+
+    batcher = EncodeBatcher(run_batch, Limits(64, 4, 4), wait_ms=1, on_batch=on_batch)
+    item = [(torch.full((4, 8), 3.0), (1, 2, 2))]
+    real_pack, calls = batcher_module.pack, []
+
+    def pack_once_broken(pieces, limits):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("packing broke")
+        return real_pack(pieces, limits)
+
+    async def scenario():
+        first = await asyncio.wait_for(asyncio.gather(batcher.submit(item), batcher.submit(item)), 5)
+        batcher_module.pack = pack_once_broken
+        try:
+            with pytest.raises(ValueError, match="packing broke"):
+                await asyncio.wait_for(batcher.submit(item), 5)
+            after = await asyncio.wait_for(batcher.submit(item), 5)
+        finally:
+            batcher_module.pack = real_pack
+        return first, after
+
+    first, after = asyncio.run(scenario())
+    assert [o[0].main[0, 0].item() for o in first] == [3.0, 3.0] and after[0].main[0, 0].item() == 3.0
+
+
 def test_an_idle_encoder_starts_at_once_and_a_busy_one_waits_to_batch():
     """No batching wait when no batch ended within `wait_ms` (nothing to batch with: it would only add
     to time to first token); right after a batch, arrivals wait up to `wait_ms` and run together."""

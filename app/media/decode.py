@@ -229,7 +229,13 @@ def decode_video(data: bytes, *, param: str, fps: float, min_frames: int, max_fr
         kept = 0  # bytes of the RGB frames kept until the resize
         with _open_container(data, demuxer) as container:
             stream = container.streams.video[0]
+            # FFmpeg itself refuses a frame far over the limit before allocating it (the check below runs on
+            # a decoded frame: one 12000 x 12000 frame in a 64 x 64 stream took 230 MB first), and a few frame
+            # threads at most hold frames at once. Its bound is twice ours and then some: it counts the
+            # codec's padded size, which for a frame exactly at our limit can be well over it (thin frames)
+            stream.codec_context.options = {"max_pixels": str(2 * max_pixels + (1 << 20))}
             stream.thread_type = "AUTO"
+            stream.thread_count = min(stream.thread_count or 4, 4)
             for n, frame in enumerate(container.decode(stream)):
                 tick()
                 if frame.width * frame.height > max_pixels:  # also a size change mid-stream

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-_NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
+_NAT64 = (ipaddress.ip_network("64:ff9b::/96"),)  # the well-known prefix: IPv4 in the last 32 bits
+# The local-use prefix 64:ff9b:1::/48 (RFC 8215) is in _SPECIAL: a network's own NAT64 may map it to
+# private IPv4 space, and at /48 the IPv4 address is not in the last 32 bits (RFC 6052)
 # IANA's special-purpose ranges that are not globally reachable, listed here as well as asked of
 # `ipaddress`, whose tables differ between Python releases (3.11.7 calls 192.0.0.192, Oracle Cloud's
 # metadata service, global).
@@ -25,7 +27,7 @@ _SPECIAL = tuple(ipaddress.ip_network(n) for n in (
     "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12", "192.0.0.0/24",
     "192.0.2.0/24", "192.88.99.0/24", "192.168.0.0/16", "198.18.0.0/15", "198.51.100.0/24", "203.0.113.0/24",
     "224.0.0.0/4", "240.0.0.0/4",
-    "::/127", "100::/64", "2001::/23", "2001:db8::/32", "3fff::/20", "5f00::/16", "fc00::/7", "fe80::/10",
+    "::/127", "64:ff9b:1::/48", "100::/64", "2001::/23", "2001:db8::/32", "3fff::/20", "5f00::/16", "fc00::/7", "fe80::/10",
     "fec0::/10", "ff00::/8"))
 
 

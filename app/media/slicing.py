@@ -101,13 +101,24 @@ class SlicedImage:
         return [self.thumbnail, *self.slices]
 
 
+MAX_ASPECT_RATIO = 200  # as Qwen's smart_resize refuses: past it, the short side's upscale to a patch
+# makes a few-KB image of 1 x 8,000,000 pixels a slice of 90,000 tokens (362,040 patch rows in all)
+
+
 def slice_image(image, spec: SliceSpec) -> SlicedImage:
-    """`image`: an RGB PIL image or an [H, W, 3] uint8 array."""
+    """`image`: an RGB PIL image or an [H, W, 3] uint8 array. Sides further apart than MAX_ASPECT_RATIO
+    are a client error (`invalid_image`), as on the Qwen path."""
     from PIL import Image
+
+    from ..errors import ClientError
 
     if not isinstance(image, Image.Image):
         image = Image.fromarray(image)
     w, h = image.size
+    if min(w, h) <= 0:
+        raise ClientError("image has a zero dimension", code="invalid_image")
+    if max(w, h) / min(w, h) > MAX_ASPECT_RATIO:
+        raise ClientError(f"aspect ratio {max(w, h) / min(w, h):.0f} exceeds {MAX_ASPECT_RATIO}", code="invalid_image")
     bicubic = Image.Resampling.BICUBIC
     grid = slice_grid(w, h, spec.scale_resolution, spec.max_slices) if spec.slice_mode else None
     if grid is None:

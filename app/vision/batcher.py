@@ -140,11 +140,18 @@ class EncodeBatcher:
             while self._queue:
                 await self._wait_for_batch()
                 queued, self._queue = self._queue, []
-                live = [q for q in queued if not q.req.cancelled]
-                self.stats.cancelled_pieces += len(queued) - len(live)
-                pieces = [Piece(q, q.vision.pixels.shape[0], q.vision.grid[0], q.enqueued) for q in live]
-                for batch in pack(pieces, self.limits):
-                    await self._run_one([p.key for p in batch])
+                try:
+                    live = [q for q in queued if not q.req.cancelled]
+                    self.stats.cancelled_pieces += len(queued) - len(live)
+                    pieces = [Piece(q, q.vision.pixels.shape[0], q.vision.grid[0], q.enqueued) for q in live]
+                    for batch in pack(pieces, self.limits):
+                        await self._run_one([p.key for p in batch])
+                except Exception as e:  # noqa: BLE001 - the round's requests fail; the batcher goes on
+                    # (packing or merging a request's pieces raised: without this the task died, and these
+                    # requests, and every later one, waited for ever)
+                    log.exception("encoder batching round failed")
+                    for q in queued:
+                        q.req.fail(e)
             work = self.on_idle() if self.on_idle is not None else None
             if work is not None:
                 try:
@@ -209,6 +216,12 @@ class EncodeBatcher:
         self.stats.tokens += tokens
         self.stats.budget_tokens += padded
         if self.on_batch is not None:
-            self.on_batch(time.monotonic() - start, tokens / padded if padded else 1.0, waits)
+            try:
+                self.on_batch(time.monotonic() - start, tokens / padded if padded else 1.0, waits)
+            except Exception:  # noqa: BLE001 - metrics must not fail the batch they describe
+                log.exception("encoder on_batch hook failed")
         for q, out in zip(batch, outs):
-            q.req.fill(q.item, q.chunk, out)
+            try:
+                q.req.fill(q.item, q.chunk, out)
+            except Exception as e:  # noqa: BLE001 - its request fails, the batch's others are answered
+                q.req.fail(e)

@@ -217,6 +217,7 @@ class GraphManager:
         n = lay.num_tokens
         key = DeviceMetadataCache.key(lay, budget, uniform)
         if key != self._filled:
+            self._filled = None  # until every buffer below is written: a copy that raises leaves no key behind
             meta = self.metadata.get(lay, budget, uniform)
             views = self._meta_views(budget, uniform)
             if meta.keys() != views.keys():

@@ -143,7 +143,7 @@ class EncoderService:
                 **self.gpu_timer.snapshot("encoder", "batches"),
                 "budgets": self.manager.budgets,
                 "captured": sorted(self.manager.graphs), "capture_seconds": self.manager.capture_seconds,
-                "uniform_graphs": [list(k) for k in self.manager.uniform_graphs],
+                "uniform_graphs": [list(k) for k in list(self.manager.uniform_graphs)],  # a capture may add one
                 "autotune": self.manager.autotune_table,
                 "dispatch_observed": self.manager.observed.summary() if self.manager.observed else {},
                 "explored_batches": self.manager.observed.explored if self.manager.observed else 0}
