@@ -59,25 +59,28 @@ def test_first_chunk_retries_until_a_token_then_hands_over_the_rest():
     assert rest == [{"text": "1"}, {"text": "2"}]
 
 
+class _Hanging:
+    """A stream whose first chunk never comes (a call queued behind a busy or restarting replica)."""
+
+    def __init__(self):
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.Event().wait()
+
+    def cancel(self):
+        self.cancelled = True
+
+
 def test_a_first_chunk_abandoned_by_its_caller_stops_the_stream_it_started():
     """The client left while the first chunk was awaited: the generation just started is cancelled."""
     started = []
 
-    class Hanging:
-        def __init__(self):
-            self.cancelled = False
-
-        def __aiter__(self):
-            return self
-
-        async def __anext__(self):
-            await asyncio.Event().wait()
-
-        def cancel(self):
-            self.cancelled = True
-
     def start():
-        started.append(Hanging())
+        started.append(_Hanging())
         return started[-1]
 
     async def main():
@@ -229,22 +232,6 @@ def test_a_cancelled_collect_cancels_its_stream_on_the_replica():
         return stream.cancelled
 
     assert asyncio.run(main())
-
-
-class _Hanging:
-    """A stream whose first chunk never comes (a retried call queued behind a replica being replaced)."""
-
-    def __init__(self):
-        self.cancelled = False
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        await asyncio.Event().wait()
-
-    def cancel(self):
-        self.cancelled = True
 
 
 @pytest.mark.parametrize("call", ["first_chunk", "collect"])
