@@ -113,7 +113,7 @@ METRICS_TIMEOUT_S = 2.0  # GET /metrics waits this long for the replicas' number
 ROUTER_WARMUP_S = 60.0  # a joining Router's warm-up gives up after this and opens its port anyway
 
 
-async def open_shared_port(app, sock, api_key: str | None) -> SharedPortServer:
+async def open_shared_port(app, sock) -> SharedPortServer:
     """A Router's shared port, opened only once Ray Serve has made the Router the replica's instance: FastAPI's
     routes find their `self` through it, which Serve sets after the constructor returns, so a request the
     port took in between would have none. A Router that joins an app already serving first sends its own
@@ -122,9 +122,9 @@ async def open_shared_port(app, sock, api_key: str | None) -> SharedPortServer:
     engine's parts of it under 40 ms. At the first deploy the app's readiness covers that. `sock` was
     bound in the constructor (a port another program holds fails the replica there); it listens here.
     `app` is the FastAPI app as the Router's own methods see it: Serve pickles the Router with a copy of
-    the module's `api`, and only that copy holds the API key the constructor set (the module's own `api`,
-    which this function would otherwise find, has none: the port once let every request through). A
-    failed or cancelled opening stops what it started and closes the socket."""
+    the module's `api`, and only that copy holds the API key the constructor set (`app.state.api_key`; the
+    module's own `api`, which this function would otherwise find, has none: the port once let every
+    request through). A failed or cancelled opening stops what it started and closes the socket."""
     server = None
     try:
         while serve.get_replica_context().servable_object is None:
@@ -134,7 +134,8 @@ async def open_shared_port(app, sock, api_key: str | None) -> SharedPortServer:
             serving = await asyncio.wait_for(asyncio.to_thread(
                 lambda: serving_without(serve_replica_states(ctx.app_name), ctx.deployment)), 10.0)
             if serving:
-                report = await asyncio.wait_for(warm_router(app, api_key), ROUTER_WARMUP_S)
+                report = await asyncio.wait_for(warm_router(app, getattr(app.state, "api_key", None)),
+                                                ROUTER_WARMUP_S)
                 log.info("Router warm-up: %d requests in %.1f s, %d errors%s", report.requests, report.seconds,
                          len(report.errors), f" (first: {report.errors[0]})" if report.errors else "")
         except Exception as e:  # noqa: BLE001 - a warm-up that fails leaves the Router cold, not down
@@ -186,18 +187,21 @@ class Router:
         self.completions, self.responses = CompletionService(self.chat), ResponseService(self.chat)
         self.tokens = TokenizeService(self.chat)
         self.encoder, self.llm, self.fused = encoder, llm, fused
-        self.direct, self.opening = None, None
+        self.opening = None
         if self.cfg.router_http_port:
             # a node may give its Routers a port of its own (app/serving/cluster.py: several nodes on one host);
             # bound here, so that a port another program holds fails this constructor, and served after it,
             # once the replica is Serve's (check_health reports a later failure)
             sock = bind_shared(self.cfg.router_http_host, node_router_port(self.cfg.router_http_port))
-            self.opening = asyncio.get_running_loop().create_task(open_shared_port(api, sock, api.state.api_key))
-            self.opening.add_done_callback(self._port_opened)
+            self.opening = asyncio.get_running_loop().create_task(open_shared_port(api, sock))
 
-    def _port_opened(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is None:
-            self.direct = task.result()
+    @property
+    def direct(self) -> SharedPortServer | None:
+        """The shared port's server once its opening succeeded (None before, without one, or if it failed)."""
+        opening = getattr(self, "opening", None)
+        if opening is None or not opening.done() or opening.cancelled() or opening.exception() is not None:
+            return None
+        return opening.result()
 
     def check_health(self) -> None:
         """Ray Serve's periodic check: a shared port that failed to open (taken, refused), or whose server
@@ -215,14 +219,12 @@ class Router:
         """Ray Serve awaits this when it stops the replica, after draining the requests it counted: the
         shared port stops taking connections and its requests in flight get to finish (within the
         deployment's `graceful_shutdown_timeout_s`, after which Ray stops the process anyway). An opening
-        still under way is cancelled and stops what it started; one that finished but whose callback has
-        not run yet is drained like the others."""
-        opening, direct = getattr(self, "opening", None), getattr(self, "direct", None)
+        still under way is cancelled and stops what it started; a port that opened is drained."""
+        opening = getattr(self, "opening", None)
         if opening is not None and not opening.done():
             opening.cancel()
             await asyncio.wait({opening})  # its own cleanup runs; its outcome is not ours to raise
-        elif direct is None and opening is not None and not opening.cancelled() and opening.exception() is None:
-            direct = opening.result()
+        direct = self.direct
         if direct is not None:
             try:
                 await direct.drain(SHARED_PORT_DRAIN_S)

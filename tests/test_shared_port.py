@@ -187,18 +187,25 @@ class _Context:
     servable_object, app_name, deployment = object(), "vlm", "Router"
 
 
-def test_the_router_opens_its_port_on_the_app_it_was_given(monkeypatch):
-    """deployments/router.py's `open_shared_port` serves the app its caller passes (the Router's own copy,
-    the one holding the API key), not the module's `api` it would find by name, which has no key."""
+@pytest.fixture
+def router(monkeypatch):
+    """deployments/router.py as a Router replica sees it, without Ray Serve: its replica context is set
+    and the application reads as having no deployments."""
     import deployments.router as router
 
     monkeypatch.setattr(router.serve, "get_replica_context", lambda: _Context)
     monkeypatch.setattr(router, "serve_replica_states", lambda name: {})
+    return router
+
+
+def test_the_router_opens_its_port_on_the_app_it_was_given(router):
+    """deployments/router.py's `open_shared_port` serves the app its caller passes (the Router's own copy,
+    the one holding the API key), not the module's `api` it would find by name, which has no key."""
     given = Starlette(routes=[Route("/given", lambda r: StreamingResponse(iter([b"given"])))])
 
     async def main():
         sock = bind_shared("127.0.0.1", free_port())
-        server = await router.open_shared_port(given, sock, None)
+        server = await router.open_shared_port(given, sock)
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}") as client:
                 assert (await client.get("/given")).text == "given"
@@ -210,13 +217,9 @@ def test_the_router_opens_its_port_on_the_app_it_was_given(monkeypatch):
 
 
 @pytest.mark.parametrize("failure", ["start", "cancel"])
-def test_a_failed_or_cancelled_opening_closes_the_port(monkeypatch, failure):
+def test_a_failed_or_cancelled_opening_closes_the_port(router, monkeypatch, failure):
     """A server that does not start, or an opening cancelled (the replica stopping), leaves nothing
     listening: the socket is closed and the server told to stop."""
-    import deployments.router as router
-
-    monkeypatch.setattr(router.serve, "get_replica_context", lambda: _Context)
-    monkeypatch.setattr(router, "serve_replica_states", lambda name: {})
     made = []
 
     class Failing(SharedPortServer):
@@ -233,7 +236,7 @@ def test_a_failed_or_cancelled_opening_closes_the_port(monkeypatch, failure):
 
     async def main():
         sock = bind_shared("127.0.0.1", free_port())
-        task = asyncio.get_running_loop().create_task(router.open_shared_port(slow_app(asyncio.Event()), sock, None))
+        task = asyncio.get_running_loop().create_task(router.open_shared_port(slow_app(asyncio.Event()), sock))
         if failure == "cancel":
             await wait_until(lambda: bool(made))
             task.cancel()
