@@ -113,8 +113,9 @@ on_sigterm = OnSigterm()
 def host_object_store_bytes() -> int:
     """The object store one `ray start` would take on this host (30% of its memory, capped by /dev/shm
     and 200 GB): the layouts split it, so one node and two have the same in all. `ray.cluster_utils`
-    alone gives every node 150 MiB, the likely reason the one-node layout served 354-379 req/s on four
-    H100s on 2026-11-27 (TTFT p99 14-16 s) while two nodes (300 MiB in all) served 493."""
+    alone gives every node 150 MiB, so that one node had half the store of two. Given its share (151 GiB),
+    one node still served 370.55 req/s on four H100s against 379.03 with 150 MiB (2026-11-27): the store
+    was not why it served less than two nodes, but the comparison is fair only with equal stores."""
     import psutil
     from ray._private.utils import resolve_object_store_memory
 

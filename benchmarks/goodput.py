@@ -560,13 +560,12 @@ def per_second(sent: list[Sent], seconds: int) -> list[dict]:
 def fixed_rates_result(points: list[dict], asked: int) -> dict:
     """`--no-search`: goodput is the highest passing rate below the lowest failing one (a pass above a
     fail is noise, listed in `passes_above_fail`, not goodput)."""
-    bad = [p["rate"] for p in points if not p["passes"]]
-    fails_at = min(bad, default=None)
-    good = [p["rate"] for p in points if p["passes"] and (fails_at is None or p["rate"] < fails_at)]
-    return {"goodput": max(good, default=0.0), "fails_at": fails_at, "points": points,
+    passed = sorted(p["rate"] for p in points if p["passes"])
+    fails_at = min((p["rate"] for p in points if not p["passes"]), default=None)
+    below = [r for r in passed if fails_at is None or r < fails_at]
+    return {"goodput": max(below, default=0.0), "fails_at": fails_at, "points": points,
             "complete": len(points) == asked,
-            "passes_above_fail": sorted(p["rate"] for p in points
-                                        if p["passes"] and fails_at is not None and p["rate"] > fails_at)}
+            "passes_above_fail": [r for r in passed if fails_at is not None and r > fails_at]}
 
 
 def cold_summary(rows: list[dict], warm_p99_ms: float) -> dict:

@@ -1,6 +1,7 @@
 """benchmarks/cluster_scaling.py's layouts: every node gets an equal share of the host's GPUs, cores and
-object store, so one node and two hold the same in all (2026-11-27: with ray.cluster_utils' 150 MiB store
-per node left as it was, two nodes served 1.3x one, the likely cause)."""
+object store, so one node and two hold the same in all (ray.cluster_utils gives each node 150 MiB, so one
+node had half the store of two); each load keeps which stage was busy; a benchmark's cluster can unset
+what the tests' clusters set."""
 
 from __future__ import annotations
 
