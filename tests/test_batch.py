@@ -477,3 +477,112 @@ def test_one_rows_encoder_error_is_that_rows_answer_and_the_chunks_others_genera
     out = asyncio.run(llm.generate_many(prepared, encoded))
     assert out[0] == {"embeddings": ["emb-a"]} and out[2] == {"embeddings": []}
     assert out[1] is encoded[1] and out[3] is encoded[3] and out[4] is media_failed
+
+
+def test_rows_that_fail_for_the_servers_reasons_are_left_for_a_rerun_which_answers_each_once(
+        tmp_path, monkeypatch, capsys):
+    """`python -m app.batch` with the real driver and retries, the stages faked without Ray. In the first
+    run one row's engine stays full, one chunk's actor stays unreachable, then the LLM pool's only actor
+    dies and its replacements fail to start (the pool gives up). Before, those rows were written as
+    `server_error` lines, so the rerun skipped them and they never got an answer; the job exited 0. Now
+    they are not written, the job stops starting rows, exits 75 saying how many rows are left, and the
+    rerun answers exactly those; the input's own errors are final, written once and never sent again."""
+    import ray
+
+    from app.batch import __main__ as cli
+    from app.batch import job
+    from app.batch.config import PoolConfig
+    from app.batch.pool import ActorPool, Member
+    from app.batch.workers import Busy, Failure
+
+    monkeypatch.setattr(job, "RETRY_DELAY_S", 0)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # no cluster: Stages below needs none
+    monkeypatch.setattr(ray, "kill", lambda handle: None)
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    ids = [f"r{i:02d}" for i in range(16)]
+    lines = [json.dumps({"id": rid, **body}) for rid in ids]
+    lines[2] = "{oops"  # not JSON: a final error under the id line-3
+    lines[3] = json.dumps({"id": "bad-media", **body})  # the media stage refuses it: a final error too
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    every = {"line-3", "bad-media"} | {rid for rid in ids if rid not in ("r02", "r03")}
+    out = tmp_path / "out"
+    calls: list[str] = []
+    faults = {"on": True}
+
+    def answer(row):
+        if faults["on"] and row.id == "r01":
+            return Busy("engine full")  # every try: its retries run out
+        if row.id == "bad-media":
+            return job._error(row, Failure(400, {"message": "unsupported media", "code": "invalid_media"})), 0
+        return {"id": row.id, "response": {}, "usage": {"completion_tokens": 1, "prompt_tokens": 3}}, 1
+
+    class Stages(job.Stages):  # the real run_chunk (retries) and failed_pool; one LLM pool without Ray
+        def __init__(self, cfg):
+            self.cfg = cfg
+            self.llm = ActorPool("llm", object, lambda i: (), PoolConfig(max_in_flight=4), 0)
+            self.llm.members = [Member("actor", 4)]
+            self.llm._grow = lambda: None  # a replacement's start is what fails below
+            self.pools = {"llm": self.llm}
+
+        async def start(self):
+            pass
+
+        async def encoder_stats(self):
+            return {}
+
+        async def _once(self, rows):
+            calls.extend(r.id for r in rows)
+            m, taken = await self.llm.acquire(len(rows))
+            dies = faults["on"] and "r07" in {r.id for r in rows}
+            try:
+                if dies:  # the only actor died; its replacements fail to start: the pool gives up
+                    self.llm.failed, self.llm.start_failures = RuntimeError("CUDA out of memory"), 5
+                    raise job._Retry("llm actor lost")
+                if faults["on"] and "r05" in {r.id for r in rows}:
+                    raise job._Retry("llm actor unavailable")  # for every try of this chunk (r04, r05)
+                return [answer(r) for r in rows]
+            finally:
+                await self.llm.release(m, taken, dead=dies)
+
+    monkeypatch.setattr(job, "Stages", Stages)
+    argv = ["--input", str(src), "--output", str(out), "--chunk-rows", "2"]
+
+    assert cli.main(argv) == 75  # RETRY_EXIT: EX_TEMPFAIL
+    first, n_lines = _read_shards(out)
+    report = json.loads((out / "report.json").read_text())
+    message = capsys.readouterr().err
+    assert not {"r01", "r04", "r05", "r06", "r07"} & set(first)  # the failed rows are not written as done
+    assert {"r00", "line-3", "bad-media"} <= set(first) and n_lines == len(first)
+    assert all(rec.get("status", 200) < 500 for rec in first.values())  # no server error is final
+    assert report["left"] == len(every) - len(first) > 0 and report["failed"] == 2
+    assert f"{report['left']} of 16 rows have no answer yet" in message and "run the same command" in message
+    assert "PoolFailed" in report["left_error"] and "CUDA out of memory" in report["left_error"]
+    assert "r15" not in calls  # the pool gave up: no more rows were started
+
+    # the same trouble again: the rows not started still count the earlier run's among them as skipped
+    assert cli.main(argv) == 75
+    second, n_lines = _read_shards(out)
+    report = json.loads((out / "report.json").read_text())
+    assert n_lines == len(second) and report["skipped"] == len(first)
+    assert report["done"] + report["failed"] + report["left"] == 16 - len(first) == len(every) - len(first)
+    assert report["left"] == len(every) - len(second)
+    assert f"{report['left']} of 16 rows have no answer yet" in capsys.readouterr().err
+
+    faults["on"] = False
+    before = len(calls)
+    assert cli.main(argv) == 0
+    final, n_lines = _read_shards(out)
+    assert sorted(calls[before:]) == sorted(every - set(second))  # exactly the rows left, each once
+    assert set(final) == every and n_lines == len(every)  # each row once in the output
+    assert final["line-3"]["error"]["code"] == "invalid_json" and final["bad-media"]["status"] == 400
+    assert calls.count("bad-media") == 1  # a client error is final: never sent again
+    report = json.loads((out / "report.json").read_text())
+    assert (report["skipped"], report["left"], report["left_error"]) == (len(second), 0, None)
+    assert "no answer yet" not in capsys.readouterr().err
+
+
+def _read_shards(out) -> tuple[dict[str, dict], int]:
+    """(records by id, lines in all shards)."""
+    lines = [line for shard in sorted(out.glob("part-*.jsonl")) for line in shard.read_text().splitlines()]
+    return {rec["id"]: rec for rec in map(json.loads, lines)}, len(lines)

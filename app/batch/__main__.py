@@ -2,6 +2,8 @@
 
 Connects to the Ray cluster named by `--address` or RAY_ADDRESS (as under `ray job submit`), else
 starts a local one. A rerun with the same arguments resumes: ids already in the output are skipped.
+Rows that a server-side failure left without an answer (a pool that gave up, retries run out) are not
+in the output: the job then exits with RETRY_EXIT and says how many, and a rerun answers them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import json
 import logging
 import os
 import sys
+
+RETRY_EXIT = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure; the same command, run again, finishes the job
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(address=args.address, log_to_driver=False, **local)
     report = asyncio.run(run_job(cfg, args.input, args.output))
     print(json.dumps(report, indent=2), file=sys.stdout)
+    if report["left"]:
+        print(f"{report['left']} of {report['rows']} rows have no answer yet: server-side failures, not their "
+              f"input (the last: {report['left_error']}). The answered rows are kept; run the same command "
+              f"again to answer the {report['left']} left.", file=sys.stderr)
+        return RETRY_EXIT
     return 0
 
 

@@ -1,14 +1,15 @@
 """The batch driver: rows in, stages on actor pools, answers out.
 
-Rows travel in chunks of `chunk_rows` (workers.py says why). Per chunk a media actor parses the rows
-and prepares their media and prompts (the patch rows stay in the object store); an encoder actor turns
-them into embeddings, which go straight to an LLM actor as an object reference (under serving's
-`fused` placement, the default on GPUs, the LLM actor encodes them itself: no encoder stage); the
-answers come back to this driver, which writes shards. It keeps enough rows in flight to fill every
-pool's slots, reading the input lazily, so memory does not grow with the input. A chunk whose actor
-died (a lost node, a preempted instance) or a row whose engine was full (503) is tried again, up to
-`max_retries`; a chunk that fails otherwise is tried again row by row, and what still fails becomes that
-row's `server_error` object; client errors are answered at once, and nothing a row does stops the job.
+Rows travel in chunks of `chunk_rows` (workers.py says why). Per chunk a media actor prepares the rows'
+media and prompts (the patch rows stay in the object store); an encoder actor turns them into
+embeddings, which go straight to an LLM actor as an object reference (under serving's `fused` placement,
+the GPU default, the LLM actor encodes them itself); the answers come back to this driver, which writes
+shards, keeping every pool's slots full while reading the input lazily. A chunk whose actor died or a
+row whose engine was full (503) is tried again, up to `max_retries`; a chunk that fails otherwise is
+tried again row by row. A client error (4xx: the row's fault) is a final answer, written once. A row
+that still fails for the server's reasons (5xx) is not written, so a rerun of the same command answers
+it; such rows make `report["left"]` (a non-zero exit in `__main__`). Once a pool gives up, no more rows
+are started: they are left too.
 """
 
 from __future__ import annotations
@@ -110,6 +111,10 @@ class Stages:
                 return
             waiting = [name for name, t in tasks.items() if not t.done()]
             log.warning("still starting pools %s; the cluster has %s free", waiting, ray.available_resources())
+
+    def failed_pool(self) -> str | None:
+        """The name of a pool that gave up (no actor left, starts failing), if any."""
+        return next((name for name, p in self.pools.items() if p.gave_up), None)
 
     def slots(self) -> int:
         """Rows worth keeping in flight: every pool's slots at its largest, so none starves."""
@@ -216,6 +221,12 @@ def _error(row: Row, f: Failure) -> dict:
     return {"id": row.id, "line": row.line, "status": f.status, "error": f.error}
 
 
+def _final(record: dict) -> bool:
+    """An answer or a client error (4xx) is the row's final record: written, and skipped by a rerun. A
+    server error (5xx) says nothing about the row, and written it would be skipped for ever."""
+    return record.get("status", 200) < 500
+
+
 async def run_job(cfg: BatchConfig, input_path: str, output_dir: str, progress_stream=None) -> dict:
     """Runs the job on the Ray cluster this process is connected to; returns the report (also written
     to `<output>/report.json`)."""
@@ -248,6 +259,11 @@ async def _run(cfg: BatchConfig, input_path: str, output_dir: str, writer: Shard
     exhausted = False
     try:
         while True:
+            failed = None if exhausted else stages.failed_pool()
+            if failed:  # every row started now would fail too: count the rest for the rerun instead
+                log.error("the %s pool gave up: no more rows are started; a rerun answers them", failed)
+                progress.left += sum(1 for _ in rows)  # the earlier runs' rows among them count as skipped
+                exhausted = True
             while not exhausted and sum(in_flight.values()) < stages.slots():
                 chunk = list(itertools.islice(rows, cfg.chunk_rows))
                 exhausted = len(chunk) < cfg.chunk_rows
@@ -259,8 +275,10 @@ async def _run(cfg: BatchConfig, input_path: str, output_dir: str, writer: Shard
             for task in done:
                 del in_flight[task]
                 for record, items in task.result():
-                    writer.add(record)
-                    progress.record(record, items)
+                    final = _final(record)
+                    if final:
+                        writer.add(record)
+                    progress.record(record, items, final)
             now = time.monotonic()
             if now - last_flush >= cfg.flush_interval_s:
                 writer.flush()

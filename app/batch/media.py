@@ -63,6 +63,13 @@ class BatchMediaPipeline(MediaPipeline):
         if ref.url.startswith(("data:", "http://", "https://")):
             return await super().prepare(ref, slots)
         path = resolve_file(ref.url, self.root, ref.param)
-        data = await asyncio.to_thread(_read, path, self.root, self.cfg.max_media_bytes, ref.param)
+        hold = self.budget.hold(ref.param)  # the cap until the file's size is known (app/media/budget.py)
+        try:
+            await hold.grow_to(self.cfg.max_media_bytes)
+            data = await asyncio.to_thread(_read, path, self.root, self.cfg.max_media_bytes, ref.param)
+            hold.trim_to(len(data))
+        except BaseException:
+            hold.release()
+            raise
         return await run_item(self.executor, slots, self.cfg.decode_timeout_s, ref.param,
-                              prepare_bytes, data, ref, self.cfg, self.spec)
+                              prepare_bytes, data, ref, self.cfg, self.spec, release=hold.release)

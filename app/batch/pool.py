@@ -113,6 +113,12 @@ class ActorPool:
         async with self.cond:
             self.cond.notify_all()
 
+    @property
+    def gave_up(self) -> bool:
+        """No actor left and starts keep failing: every caller gets PoolFailed, so the driver stops
+        starting rows (each would only fail)."""
+        return self.failed is not None and not self.members
+
     async def acquire(self, rows: int = 1) -> tuple[Member, int]:
         """(an actor, the slots taken for `rows` rows: at most its capacity); give both to release()."""
         turn = object()
@@ -120,7 +126,7 @@ class ActorPool:
             self._turns.append(turn)
             try:
                 while True:
-                    if self.failed is not None and not self.members:
+                    if self.gave_up:
                         raise PoolFailed(f"{self.name}: no actor left and {self.start_failures} starts in a row "
                                          f"failed; the last: {self.failed}")
                     free = [m for m in self.members if m.in_flight + min(rows, m.capacity) <= m.capacity]

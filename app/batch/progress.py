@@ -1,7 +1,8 @@
 """The progress line (rows done, rows/s, tokens/s, ETA) and the end report.
 
 Rates count this run's rows only: rows skipped because an earlier run wrote them are neither
-throughput nor remaining work.
+throughput nor remaining work. Rows left without a final answer (a server error, or not started after a
+pool gave up) are counted apart: they are what a rerun of the job answers.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ class Progress:
     total: int  # input rows, including those skipped
     skipped: int = 0
     done: int = 0  # answered with a completion
-    failed: int = 0  # answered with an error object
+    failed: int = 0  # answered with an error object: the row's own (a client error, 4xx)
+    left: int = 0  # not answered: a server error (5xx, not written) or not started; a rerun answers them
+    left_error: str | None = None  # the last of their server errors, for the end message
     completion_tokens: int = 0
     prompt_tokens: int = 0
     media_items: int = 0
@@ -35,8 +38,12 @@ class Progress:
     def elapsed(self) -> float:
         return max(time.perf_counter() - self.start, 1e-9)
 
-    def record(self, row: dict, items: int = 0) -> None:
-        """One written row; `items` are its images and videos."""
+    def record(self, row: dict, items: int = 0, final: bool = True) -> None:
+        """One row's record; `items` are its images and videos; `final`: written (else left for a rerun)."""
+        if not final:
+            self.left += 1
+            self.left_error = row["error"]["message"]
+            return
         if "error" in row:
             self.failed += 1
             return
@@ -52,7 +59,8 @@ class Progress:
         rate = self.finished / t
         eta = (todo - self.finished) / rate if rate > 0 else float("inf")
         pct = 100.0 * self.finished / todo if todo else 100.0
-        return (f"[batch] {self.finished}/{todo} rows ({pct:.0f}%), {self.failed} failed, {self.skipped} skipped | "
+        return (f"[batch] {self.finished}/{todo} rows ({pct:.0f}%), {self.failed} failed, {self.left} to retry, "
+                f"{self.skipped} skipped | "
                 f"{rate:.2f} rows/s, {self.completion_tokens / t:.1f} tok/s | elapsed {_duration(t)} "
                 f"ETA {'?' if eta == float('inf') else _duration(eta)}")
 
@@ -65,6 +73,7 @@ class Progress:
         hits, eager = enc.get("graph_hits", 0), enc.get("eager_batches", 0)
         return {
             "rows": self.total, "done": self.done, "failed": self.failed, "skipped": self.skipped,
+            "left": self.left, "left_error": self.left_error,
             "elapsed_s": round(t, 3),
             "rows_per_s": self.finished / t, "completion_tokens_per_s": self.completion_tokens / t,
             "prompt_tokens_per_s": self.prompt_tokens / t, "media_items_per_s": self.media_items / t,
