@@ -33,6 +33,13 @@ class MediaConfig(_Strict):
                                         "headers before decoding")
     max_media_bytes: int = Field(256 * 1024 * 1024, gt=0, description="largest accepted media payload; a "
                                  "larger declared Content-Length is refused before the body (413)")
+    max_media_bytes_in_flight: int = Field(4 << 30, gt=0, description="media payload bytes (http(s) bodies as "
+                                           "they arrive, decoded data: URLs, files) one process holds at once over "
+                                           "all its requests, each from its first byte until its decode ends; an "
+                                           "item that finds no room within media_bytes_wait_s is refused with 503 "
+                                           "overloaded and Retry-After. At least max_media_bytes")
+    media_bytes_wait_s: float = Field(5.0, ge=0, description="how long an item waits for room in "
+                                      "max_media_bytes_in_flight before its request gets the 503")
     fetch_timeout_s: float = Field(15.0, gt=0, description="total deadline of one http(s) fetch, redirects and "
                                    "body included")
     max_redirects: int = Field(3, ge=0, le=10, description="redirect hops followed; each is checked again")
@@ -83,6 +90,8 @@ class MediaConfig(_Strict):
             raise ValueError("image_min_pixels must not exceed image_max_pixels")
         if self.video_min_pixels > self.video_max_pixels:
             raise ValueError("video_min_pixels must not exceed video_max_pixels")
+        if self.max_media_bytes_in_flight < self.max_media_bytes:  # else a valid item could never get room
+            raise ValueError("max_media_bytes_in_flight must be at least max_media_bytes")
         return self
 
 

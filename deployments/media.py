@@ -4,8 +4,9 @@ The item goes back as the call's return value: see app/media/remote.py for who s
 
 Every media guard lives here now, since this is where untrusted bytes are fetched and decoded: the
 network policy and streamed byte cap of app/media/fetch.py, the header checks and per-item deadline
-of app/media/pipeline.py, and the worker-pool share of app/media/workers.py (items of one request,
-named by the caller's request key, hold at most all but one worker of this replica)."""
+of app/media/pipeline.py, the worker-pool share of app/media/workers.py (items of one request,
+named by the caller's request key, hold at most all but one worker of this replica), and the replica's
+budget of payload bytes in flight (app/media/budget.py: past it, 503 `overloaded`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Local stand-ins for the internet, for fetch tests on a machine without one.
 
-- `MediaServer`: a threaded HTTP(S) server on 127.0.0.1 with routes for media, redirects, oversized
-  and slow bodies; it records every request (path, Host header, TLS SNI, client port).
+- `MediaServer`: a threaded HTTP(S) server on 127.0.0.1 with routes for media, redirects, oversized,
+  slow and stalled bodies; it records every request (path, Host header, TLS SNI, client port).
 - `FakeInternet`: a resolver that gives made-up names public addresses, and a network backend that
   carries connections to those public addresses to the local server, recording every address it was
   asked to connect to. The fetcher's policy code is the production code: only DNS and routing are
@@ -75,6 +75,17 @@ class MediaServer:
                             self.wfile.write(b"\0")
                             self.wfile.flush()
                             time.sleep(0.1)
+                    except OSError:
+                        pass
+                    self.close_connection = True
+                elif route == "/stall":  # a quarter of its 1 MiB at once, then nothing for 30 s
+                    self.send_response(200)
+                    self.send_header("content-length", str(1 << 20))
+                    self.end_headers()
+                    try:
+                        self.wfile.write(b"\0" * (256 << 10))
+                        self.wfile.flush()
+                        time.sleep(30)
                     except OSError:
                         pass
                     self.close_connection = True

@@ -21,6 +21,7 @@ import httpcore
 import httpx
 
 from ..errors import ClientError
+from .budget import Reservation
 from .netpolicy import FetchPolicy, ForbiddenAddress, normalise_host
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
@@ -123,15 +124,19 @@ class HttpFetcher:
                                                     self.limits, self.ssl_context)
         return t
 
-    async def fetch(self, url: str, *, timeout_s: float, max_bytes: int, param: str) -> bytes:
+    async def fetch(self, url: str, *, timeout_s: float, max_bytes: int, param: str,
+                    hold: Reservation | None = None) -> bytes:
+        """The body; `hold` (app/media/budget.py) reserves its bytes as they arrive."""
         try:
             target = httpx.URL(url)
         except (httpx.InvalidURL, ValueError) as e:
             raise ClientError(f"malformed media URL: {_short(str(e))}", param=param, code="invalid_media_url") from None
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._follow(target, max_bytes, param, timeout_s)
+                return await self._follow(target, max_bytes, param, timeout_s, hold)
         except TimeoutError:
+            if hold is not None and hold.waiting:  # the deadline passed while waiting for this replica's room
+                raise hold.budget.overloaded() from None
             raise ClientError(f"could not fetch {_short(url)}: no complete answer within {timeout_s:g} s",
                               param=param, code="media_fetch_failed") from None
         except ForbiddenAddress as e:
@@ -140,7 +145,8 @@ class HttpFetcher:
             raise ClientError(f"could not fetch {_short(url)}: {type(e).__name__}: {_short(str(e))}", param=param,
                               code="media_fetch_failed") from None
 
-    async def _follow(self, target: httpx.URL, max_bytes: int, param: str, timeout_s: float) -> bytes:
+    async def _follow(self, target: httpx.URL, max_bytes: int, param: str, timeout_s: float,
+                      hold: Reservation | None = None) -> bytes:
         """Redirects are followed here, not by httpx, so every hop's URL is checked (scheme, domain
         allowlist) and every new connection's address too; at most `max_redirects` hops."""
         transport, url, timeout = self.transport(), target, httpx.Timeout(timeout_s).as_dict()
@@ -159,17 +165,18 @@ class HttpFetcher:
                 if not 200 <= resp.status_code < 300:
                     raise ClientError(f"could not fetch {_short(url)}: HTTP {resp.status_code}", param=param,
                                       code="media_fetch_failed")
-                return await self._body(resp, max_bytes, param)
+                return await self._body(resp, max_bytes, param, hold)
             finally:
                 await resp.aclose()
         raise ClientError(f"could not fetch {_short(url)}: more than {self.policy.max_redirects} redirects",
                           param=param, code="media_fetch_failed")
 
     @staticmethod
-    async def _body(resp: httpx.Response, max_bytes: int, param: str) -> bytes:
+    async def _body(resp: httpx.Response, max_bytes: int, param: str, hold: Reservation | None = None) -> bytes:
         """The body under a running byte cap; a `Content-Length` over the cap is refused before any
         body byte is read. `Accept-Encoding: identity` and raw reads: a gzip body could otherwise
-        inflate past the cap inside a single chunk."""
+        inflate past the cap inside a single chunk. Each chunk is reserved in `hold` before it is kept
+        (as received, not as declared: a slow body claiming 256 MiB holds only what it sent)."""
         def too_large(n: str) -> ClientError:
             return ClientError(f"media payload of {n} bytes exceeds the limit of {max_bytes}", param=param,
                                code="media_too_large", status=413)
@@ -186,6 +193,8 @@ class HttpFetcher:
             size += len(chunk)
             if size > max_bytes:
                 raise too_large(f"more than {max_bytes}")
+            if hold is not None:
+                await hold.grow_to(size)
             buf += chunk
         return bytes(buf)
 

@@ -20,8 +20,9 @@ import numpy as np
 
 from ..api.prompt import MediaSlot
 from ..config import MediaConfig
+from .budget import ByteBudget, budget_for
 from .decode import IMAGE, VIDEO, decode_video, open_rgb_image
-from .fetch import fetch, inline_bytes, is_inline
+from .fetch import fetch, inline_bytes, inline_size, is_inline
 from .limits import Deadline
 from .preprocess import (
     Patches,
@@ -147,18 +148,28 @@ def prepare_inline(ref: MediaRef, cfg: MediaConfig, spec: PatchSpec) -> Prepared
 
 class MediaPipeline:
     """Fetches concurrently, then decodes in the worker pool with two guards (app/media/workers.py):
-    a request never holds every worker at once, and an item is answered by its deadline."""
+    a request never holds every worker at once, and an item is answered by its deadline. An item's
+    payload bytes are reserved in the process's budget (app/media/budget.py; `budget` replaces it) from
+    the first byte until its decode job ends."""
 
-    def __init__(self, cfg: MediaConfig, spec: PatchSpec, executor: Executor | None = None):
+    def __init__(self, cfg: MediaConfig, spec: PatchSpec, executor: Executor | None = None,
+                 budget: ByteBudget | None = None):
         self.cfg, self.spec, self.executor = cfg, spec, executor
+        self.budget = budget or budget_for(cfg)
 
     async def prepare(self, ref: MediaRef, slots: asyncio.Semaphore | None = None) -> PreparedItem:
-        if is_inline(ref.url):  # base64 decoding is CPU work too: in the worker, off the event loop
-            job, args = prepare_inline, (ref,)
-        else:
-            job, args = prepare_bytes, (await fetch(ref.url, self.cfg, param=ref.param), ref)
+        hold = self.budget.hold(ref.param)
+        try:
+            if is_inline(ref.url):  # base64 decoding is CPU work too: in the worker, off the event loop
+                await hold.grow_to(min(inline_size(ref.url), self.cfg.max_media_bytes))
+                job, args = prepare_inline, (ref,)
+            else:
+                job, args = prepare_bytes, (await fetch(ref.url, self.cfg, param=ref.param, hold=hold), ref)
+        except BaseException:
+            hold.release()
+            raise
         return await run_item(self.executor, slots, self.cfg.decode_timeout_s, ref.param,
-                              job, *args, self.cfg, self.spec)
+                              job, *args, self.cfg, self.spec, release=hold.release)
 
     async def prepare_all(self, refs: list[MediaRef]) -> list[PreparedItem]:
         """All items, or the first failure; a failure (or the caller's cancellation) cancels the

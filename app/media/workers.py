@@ -35,27 +35,37 @@ def request_slots(executor: Executor | None) -> asyncio.Semaphore:
 
 
 async def run_item(executor: Executor | None, slots: asyncio.Semaphore | None, timeout_s: float, param: str,
-                   fn: Callable[..., Any], *args) -> Any:
+                   fn: Callable[..., Any], *args, release: Callable[[], None] | None = None) -> Any:
+    """`fn(*args)` in the pool. `release()` is called once the job no longer holds its arguments: when it
+    ends (even after its caller stopped waiting for it), or on the way out if it never reached the pool."""
     loop = asyncio.get_running_loop()
-    async with slots if slots is not None else nullcontext():
-        started = loop.create_future()
+    handed = False
+    try:
+        async with slots if slots is not None else nullcontext():
+            started = loop.create_future()
 
-        def job():
-            loop.call_soon_threadsafe(lambda: started.done() or started.set_result(None))
-            return fn(*args)
+            def job():
+                loop.call_soon_threadsafe(lambda: started.done() or started.set_result(None))
+                return fn(*args)
 
-        fut = loop.run_in_executor(executor, job)
-        # read the outcome even when nobody awaits it any more (a sibling item failed and this one was
-        # cancelled, or its deadline passed): otherwise asyncio logs "exception was never retrieved"
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        try:
-            await asyncio.wait({fut, started}, return_when=asyncio.FIRST_COMPLETED)  # queued: no clock yet
-            return await asyncio.wait_for(asyncio.shield(fut), timeout_s + GRACE_S)
-        except TimeoutError:
-            raise ClientError(f"media item took longer than {timeout_s:g} s to decode", param=param,
-                              code="media_decode_timeout") from None
-        finally:
-            started.cancel()
+            fut = loop.run_in_executor(executor, job)
+            handed = True
+            if release is not None:
+                fut.add_done_callback(lambda _: release())
+            # read the outcome even when nobody awaits it any more (a sibling item failed and this one was
+            # cancelled, or its deadline passed): otherwise asyncio logs "exception was never retrieved"
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            try:
+                await asyncio.wait({fut, started}, return_when=asyncio.FIRST_COMPLETED)  # queued: no clock yet
+                return await asyncio.wait_for(asyncio.shield(fut), timeout_s + GRACE_S)
+            except TimeoutError:
+                raise ClientError(f"media item took longer than {timeout_s:g} s to decode", param=param,
+                                  code="media_decode_timeout") from None
+            finally:
+                started.cancel()
+    finally:
+        if release is not None and not handed:
+            release()
 
 
 class SharedSlots:
