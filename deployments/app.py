@@ -11,6 +11,9 @@ The options set here are defaults. A config file's `deployments:` entry replaces
 - VisionEncoder and LLM get `num_replicas` and GPU shares from the placement policy
   (app/serving/placement.py); a config file may give either an `autoscaling_config` or a `num_replicas`.
   Listing `ray_actor_options` for them drops the builder's GPU shares.
+- Router and LLM get the same `graceful_shutdown_timeout_s`, long enough for an answer of
+  `llm.default_max_tokens` tokens (app/serving/shutdown.py); a config file that sets it for one should set
+  it for the other.
 - Under `fused` the VisionEncoder deployment is still part of the application (so that a config file
   listing it stays valid) but runs no replica: the LLM replicas encode. Ray Serve refuses
   `num_replicas=0`, so it gets an autoscaling range of 0 to 1 starting at 0, and no caller ever sends
@@ -30,6 +33,7 @@ from app.config import AppConfig
 from app.serving.cluster import NodeResources, live_nodes, media_ceiling
 from app.serving.cluster import replica_floor as nodes_replica_floor
 from app.serving.placement import Plan, llm_memory_share, plan
+from app.serving.shutdown import answer_grace_s
 
 from .encoder import VisionEncoder
 from .llm import LLM
@@ -109,6 +113,9 @@ def deployment_options(cfg: AppConfig, gpus: int, cpus: float, per_node: list[in
                 "ray_actor_options": {"num_gpus": pl.llm_num_gpus, "num_cpus": p.num_cpus},
                 "request_router_config": llm_request_router()},
     }
+    # a Router or LLM replica that is stopped lets a long answer finish, both alike (app/serving/shutdown.py)
+    grace = answer_grace_s(cfg.llm.default_max_tokens)
+    opts["Router"]["graceful_shutdown_timeout_s"] = opts["LLM"]["graceful_shutdown_timeout_s"] = grace
     if p.llm_tensor_parallel > 1:  # one bundle per rank, on one node; the replica itself takes the first
         bundle = {"CPU": p.num_cpus} | ({"GPU": 1} if gpus > 0 else {})
         opts["LLM"] |= {"placement_group_bundles": [bundle] * p.llm_tensor_parallel,

@@ -8,6 +8,7 @@ itself, the embeddings staying on the GPU (app/serving/fused.py): the Router cal
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from dataclasses import asdict
@@ -19,6 +20,7 @@ from app.config import AppConfig
 from app.llm.sequence import GenerationRequest
 from app.serving.fused import build_generation
 from app.serving.prometheus import RequestMetrics
+from app.serving.shutdown import ANSWER_GRACE_S
 from app.serving.startup import StartupTimeline
 
 from .logs import route_app_logs
@@ -37,8 +39,9 @@ class TextOnly:
             yield asdict(chunk)
 
 
-# answers in flight finish when the replica is stopped (deployments/router.py, ANSWER_GRACE_S)
-@serve.deployment(name="LLM", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=60)
+# answers in flight finish when the replica is stopped: the Router's grace, that of a long answer
+# (app/serving/shutdown.py; the builder's follows llm.default_max_tokens)
+@serve.deployment(name="LLM", graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=ANSWER_GRACE_S)
 class LLM:
     def __init__(self, config: dict, fused: bool = False):
         self.startup = StartupTimeline()  # what starting did, and when: /v1/llm/load reports it
@@ -107,6 +110,17 @@ class LLM:
         counters: GET /metrics sums every replica's (app/serving/prometheus.py)."""
         return {**self.request_metrics.snapshot(), "load": {**self.engine.load(), **self.engine.gpu_time()},
                 "encoder": self.fused.encoder.stats() if self.fused is not None else None}
+
+    async def __del__(self):
+        """Ray Serve awaits this when it stops the replica, and only once the replica has taken itself out
+        of routing and every request it had (a streamed answer until its last chunk) has ended, within
+        `graceful_shutdown_timeout_s` (app/serving/shutdown.py): the engine has nothing left to finish, and
+        stopping its loop tells a tensor-parallel group's followers to stop too. A replica stopped before
+        its constructor returned may have no engine yet."""
+        streams = getattr(self, "streams", None)
+        engine = getattr(self, "engine", None) or getattr(streams, "engine", None)
+        if engine is not None:
+            await asyncio.to_thread(engine.shutdown)
 
     def check_health(self) -> None:
         """Serve replaces a replica whose check raises: a tensor-parallel replica with a follower gone

@@ -38,8 +38,9 @@ from app.media.remote import RemoteMedia
 from app.media.spec import patch_spec_for
 from app.serving.cluster import node_router_port
 from app.serving.prometheus import scrape_text
-from app.serving.readiness import ReadinessProbe, serve_replica_states, serving_without
+from app.serving.readiness import ReadinessProbe, serve_app_state, serve_replica_states, serving_without
 from app.serving.replica_stats import merge_encoder_stats, merge_llm_loads
+from app.serving.shutdown import ANSWER_GRACE_S, answer_grace_s, shared_port_drain_s
 from app.serving.warmup import warm_router
 
 from .logs import route_app_logs
@@ -104,11 +105,10 @@ async def _service_work(service, body):
     return req.stream, partial(service.open_stream, req), partial(service.complete, req)
 
 
-# A Router that is stopped (scaled down, redeployed) lets the answers in flight finish: Ray Serve kills the
-# replica after graceful_shutdown_timeout_s whatever is still open, so it covers a long answer (256 tokens
-# at 5 tokens/s). An idle replica stops at once either way. The shared port's drain fits inside it.
-ANSWER_GRACE_S = 60
-SHARED_PORT_DRAIN_S = ANSWER_GRACE_S - 5
+# A Router that is stopped (scaled down, redeployed) lets the answers in flight finish, as an LLM replica
+# does: Ray Serve kills the replica graceful_shutdown_timeout_s after the stop whatever is still open, so both
+# take the grace of a long answer (app/serving/shutdown.py; the builder's follows llm.default_max_tokens).
+# An idle replica stops at once either way. The shared port's drain fits inside it.
 METRICS_TIMEOUT_S = 2.0  # GET /metrics waits this long for the replicas' numbers, then renders what came
 ROUTER_WARMUP_S = 60.0  # a joining Router's warm-up gives up after this and opens its port anyway
 
@@ -163,7 +163,7 @@ class Router:
         route_app_logs()
         self.cfg = AppConfig(**config)
         app_name = serve.get_replica_context().app_name
-        self.readiness = ReadinessProbe(lambda: serve_replica_states(app_name))
+        self.readiness = ReadinessProbe(lambda: serve_app_state(app_name))
         api.state.api_key = resolve_api_key(self.cfg.api_key)  # None: no key required
         ckpt = resolve_model(self.cfg.model, self.cfg.cache_dir)
         # Object references, not values, must cross these handles (app/media/remote.py; the encoder's
@@ -227,7 +227,7 @@ class Router:
         direct = self.direct
         if direct is not None:
             try:
-                await direct.drain(SHARED_PORT_DRAIN_S)
+                await direct.drain(shared_port_drain_s(answer_grace_s(self.cfg.llm.default_max_tokens)))
             except Exception as e:  # noqa: BLE001 - its server had failed; the rest still has to stop
                 log.warning("the shared port's server had failed: %s: %s", type(e).__name__, e)
         if getattr(self, "media_pool", None) is not None:
@@ -240,7 +240,8 @@ class Router:
 
     @api.get("/health")
     async def health(self):
-        """200 once every deployment with replicas has one running (app/serving/readiness.py), else 503."""
+        """200 once the application is ready (app/serving/readiness.py: every deployment's whole target running
+        the first time; once Serve's state shows the app served, one running replica each), else 503."""
         ready, deployments = await asyncio.to_thread(self.readiness)
         if ready:
             return {"status": "ok"}
