@@ -261,7 +261,8 @@ def analyse(sent: list[Sent], lo: float, hi: float) -> dict:
         "window_s": window, "requests": len(sent), "window_arrivals": len(arrived), "window_completions": len(completed),
         "offered_rps": offered, "served_rps": served, "ratio_shift_s": shift,
         "served_ratio": len(completed) / expected if expected else float("nan"),
-        "ttft_ms": _ms([s.ttft_s for s in ok]), "tpot_ms": _ms([t for t in map(tpot_s, ok) if t is not None]),
+        "ttft_ms": _ms([s.ttft_s for s in ok if s.ttft_s is not None]),
+        "ttft_missing": sum(1 for s in ok if s.ttft_s is None), "tpot_ms": _ms([t for t in map(tpot_s, ok) if t is not None]),
         "e2e_ms": _ms([s.done_s - s.start_s for s in ok]),
         "errors": dict(Counter(s.status for s in sent if not s.ok)),
         "errors_in_window": dict(Counter(s.status for s in arrived if not s.ok)),
@@ -550,7 +551,7 @@ def per_second(sent: list[Sent], seconds: int) -> list[dict]:
     rows = []
     for k in range(seconds):
         arrived = [s for s in sent if k <= s.sched_s < k + 1]
-        ttft = [1e3 * s.ttft_s for s in arrived if s.ok]
+        ttft = [1e3 * s.ttft_s for s in arrived if s.ok and s.ttft_s is not None]
         rows.append({"second": k, "requests": len(arrived), "errors": dict(Counter(s.status for s in arrived if not s.ok)),
                      "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
                      "completions": sum(1 for s in sent if s.ok and k <= s.done_s < k + 1)})
@@ -617,6 +618,8 @@ def guidellm_sent(report: dict) -> tuple[list[Sent], dict]:
             end = r.get("request_end_time")
             ok = status == "successful"
             ttft = r.get("time_to_first_token_ms")
+            if ttft is None and timings.get("first_token_iteration") and timings.get("request_start"):
+                ttft = 1e3 * (timings["first_token_iteration"] - timings["request_start"])
             sent.append(Sent(len(sent), due - t0, start - t0, end - t0 if ok and end else math.inf, ok,
                              "ok" if ok else status if status != "errored" else
                              (r["info"].get("error") or "errored").split("(")[0],
@@ -646,13 +649,24 @@ def crosscheck_guidellm(url: str, rate: float, ramp_s: float, window_s: float, i
     (out_dir / "guidellm.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not path.exists():
         return {"tool": "guidellm", "error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-500:]}"}
-    sent, own = guidellm_sent(json.loads(path.read_text()))
+    report = json.loads(path.read_text())
+    _compress(path)  # tens of MB of JSON: the device returns files of at most 16 MiB
+    sent, own = guidellm_sent(report)
     gaps = sorted(s.sched_s for s in sent)
     gaps = [b - a for a, b in zip(gaps, gaps[1:])]
     mean = sum(gaps) / len(gaps) if gaps else float("nan")
     cv = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean if gaps and mean > 0 else float("nan")
     return {"tool": "guidellm", "seconds": time.perf_counter() - t, "command": cmd, "own_summary": own,
             "arrival_gap_cv": cv, "point": analyse(sent, ramp_s, ramp_s + window_s)}
+
+
+def _compress(path: Path) -> None:
+    """Replace a large report by its xz copy (`path.xz`)."""
+    import lzma
+
+    with open(path, "rb") as src, lzma.open(str(path) + ".xz", "wb", preset=6) as dst:
+        dst.write(src.read())
+    path.unlink()
 
 
 def agreement(ours: dict, theirs: dict) -> dict:
