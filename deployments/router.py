@@ -110,16 +110,33 @@ async def _service_work(service, body):
 # take the grace of a long answer (app/serving/shutdown.py; the builder's follows llm.default_max_tokens).
 # An idle replica stops at once either way. The shared port's drain fits inside it.
 METRICS_TIMEOUT_S = 2.0  # GET /metrics waits this long for the replicas' numbers, then renders what came
-ROUTER_WARMUP_S = 60.0  # a joining Router's warm-up gives up after this and opens its port anyway
+ROUTER_WARMUP_S = 60.0  # a Router's warm-up gives up after this and opens its port anyway
+# A Router of a first deploy waits this long for the other deployments to serve (the LLM replicas load and
+# capture graphs meanwhile) before it warms; past it, it opens its port cold
+ROUTER_WAIT_FOR_APP_S = 900.0
+APP_POLL_S = 0.5
+
+
+async def _others_serving(ctx, limit_s: float) -> bool:
+    """Whether every other deployment of the Router's app has a replica running, waiting up to `limit_s`."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        serving = await asyncio.wait_for(asyncio.to_thread(
+            lambda: serving_without(serve_replica_states(ctx.app_name), ctx.deployment)), 10.0)
+        if serving or time.monotonic() >= deadline:
+            return serving
+        await asyncio.sleep(APP_POLL_S)
 
 
 async def open_shared_port(app, sock) -> SharedPortServer:
     """A Router's shared port, opened only once Ray Serve has made the Router the replica's instance: FastAPI's
     routes find their `self` through it, which Serve sets after the constructor returns, so a request the
-    port took in between would have none. A Router that joins an app already serving first sends its own
-    warm-up requests through its routes (app/serving/warmup.py: `warm_router`): on one H100 (2026-11-27),
-    the points that met a Router added under load had TTFT p99 over 400 ms at 40-47 req/s, with the
-    engine's parts of it under 40 ms. At the first deploy the app's readiness covers that. `sock` was
+    port took in between would have none. Before it listens, a Router sends its own warm-up requests
+    through its routes (app/serving/warmup.py: `warm_router`) once the app's other deployments serve: on
+    one H100 (2026-11-27), the points that met a Router added under load had TTFT p99 over 400 ms at 40-47
+    req/s, with the engine's parts of it under 40 ms. At a first deploy it waits for them (up to
+    ROUTER_WAIT_FOR_APP_S): the app's readiness did not cover the Routers' own cold paths, and the first
+    second after ready had a TTFT p99 of 1.68x warm at half the goodput (H100, 2026-11-28). `sock` was
     bound in the constructor (a port another program holds fails the replica there); it listens here.
     `app` is the FastAPI app as the Router's own methods see it: Serve pickles the Router with a copy of
     the module's `api`, and only that copy holds the API key the constructor set (`app.state.api_key`; the
@@ -131,9 +148,7 @@ async def open_shared_port(app, sock) -> SharedPortServer:
             await asyncio.sleep(0.01)
         ctx = serve.get_replica_context()
         try:
-            serving = await asyncio.wait_for(asyncio.to_thread(
-                lambda: serving_without(serve_replica_states(ctx.app_name), ctx.deployment)), 10.0)
-            if serving:
+            if await _others_serving(ctx, ROUTER_WAIT_FOR_APP_S):
                 report = await asyncio.wait_for(warm_router(app, getattr(app.state, "api_key", None)),
                                                 ROUTER_WARMUP_S)
                 log.info("Router warm-up: %d requests in %.1f s, %d errors%s", report.requests, report.seconds,

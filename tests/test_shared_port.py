@@ -14,6 +14,7 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from app.api.shared_port import SharedPortServer, bind_shared, listen_shared
+from app.serving.warmup import WarmupReport
 
 
 def free_port() -> int:
@@ -245,5 +246,60 @@ def test_a_failed_or_cancelled_opening_closes_the_port(router, monkeypatch, fail
         assert sock.fileno() == -1 and made[0].server.should_exit
         await asyncio.sleep(0.05)
         assert made[0].task.done()
+
+    asyncio.run(main())
+
+
+def test_a_router_of_a_first_deploy_listens_only_once_the_app_serves_and_it_has_warmed(router, monkeypatch):
+    """At a first deploy the LLM replicas are still loading when a Router's constructor returns. Its port
+    used to listen at once, cold: its first requests after ready met the Router's cold paths. It now waits
+    until the other deployments serve, sends its warm-up requests, and only then listens."""
+    states = {"LLM": ("UPDATING", {"STARTING": 2}), "Router": ("UPDATING", {"RUNNING": 1})}
+    monkeypatch.setattr(router, "serve_replica_states", lambda name: dict(states))
+    monkeypatch.setattr(router, "APP_POLL_S", 0.01)
+    warmed = []
+
+    async def warm(app, key):
+        warmed.append(app)
+        return WarmupReport(requests=1)
+
+    monkeypatch.setattr(router, "warm_router", warm)
+    given = Starlette(routes=[Route("/given", lambda r: StreamingResponse(iter([b"given"])))])
+
+    async def main():
+        sock = bind_shared("127.0.0.1", free_port())
+        port = sock.getsockname()[1]
+        task = asyncio.get_running_loop().create_task(router.open_shared_port(given, sock))
+        await asyncio.sleep(0.2)
+        assert not task.done() and not warmed  # the LLM replicas are not running yet: no warm-up, no listening
+        with pytest.raises(httpx.ConnectError):
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                await client.get("/given", timeout=1)
+        states["LLM"] = ("UPDATING", {"RUNNING": 1, "STARTING": 1})
+        server = await asyncio.wait_for(task, 5)
+        try:
+            assert warmed == [given]
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                assert (await client.get("/given")).text == "given"
+        finally:
+            assert await server.drain(5)
+
+    asyncio.run(main())
+
+
+def test_a_router_whose_app_never_serves_opens_its_port_cold_after_its_wait(router, monkeypatch):
+    """An app whose LLM never starts: the Router gives up waiting after ROUTER_WAIT_FOR_APP_S and listens
+    without a warm-up (its /health then says why the app is not ready)."""
+    monkeypatch.setattr(router, "serve_replica_states", lambda name: {"LLM": ("DEPLOY_FAILED", {})})
+    monkeypatch.setattr(router, "APP_POLL_S", 0.01)
+    monkeypatch.setattr(router, "ROUTER_WAIT_FOR_APP_S", 0.1)
+    warmed = []
+    monkeypatch.setattr(router, "warm_router", lambda app, key: warmed.append(app))
+
+    async def main():
+        sock = bind_shared("127.0.0.1", free_port())
+        server = await asyncio.wait_for(router.open_shared_port(slow_app(asyncio.Event()), sock), 5)
+        assert not warmed
+        assert await server.drain(5)
 
     asyncio.run(main())
