@@ -1300,7 +1300,7 @@ def main(argv: list[str] | None = None) -> dict:
         if a.start:  # where the LLM replicas' starts went (issue 45's ready in <= 60 s)
             results["meta"]["llm_startup"] = asyncio.run(fetch_startups(url))
             for rid, st in results["meta"]["llm_startup"].items():
-                top = sorted(st["phases_s"].items(), key=lambda kv: -kv[1])[:4]
+                top = sorted(st["phases_s"].items(), key=lambda kv: -kv[1])[:6]
                 print(f"LLM replica {rid}: ready {st['to_ready_s']} s after its start; longest phases: "
                       + ", ".join(f"{k} {v:.1f} s" for k, v in top), flush=True)
         for k, wl in enumerate(workloads):

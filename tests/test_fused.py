@@ -284,3 +284,28 @@ def test_served_fused_streams_to_the_openai_client_and_refuses_bad_media(served_
     assert bad.value.code == "invalid_image"
     again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
     assert again.choices[0].message.content == full.choices[0].message.content  # the replica survived
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_start_up_timeline_splits_the_towers_phase(tiny_checkpoint, device):
+    """An LLM replica's start on one H100 spent 28 of its 32 s in the tower's phase (2026-11-28); its parts
+    (weights; on CUDA the GEMM choice, the graphs and the auto-tune) are now phases of their own, inside it."""
+    import torch
+
+    from app.serving.fused import FusedBackend
+    from app.serving.startup import StartupTimeline
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    timeline, cfg = StartupTimeline(), fp32_config(tiny_checkpoint, device)
+    fused = FusedBackend.build(cfg, str(tiny_checkpoint), timeline)
+    fused.engine.shutdown()
+    phases = {p["name"]: p for p in timeline.as_dict()["phases"]}
+    parts = [n for n in phases if n.startswith("tower: ")]
+    graphs = device == "cuda" and cfg.encoder.cuda_graphs
+    expected = (["tower: weights"] + ["tower: GEMM choice"] * (device == "cuda") + ["tower: graphs"] * graphs
+                + ["tower: auto-tune"] * (graphs and cfg.encoder.autotune))
+    assert parts == expected
+    tower = phases["tower"]
+    assert all(tower["start"] <= phases[n]["start"] <= phases[n]["end"] <= tower["end"] for n in parts)
+    assert "engine: weights" in phases and phases["engine: weights"]["start"] >= tower["end"]

@@ -48,8 +48,9 @@ class FusedBackend:
         # The tower first: its weights, graphs and buffers take their memory before the engine sizes
         # its KV cache from what is left (llm.gpu_memory_utilization).
         timeline = timeline or StartupTimeline()
-        with timeline.phase("tower"):  # weights, graphs, the auto-tune's timing runs
+        with timeline.phase("tower"):  # weights, GEMM choice, graphs, the auto-tune's timing runs
             encoder = EncoderService(cfg, checkpoint, keep_on_device=True)
+        timeline.extend("tower", encoder.startup)
         engine = _engine(cfg, checkpoint, timeline, engine_kw)
         if cfg.encoder.backlog_wait_ms:  # requests waiting for an engine slot gain nothing from early encoding
             encoder.batcher.backlog = engine.short_of_room

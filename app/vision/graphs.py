@@ -181,6 +181,8 @@ class GraphManager:
         self._tuned: dict[int, tuple[float, float, float]] = {}
         self.observed = ObservedTimes(cuda=self.device.type == "cuda") if settings.observe_dispatch else None
         self.capture_seconds = 0.0
+        # (phase, start, end), wall clock, of `capture`: the replica's start-up timeline reports them
+        self.startup: list[tuple[str, float, float]] = []
         self.capture_bytes = 0
         self.stats = EncoderStats()
         self._lock = threading.Lock()
@@ -298,13 +300,15 @@ class GraphManager:
         """Capture every budget, largest first, into one pool; then the listed uniform shapes; auto-tune.
         First, on CUDA (graphs or not), the tower picks its GEMM ways for these token counts."""
         if self.device.type == "cuda":
+            t = time.time()
             rows = set(self.budgets) | {s * n for s, n in map(tuple, self.settings.uniform_shapes)}
             self.tower.tune_gemms(sorted(rows))
             if self.tower.down is not None:
                 log.info("vision MLP down projection, fastest way per token count: %s", self.tower.down.choice)
+            self.startup.append(("GEMM choice", t, time.time()))
         if not self.capture_enabled:
             return
-        t0 = time.perf_counter()
+        t, t0 = time.time(), time.perf_counter()
         torch.cuda.synchronize(self.device)
         warm = self._synthetic_batch(self.max_budget)
         self._fill(warm, self._layout(warm), self.max_budget)
@@ -328,8 +332,11 @@ class GraphManager:
         self.capture_bytes = torch.cuda.memory_reserved(self.device) - reserved0
         log.info("captured %d budget and %d uniform vision graphs in %.2f s using %.1f MiB", len(self.graphs),
                  len(self.uniform_graphs), self.capture_seconds, self.capture_bytes / 2**20)
+        self.startup.append(("graphs", t, time.time()))
         if self.settings.autotune:
+            t = time.time()
             self.autotune()
+            self.startup.append(("auto-tune", t, time.time()))
 
     def _on_side_stream(self, fn) -> None:
         """Run `fn` on a side stream and wait for it (warm-ups before capture: lazy init, cuDNN plans)."""

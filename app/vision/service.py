@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ class EncoderService:
         # The router sends raw uint8 patch rows (a quarter of float32's bytes through Ray and to the GPU);
         # the tower normalises them with the checkpoint's processor settings.
         # (the checkpoint's family picks the tower: Qwen3-VL, Qwen2.5-VL or MiniCPM-V; loading.build_tower)
+        t = time.time()
         tower = build_tower(checkpoint, dtype, device, pixel_norm=patch_spec_for(checkpoint).column_norm(),
                             random_weights=cfg.llm.load_format == "dummy")
         tower.use_dense_attention(enc.dense_attention if enc.cuda_graphs else "sdpa")  # FA4 runs only in graphs
@@ -61,7 +63,10 @@ class EncoderService:
             uniform_capture_after=enc.uniform_capture_after, max_uniform_graphs=enc.max_uniform_graphs,
             eager_margin=enc.eager_margin, observe_dispatch=enc.observe_dispatch, uint8_pixels=True,
             pinned_staging=enc.pinned_pixel_copy, pinned_min_rows=enc.pinned_copy_min_rows))
+        weights = ("weights", t, time.time())
         self.manager.capture()
+        # (phase, start, end), wall clock: the LLM replica's start-up timeline reports them (`fused`)
+        self.startup = [weights, *self.manager.startup]
         # device time of each batch, from CUDA events on the stream it runs on (app/gpu/timing.py)
         self.gpu_timer = GpuTimer(device)
         self.keep_on_device = keep_on_device
