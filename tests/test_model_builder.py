@@ -117,3 +117,48 @@ def test_tiny_qwen25_checkpoint_loads_with_its_processor_settings_and_template(m
                                        tokenize=False, add_generation_prompt=True)
     assert rendered == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
                         "<|vision_start|><|video_pad|><|vision_end|>x<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_ids_the_tokenizer_lacks_are_never_generated_so_random_answers_stream_text(tmp_path):
+    """A real shape keeps its vocabulary (151,936 ids) beside the builder's small tokenizer. With random
+    weights nearly every sampled id was one the tokenizer lacks, decoding to "": streamed answers carried
+    no text (GuideLLM timed no first token, 2026-11-28). Those ids' embedding and LM-head rows are now
+    zeros, so greedy decoding picks spoken ids, and the engine's `dummy` weights do the same on each rank."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+
+    from app.checkpoints.model_builder import _write_qwen
+    from app.llm.loader import rope_rows
+    from app.llm.model import TextModel
+    from app.llm.parallel import TensorParallel
+    from app.llm.spec import TextSpec
+    from app.llm.weights import init_random
+
+    spec = load_preset("tiny")
+    spec["text_config"]["vocab_size"] = 2048
+    spec["text_config"]["tie_word_embeddings"] = False
+    out = tmp_path / "wide"
+    out.mkdir()
+    _write_qwen(out, spec, "tiny", 0, True, "float32")
+    tok = AutoTokenizer.from_pretrained(out)
+    spoken = len(tok)
+    assert spoken < 2048
+    weights = load_file(str(out / "model.safetensors"))
+    rows = [v for k, v in weights.items() if k.endswith("embed_tokens.weight") or k == "lm_head.weight"]
+    assert len(rows) == 2
+    for w in rows:
+        # (the embedding's padding row is transformers' zeros)
+        assert w.shape[0] == 2048 and not w[spoken:].any() and w[:spoken].abs().sum(1).gt(0).sum() >= spoken - 1
+    model = Qwen3VLForConditionalGeneration.from_pretrained(out)
+    ids = tok("Tell me about the picture.", return_tensors="pt").input_ids
+    new = model.generate(ids, max_new_tokens=24, do_sample=False, min_new_tokens=24)[0, ids.shape[1]:]
+    assert new.lt(spoken).all() and tok.decode(new).strip()
+
+    config = json.loads((out / "config.json").read_text())
+    for rank in (0, 1):  # each rank its share of the rows: rank 1's first row is id 1024
+        tp = TensorParallel(rank=rank, size=2)
+        m = TextModel(TextSpec.from_config(config), torch.float32, torch.device("cpu"), rope_rows(config, 64), tp)
+        init_random(m, spoken=spoken)
+        for w in (m.embed, m.head_weight):
+            local = max(0, spoken - m.vocab_start)
+            assert not w[local:].any() and (local == 0 or w[:local].abs().sum(1).gt(0).all())

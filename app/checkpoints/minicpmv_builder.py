@@ -94,6 +94,9 @@ def write_minicpmv(tmp: Path, spec: dict, preset: str, seed: int, with_weights: 
         torch_dtype = torch.float32 if preset.startswith("tiny") else getattr(torch, dtype)
         state = {k: v for k, v in _random_vision(config, seed).state_dict().items()}
         text = _text_model(config, seed)
+        from .model_builder import mute_unspoken_rows
+
+        mute_unspoken_rows([text.get_input_embeddings().weight, text.get_output_embeddings().weight], len(tokenizer))
         state.update({f"llm.{k}": v for k, v in text.state_dict().items()
                       if not (config.get("tie_word_embeddings") and k == "lm_head.weight")})
         save_file({k: v.to(torch_dtype).contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),

@@ -36,7 +36,7 @@ CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.261302
 
 PRESET_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "models"
 DEFAULT_CACHE = Path(os.environ.get("VLM_SERVE_CACHE", Path.home() / ".cache" / "vlm-serve"))
-BUILDER_VERSION = 4  # bump when the built files change, so stale caches are rebuilt
+BUILDER_VERSION = 5  # bump when the built files change, so stale caches are rebuilt
 
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
@@ -89,6 +89,20 @@ def _processor_configs(vision: dict, family: str) -> tuple[dict, dict]:
     return image, video
 
 
+def mute_unspoken_rows(weights: list, spoken: int, first_row: int = 0) -> None:
+    """Zero the embedding and LM-head rows of token ids the small tokenizer does not have (`spoken` and up;
+    `first_row`: the id of these tensors' row 0, a tensor-parallel rank's share). A real shape keeps its
+    vocabulary size (151,936), and random weights then sample those ids nearly every time: they decode to
+    "", so a streamed answer carried no text, only its role, finish and usage chunks. Benchmarks streamed
+    4 events a request instead of one per token, and GuideLLM timed no first token (2026-11-28). Their
+    logits become 0, below the sampled top-k of the spoken ones."""
+    import torch
+
+    with torch.no_grad():
+        for w in {id(w): w for w in weights}.values():  # the same tensor twice when tied
+            w[max(0, spoken - first_row):].zero_()
+
+
 def _write_qwen(tmp: Path, spec: dict, preset: str, seed: int, with_weights: bool, dtype: str) -> None:
     import torch
     import transformers
@@ -112,6 +126,8 @@ def _write_qwen(tmp: Path, spec: dict, preset: str, seed: int, with_weights: boo
         torch.manual_seed(seed)
         torch_dtype = torch.float32 if preset.startswith("tiny") else getattr(torch, dtype)
         model = getattr(transformers, fam["model"])(config).to(torch_dtype)
+        mute_unspoken_rows([model.get_input_embeddings().weight, model.get_output_embeddings().weight],
+                           len(tokenizer))
         model.generation_config.eos_token_id = ids["<|im_end|>"]
         model.generation_config.pad_token_id = ids["<|endoftext|>"]
         model.save_pretrained(tmp)

@@ -42,12 +42,12 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype, device: torch.device, 
 
     config = json.loads((Path(path) / "config.json").read_text())
     model = TextModel(TextSpec.from_config(config), dtype, device, rope_rows(config, max_model_len), tp)
+    tokenizer = AutoTokenizer.from_pretrained(path)
     if load_format == "dummy":
-        init_random(model)
+        init_random(model, spoken=len(tokenizer))
     else:
         s = model.spec
         load_weights(model, checkpoint_sources(path, device, (*s.prefixes, s.head_name)))
-    tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(model.eval(), config, tokenizer, generation_eos(path) | _tokenizer_eos(tokenizer))
 
 
