@@ -77,11 +77,17 @@ class LLM:
         if self.first_request_at is None:
             self.first_request_at = time.time()
 
+    def _observed(self, gen: dict, stream, t0: float | None = None):
+        """`stream` counted in this replica's request metrics, unless a Router's warm-up sent it."""
+        if gen.get("warm_up"):
+            return stream
+        self._first_request()
+        return self.request_metrics.observe(stream, len(gen["input_ids"]), gen["params"].get("n", 1), t0)
+
     async def generate(self, gen: dict, encoded: list):
         """Async generator of chunk dicts; `encoded` arrives resolved from the encoder's response."""
-        self._first_request()
         stream = self.streams.generate(GenerationRequest.from_router(gen, encoded))
-        async for chunk in self.request_metrics.observe(stream, len(gen["input_ids"]), gen["params"].get("n", 1)):
+        async for chunk in self._observed(gen, stream):
             yield asdict(chunk)
 
     async def generate_from_media(self, gen: dict, payload: list):
@@ -89,13 +95,11 @@ class LLM:
         items, nested so that Ray passes them unresolved) is encoded here, then generated from."""
         if self.fused is None:
             raise RuntimeError("generate_from_media needs the fused placement (this replica has no tower)")
-        self._first_request()
         t0 = time.perf_counter()  # the time to first token counts reading and encoding the media
         # a full queue: 503 before reading the media
         self.engine.check_admission(len(gen["input_ids"]), gen["params"].get("n", 1))
         stream = self.fused.chunks(gen, await resolve_payload(payload))
-        n = gen["params"].get("n", 1)
-        async for chunk in self.request_metrics.observe(stream, len(gen["input_ids"]), n, t0):
+        async for chunk in self._observed(gen, stream, t0):
             yield asdict(chunk)
 
     def encoder_stats(self) -> dict:

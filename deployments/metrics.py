@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from app.api.chat import WARM_UP
 from app.serving.prometheus import gather_within
 
 MS_BOUNDS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000]
@@ -42,7 +43,12 @@ class RouterMetrics:
         self._unknown_names: set[str] = set()
 
     def media_where(self, where: str) -> None:
-        self.media.inc(tags={"where": where})
+        if not WARM_UP.get():  # a Router's own warm-up requests are not traffic (app/api/chat.py)
+            self.media.inc(tags={"where": where})
+
+    def retried(self, n: int) -> None:
+        if not WARM_UP.get():
+            self.retries.inc(n)
 
     def unknown_parameter(self, name: str) -> None:
         """One unknown parameter name in a request; the names a tag takes are bounded (clients choose them)."""

@@ -189,7 +189,7 @@ class Router:
         media, encoder, llm = (h.options(_by_reference=True, _prefer_local_routing=local) for h in (media, encoder, llm))
         self.metrics = RouterMetrics()
         source = RemoteMedia(media, patch_spec_for(ckpt), RetryPolicy.from_config(self.cfg.retry),
-                             on_retry=self.metrics.retries.inc)
+                             on_retry=self.metrics.retried)
         if self.cfg.media.router_local_below > 0:  # small inline images at low load: no media hop
             self.media_pool = CountingPool(self.cfg.media.worker_threads, thread_name_prefix="media")
             source = AdaptiveMedia(source, MediaPipeline(self.cfg.media, source.spec, self.media_pool),

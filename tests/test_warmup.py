@@ -77,3 +77,77 @@ def test_the_builder_turns_warm_up_on_only_with_gpus(monkeypatch):
         with pytest.raises((KeyError, AttributeError)):  # stops right after the options: nothing is built
             builder.build_app({})
     assert seen == {0: False, 2: True}
+
+
+def test_a_routers_warm_up_requests_are_answered_but_counted_in_no_metrics(fused_chat, tiny_checkpoint):
+    """`warm_router` sends its requests through the Router's own ASGI app; every Router now does so at a
+    first deploy too, so they would have shown in `vlm_requests_total` and the LLM replicas' counters as
+    traffic nobody sent. They are answered as any request, the record reaches no observer, and the
+    generation dict says `warm_up` (the LLM replica then counts nothing); a client's request afterwards,
+    streamed or not, counts as before."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from app.api.chat import WARM_UP
+    from app.serving.warmup import router_warmup_bodies, warm_router
+    from helpers import local_chat
+
+    cfg, backend = fused_chat
+    gens, records = [], []
+
+    class Recording:
+        def stream(self, gen, payload):
+            gens.append(gen["warm_up"])
+            return backend.stream(gen, payload)
+
+    chat = local_chat(cfg, tiny_checkpoint, Recording())
+    chat.observer = records.append
+
+    async def completions(request):
+        req, gen, payload = await chat.prepare(await request.json())
+        if req.stream:
+            return StreamingResponse(await chat.open_stream(req, gen, payload), media_type="text/event-stream")
+        return JSONResponse(await chat.complete(req, gen, payload))
+
+    app = Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"]),
+                            Route("/v1/models", lambda r: JSONResponse({"data": []}))])
+
+    async def main():
+        report = await warm_router(app, None, rounds=1)
+        assert report.errors == [] and report.requests == 1 + len(router_warmup_bodies())
+        assert records == [] and gens and all(gens)  # answered, counted nowhere
+        assert not WARM_UP.get()  # reset after
+        import httpx
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://client") as client:
+            for stream in (False, True):
+                r = await client.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": stream})
+                assert r.status_code == 200
+        assert len(records) == 2 and gens[-2:] == [False, False]
+
+    asyncio.run(main())
+
+
+@pytest.mark.filterwarnings("ignore:coroutine 'LLM.__del__' was never awaited:RuntimeWarning")
+def test_the_llm_replica_counts_no_warm_up_request():
+    """deployments/llm.py: a generation the Router's warm-up sent (`warm_up`) goes straight through; any
+    other is counted in the replica's request metrics and marks its first request (scale-up timelines)."""
+    pytest.importorskip("ray")
+    from app.serving.prometheus import RequestMetrics
+    from deployments.llm import LLM
+
+    cls = LLM.func_or_class
+    replica = cls.__new__(cls)
+    replica.request_metrics, replica.first_request_at = RequestMetrics(64), None
+
+    async def chunks():
+        yield "chunk"
+
+    warm = {"warm_up": True, "input_ids": [1, 2], "params": {}}
+    stream = chunks()
+    assert replica._observed(warm, stream) is stream and replica.first_request_at is None
+    other = {"warm_up": False, "input_ids": [1, 2], "params": {}}
+    observed = replica._observed(other, stream)
+    assert observed is not stream and replica.first_request_at is not None  # RequestMetrics.observe's

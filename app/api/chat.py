@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from contextvars import ContextVar
 from dataclasses import asdict
 from typing import Protocol
 
@@ -39,6 +40,10 @@ from .schemas import ChatRequest, ServerContext, parse_chat_request
 from .tools import has_tag_tokens
 
 log = logging.getLogger(__name__)
+# True while a Router's own warm-up requests run (app/serving/warmup.py sets it around them): they are
+# answered as any other, but not counted in metrics, here or in the LLM replicas (`warm_up` in the
+# generation dict). A context variable, so no client can set it.
+WARM_UP: ContextVar[bool] = ContextVar("vlm_warm_up", default=False)
 
 
 class MediaSource(Protocol):
@@ -103,7 +108,7 @@ class ChatService:
         log.info("request %s status=%d items=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s e2e_ms=%.1f "
                  "retries=%d", id or "-", status, items, prompt_tokens, completion_tokens,
                  "-" if ttft_s is None else f"{1e3 * ttft_s:.1f}", 1e3 * e2e_s, retries)
-        if self.observer is not None:
+        if self.observer is not None and not WARM_UP.get():
             self.observer(rec)
 
     async def prepare(self, body) -> tuple[ChatRequest, dict, list]:
@@ -251,7 +256,8 @@ def _generation(prompt: Prompt, params: SamplingParams, tower: list, seconds: li
             # Qwen2.5-VL's video temporal positions (None for images; other families ignore it)
             "second_per_grid_ts": seconds,
             "params": asdict(params),
-            "image_tokens": prompt.count(IMAGE_TYPE), "video_tokens": prompt.count(VIDEO_TYPE)}
+            "image_tokens": prompt.count(IMAGE_TYPE), "video_tokens": prompt.count(VIDEO_TYPE),
+            "warm_up": WARM_UP.get()}
 
 
 def _adds_special_tokens(tokenizer) -> bool:

@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..api.chat import WARM_UP
 from ..media.synthetic import image_bytes, mp4_bytes
 
 log = logging.getLogger(__name__)
@@ -173,16 +174,20 @@ async def warm_router(asgi_app, api_key: str | None, rounds: int = 2) -> WarmupR
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     report, t0 = WarmupReport(), time.perf_counter()
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi_app), base_url="http://warmup",
-                                 headers=headers, timeout=None) as client:
-        for _ in range(rounds):
-            calls = [client.get("/v1/models")]
-            calls += [client.post("/v1/chat/completions", json=b) for b in router_warmup_bodies()]
-            for r in await asyncio.gather(*calls, return_exceptions=True):
-                report.requests += 1
-                if isinstance(r, Exception):
-                    report.errors.append(f"{type(r).__name__}: {r}"[:300])
-                elif r.status_code != 200:
-                    report.errors.append(f"HTTP {r.status_code}: {r.text}"[:300])
+    warming = WARM_UP.set(True)  # answered as any request, counted in no metrics (app/api/chat.py)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi_app), base_url="http://warmup",
+                                     headers=headers, timeout=None) as client:
+            for _ in range(rounds):
+                calls = [client.get("/v1/models")]
+                calls += [client.post("/v1/chat/completions", json=b) for b in router_warmup_bodies()]
+                for r in await asyncio.gather(*calls, return_exceptions=True):
+                    report.requests += 1
+                    if isinstance(r, Exception):
+                        report.errors.append(f"{type(r).__name__}: {r}"[:300])
+                    elif r.status_code != 200:
+                        report.errors.append(f"HTTP {r.status_code}: {r.text}"[:300])
+    finally:
+        WARM_UP.reset(warming)
     report.seconds = time.perf_counter() - t0
     return report
