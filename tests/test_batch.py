@@ -356,6 +356,7 @@ def _rows():
 def test_a_chunk_sends_again_only_its_busy_rows_and_answers_every_row_in_order(monkeypatch):
     """A row the engine had no room for (Busy) is sent again with the others of its chunk that were
     also refused, up to max_retries; the chunk's answered rows are not sent twice."""
+    from app.batch import job
     from app.batch.workers import Busy
 
     calls = []
@@ -369,7 +370,9 @@ def test_a_chunk_sends_again_only_its_busy_rows_and_answers_every_row_in_order(m
     assert calls == [["a", "b", "c"], ["b", "c"], ["b"]]
     assert [rec["id"] for rec, _ in out] == ["a", "b", "c", "line-4"]
     assert out[0] == ({"id": "a", "response": {}}, 1) and out[2] == ({"id": "c", "response": {}}, 1)
-    assert out[1][0]["status"] == 500 and out[1][0]["error"]["type"] == "server_error"
+    # out of tries: the server's trouble, left for a rerun (job._final), not the row's final answer
+    assert out[1][0]["status"] == 503 and out[1][0]["error"]["code"] == "server_unavailable"
+    assert not job._final(out[1][0]) and all(job._final(rec) for i, (rec, _) in enumerate(out) if i != 1)
     assert "engine full" in out[1][0]["error"]["message"] and out[1][1] == 0
     assert out[3][0]["status"] == 400 and out[3][0]["error"]["code"] == "invalid_json"
 
@@ -586,3 +589,96 @@ def _read_shards(out) -> tuple[dict[str, dict], int]:
     """(records by id, lines in all shards)."""
     lines = [line for shard in sorted(out.glob("part-*.jsonl")) for line in shard.read_text().splitlines()]
     return {rec["id"]: rec for rec in map(json.loads, lines)}, len(lines)
+
+
+def test_a_rows_own_unexpected_error_is_final_and_the_media_budgets_503_is_retried_in_the_run(
+        tmp_path, monkeypatch, capsys):
+    """Two rows' trouble that is not the cluster's: a row whose own call raises every time (one that
+    cannot be pickled, say) would fail again on every rerun, so it is written as its final 500 and never
+    sent again (left for a rerun, the job could never finish); a media stage out of room (the byte
+    budget's 503) is the server's trouble for now, so the row is sent again in the same run and answered."""
+    import ray
+
+    from app.batch import __main__ as cli
+    from app.batch import job
+    from app.batch.config import PoolConfig
+    from app.batch.pool import ActorPool, Member
+    from app.batch.workers import Busy
+
+    monkeypatch.setattr(job, "RETRY_DELAY_S", 0)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "kill", lambda handle: None)
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    ids = [f"r{i}" for i in range(6)]
+    src = write_lines(tmp_path / "in.jsonl", [json.dumps({"id": rid, **body}) for rid in ids])
+    out = tmp_path / "out"
+    calls: list[str] = []
+    full = {"r4": 2}  # the media stage has no room for r4 twice, then has
+
+    class Stages(job.Stages):
+        def __init__(self, cfg):
+            self.cfg = cfg
+            self.llm = ActorPool("llm", object, lambda i: (), PoolConfig(max_in_flight=4), 0)
+            self.llm.members = [Member("actor", 4)]
+            self.pools = {"llm": self.llm}
+
+        async def start(self):
+            pass
+
+        async def encoder_stats(self):
+            return {}
+
+        async def _once(self, rows):
+            calls.extend(r.id for r in rows)
+            if "r2" in {r.id for r in rows}:
+                raise TypeError("cannot pickle '_thread.lock' object")  # r2's own, every time
+            answers = []
+            for r in rows:
+                if full.get(r.id):
+                    full[r.id] -= 1
+                    answers.append(Busy("media payloads in flight on this replica are at their limit"))
+                else:
+                    answers.append(({"id": r.id, "response": {}, "usage": {"completion_tokens": 1, "prompt_tokens": 3}}, 0))
+            return answers
+
+    monkeypatch.setattr(job, "Stages", Stages)
+    argv = ["--input", str(src), "--output", str(out), "--chunk-rows", "2"]
+    assert cli.main(argv) == 0  # nothing left for a rerun
+    got, n_lines = _read_shards(out)
+    assert set(got) == set(ids) and n_lines == len(ids)
+    assert got["r2"]["status"] == 500 and got["r2"]["error"]["type"] == "server_error"
+    assert "response" in got["r4"] and calls.count("r4") == 3  # two 503s, then answered in the same run
+    report = json.loads((out / "report.json").read_text())
+    assert (report["failed"], report["left"]) == (1, 0)
+    before = calls.count("r2")
+    assert cli.main(argv) == 0 and calls.count("r2") == before  # the rerun sends nothing again
+
+
+def test_the_media_stage_answers_a_5xx_as_busy_and_the_llm_stage_passes_it_on():
+    """`MediaWorker.prepare` returns Busy for a 5xx from preparing (the media budget's `overloaded`), a
+    Failure for a client error; the LLM stage's `_many` hands a Busy row back untouched, for the driver
+    to send again."""
+    from app.batch.workers import Busy, Failure, LLMWorker, MediaWorker
+    from app.errors import ClientError, Overloaded
+
+    class Chat:
+        def __init__(self, e):
+            self.e = e
+
+        async def prepare(self, body):
+            raise self.e
+
+    worker = MediaWorker.__new__(MediaWorker)
+    worker.chat = Chat(Overloaded("media payloads in flight are at their limit"))
+    busy, payload = asyncio.run(worker.prepare({}))
+    assert isinstance(busy, Busy) and payload == []
+    worker.chat = Chat(ClientError("bad image", param="messages"))
+    failure, _ = asyncio.run(worker.prepare({}))
+    assert isinstance(failure, Failure) and failure.status == 400
+
+    async def never(p, x):
+        raise AssertionError("a Busy row must not be generated")
+
+    llm = LLMWorker.__new__(LLMWorker)
+    assert asyncio.run(llm._many([busy, failure], never, [[], []])) == [busy, failure]

@@ -6,10 +6,10 @@ embeddings, which go straight to an LLM actor as an object reference (under serv
 the GPU default, the LLM actor encodes them itself); the answers come back to this driver, which writes
 shards, keeping every pool's slots full while reading the input lazily. A chunk whose actor died or a
 row whose engine was full (503) is tried again, up to `max_retries`; a chunk that fails otherwise is
-tried again row by row. A client error (4xx: the row's fault) is a final answer, written once. A row
-that still fails for the server's reasons (5xx) is not written, so a rerun of the same command answers
-it; such rows make `report["left"]` (a non-zero exit in `__main__`). Once a pool gives up, no more rows
-are started: they are left too.
+tried again row by row. A client error (4xx) or a row's own unexpected error (500) is its final answer,
+written once. A row the server could not answer (retries run out, a pool that gave up: 503
+`server_unavailable`) is not written, so a rerun of the same command answers it; such rows make
+`report["left"]` (a non-zero exit in `__main__`). Once a pool gives up, no more rows start.
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ from ..serving.placement import llm_memory_share, resolve_policy
 from ..serving.replica_stats import merge_encoder_stats
 from .config import BatchConfig
 from .io import Row, ShardWriter, count_rows, read_rows, write_json_atomic
-from .pool import ActorPool, Member
+from .pool import ActorPool, Member, PoolFailed
 from .progress import Progress
 from .workers import Busy, EncoderWorker, Failure, LLMWorker, MediaWorker
 
 log = logging.getLogger(__name__)
 RETRY_DELAY_S = 1.0
+LEFT_FOR_RERUN = "server_unavailable"  # the error code of a row the server could not answer in this run
 
 
 class _Retry(Exception):
@@ -178,21 +179,26 @@ class Stages:
                 else:
                     answers[i] = answer
             todo = [i for i in todo if i not in answers]
-        for i in todo:  # out of tries, or an unexpected error
-            err = last[i].message if isinstance(last[i], Busy) else f"{type(last[i]).__name__}: {last[i]}"
-            answers[i] = _error(rows[i], Failure.of(ClientError(f"internal error: {err}", status=500,
-                                                                type="server_error"))), 0
+        for i in todo:  # out of tries (the server's trouble: not final), or the row's own unexpected error
+            cause = last[i]
+            err = cause.message if isinstance(cause, Busy) else f"{type(cause).__name__}: {cause}"
+            if isinstance(cause, Busy | _Retry | PoolFailed):
+                failure = ClientError(f"no answer yet: {err}", status=503, type="server_unavailable",
+                                      code=LEFT_FOR_RERUN)
+            else:
+                failure = ClientError(f"internal error: {err}", status=500, type="server_error")
+            answers[i] = _error(rows[i], Failure.of(failure)), 0
         return [answers[i] for i in range(len(rows))]
 
     async def _once(self, rows: list[Row]) -> list[tuple[dict, int] | Busy]:
         prepared, payloads = await self._call(self.media, "prepare_many", [r.body for r in rows], rows=len(rows),
                                               num_returns=2)
-        live = sum(not isinstance(p, Failure) for p in prepared)
-        outs = prepared  # every row failed in the media stage: nothing to generate
+        live = sum(not isinstance(p, Failure | Busy) for p in prepared)
+        outs = prepared  # every row failed (or waits) in the media stage: nothing to generate
         if live and self.fused:
             outs = await self._call(self.llm, "generate_from_media_many", prepared, payloads, rows=live)
         elif live:
-            media = sum(p.items for p in prepared if not isinstance(p, Failure))
+            media = sum(p.items for p in prepared if not isinstance(p, Failure | Busy))
             encoded = [[] for _ in prepared]
             if media:
                 _, encoded = await self._call(self.encoder, "encode_many", payloads, rows=live, num_returns=2)
@@ -222,9 +228,11 @@ def _error(row: Row, f: Failure) -> dict:
 
 
 def _final(record: dict) -> bool:
-    """An answer or a client error (4xx) is the row's final record: written, and skipped by a rerun. A
-    server error (5xx) says nothing about the row, and written it would be skipped for ever."""
-    return record.get("status", 200) < 500
+    """An answer, a client error (4xx) or the row's own unexpected error (a 500, which would recur on
+    every rerun) is the row's final record: written, and skipped by a rerun. A row the server could not
+    answer now (retries run out, a pool that gave up: LEFT_FOR_RERUN) says nothing about the row, and
+    written it would be skipped for ever."""
+    return record.get("error", {}).get("code") != LEFT_FOR_RERUN
 
 
 async def run_job(cfg: BatchConfig, input_path: str, output_dir: str, progress_stream=None) -> dict:

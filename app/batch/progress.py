@@ -29,7 +29,7 @@ class Progress:
     prompt_tokens: int = 0
     media_items: int = 0
     start: float = field(default_factory=time.perf_counter)
-    stream: object = sys.stderr
+    stream: object = None  # None: sys.stderr as it is when a line is printed (not when this was imported)
 
     @property
     def finished(self) -> int:
@@ -65,7 +65,7 @@ class Progress:
                 f"ETA {'?' if eta == float('inf') else _duration(eta)}")
 
     def show(self) -> None:
-        print(self.line(), file=self.stream, flush=True)
+        print(self.line(), file=self.stream or sys.stderr, flush=True)
 
     def report(self, encoder_stats: dict | None, pools: dict) -> dict:
         t = self.elapsed()

@@ -95,12 +95,12 @@ class MediaWorker:
     def ready(self) -> bool:
         return True
 
-    async def prepare(self, body: dict) -> tuple[Prepared | Failure, list]:
-        """(Prepared or Failure, encoder payload: per item (uint8 rows, grid, cache key))."""
+    async def prepare(self, body: dict) -> tuple[Prepared | Failure | Busy, list]:
+        """(Prepared, Failure or Busy, encoder payload: per item (uint8 rows, grid, cache key))."""
         try:
             req, gen, payload = await self.chat.prepare(body)
-        except ClientError as e:
-            return Failure.of(e), []
+        except ClientError as e:  # a 5xx (the media budget full, say) is no fault of the row: sent again
+            return (Busy(e.message) if e.status >= 500 else Failure.of(e)), []
         except ValueError as e:  # the chat template and the media disagree: the request's fault
             return Failure.of(ClientError(str(e), param="messages")), []
         return Prepared(req, gen, len(payload)), payload
@@ -201,7 +201,7 @@ class LLMWorker:
 
     async def _many(self, prepared: list, one, inputs: list[list]) -> list:
         async def row(p, x):
-            if isinstance(p, Failure):
+            if isinstance(p, Failure | Busy):  # the media stage's answer for this row
                 return p
             if isinstance(x, Failure | Busy):  # the encoder stage's answer for this row
                 return x
