@@ -89,6 +89,19 @@ class MediaServer:
                     except OSError:
                         pass
                     self.close_connection = True
+                elif route == "/halves":  # the payload's first half, a pause of 0.3 s, the second half
+                    self.send_response(200)
+                    self.send_header("content-length", str(len(server.payload)))
+                    self.end_headers()
+                    half = len(server.payload) // 2
+                    try:
+                        self.wfile.write(server.payload[:half])
+                        self.wfile.flush()
+                        time.sleep(0.3)
+                        self.wfile.write(server.payload[half:])
+                    except OSError:
+                        pass
+                    self.close_connection = True
                 elif route == "/gzip":
                     self._send(200, b"\x1f\x8b" + b"\0" * 20, {"content-encoding": "gzip"})
                 else:

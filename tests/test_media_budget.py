@@ -112,7 +112,7 @@ def test_room_granted_to_a_waiter_whose_event_loop_has_closed_is_given_back():
     asyncio.run(main())
 
 
-def test_a_streamed_body_reserves_as_it_arrives_and_waits_for_room_then_gets_a_503(server):
+def test_a_body_reserves_its_declared_length_waits_for_room_then_gets_a_503(server):
     url = f"http://127.0.0.1:{server.port}/img.png"
     cfg = http_cfg(len(BIG) * 3 // 2, 0.2)
     budget = budget_for(cfg)
@@ -120,11 +120,11 @@ def test_a_streamed_body_reserves_as_it_arrives_and_waits_for_room_then_gets_a_5
     async def main():
         assert await fetch(url, cfg, param="p") == BIG
         assert budget.used == 0  # released after success
-        await budget.acquire(len(BIG))  # other items hold 1 MiB: half the body finds no room
+        await budget.acquire(len(BIG))  # other items hold 1 MiB: the declared 1 MiB body finds no room
         with pytest.raises(Overloaded) as e:
             await fetch(url, cfg, param="p")
         assert e.value.status == 503 and e.value.headers["Retry-After"]
-        assert budget.used == len(BIG)  # the half-received body gave its bytes back
+        assert budget.used == len(BIG)  # the refused body holds nothing
         budget.release(len(BIG))
         assert await fetch(url, cfg, param="p") == BIG and budget.used == 0
 
@@ -139,11 +139,50 @@ def test_a_fetch_waits_for_room_and_finishes_when_other_items_let_go(server):
     async def main():
         await budget.acquire(len(BIG))
         task = asyncio.ensure_future(fetch(url, cfg, param="p"))
-        await until(lambda: len(budget._waiters) == 1)  # it has received what fits and waits for the rest
+        await until(lambda: len(budget._waiters) == 1)  # it waits for room for its declared length
         assert not task.done()
         budget.release(len(BIG))
         assert await asyncio.wait_for(task, 10) == BIG
         assert budget.used == 0
+
+    asyncio.run(main())
+
+
+def test_bodies_that_together_exceed_the_budget_take_turns_instead_of_all_timing_out(server):
+    """Two 1 MiB bodies on a 1.5 MiB budget. Reserved as they arrived, each received about 768 KiB, then
+    both waited for room that only the other could give: both waited out media_bytes_wait_s, and one or
+    both were refused after downloading most of their body. Each now reserves its declared length before
+    reading, so the second waits until the first is done, and both succeed. (Each body comes in two
+    halves 0.3 s apart, so that both are half received at once.)"""
+    url = f"http://127.0.0.1:{server.port}/halves"
+    cfg = http_cfg(len(BIG) * 3 // 2, 3.0)
+    budget = budget_for(cfg)
+
+    async def main():
+        got = await asyncio.wait_for(asyncio.gather(fetch(url, cfg, param="a"), fetch(url, cfg, param="b")), 20)
+        assert got == [BIG, BIG] and budget.used == 0
+
+    asyncio.run(main())
+
+
+def test_an_item_that_holds_bytes_and_needs_more_goes_ahead_of_new_items():
+    """A body without a declared length grows as it arrives: its next bytes go ahead of items that hold
+    nothing yet, which would otherwise keep a half-received body waiting behind them."""
+    async def main():
+        b = ByteBudget(100, wait_s=5)
+        growing = b.hold()
+        await growing.grow_to(50)
+        await b.acquire(40)  # another item holds 40: 10 left
+        new = asyncio.ensure_future(b.acquire(30))  # a new item waits first
+        await asyncio.sleep(0.02)
+        more = asyncio.ensure_future(growing.grow_to(80))  # then the half-received body needs 30 more
+        await asyncio.sleep(0.02)
+        b.release(40)  # 50 free: the growing body's 30 first, then the new item's 30 no longer fits
+        await asyncio.wait_for(more, 5)
+        assert growing.held == 80 and not new.done() and b.used == 80
+        growing.release()
+        await asyncio.wait_for(new, 5)
+        assert b.used == 30
 
     asyncio.run(main())
 

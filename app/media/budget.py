@@ -1,13 +1,14 @@
 """One process's budget of media payload bytes in flight (`media.max_media_bytes_in_flight`).
 
-`max_media_bytes` bounds one item, not how many a replica holds: 64 concurrent calls each fetching
-256 MiB would hold 16 GiB and kill the replica, and every other request's work with it. So a payload
-reserves its bytes here as they arrive (a streamed body chunk by chunk, a `data:` URL its decoded
-size, a file the cap then its size) and gives them back when the item's decode job has finished (a
-job the request no longer waits for still holds its bytes), or at once on failure or cancellation.
-An item that cannot get its bytes within `media.media_bytes_wait_s` is refused with 503 `overloaded`
-and Retry-After. Waiters are served in order. Thread-safe: releases come from worker threads, and a
-process may run more than one event loop (warm-up runs on a thread of its own).
+`max_media_bytes` bounds one item, not how many a replica holds: 64 concurrent calls each fetching 256
+MiB would hold 16 GiB and kill the replica, and every other request's work with it. So a payload
+reserves its bytes here (a body its declared length before reading, else chunk by chunk, growth ahead of
+new items; a `data:` URL its decoded size; a file the cap then its size) and gives them back when the
+item's decode job has finished (a job the request no longer waits for still holds its bytes), or at once
+on failure or cancellation. An item that cannot get its bytes within `media.media_bytes_wait_s` is
+refused with 503 `overloaded` and Retry-After. Waiters are served in order. Thread-safe: releases come
+from worker threads, and a process may run more than one event loop (warm-up runs on a thread of its
+own).
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ class ByteBudget:
         """An empty reservation for one item, to grow as its bytes arrive and release once."""
         return Reservation(self, param)
 
-    async def acquire(self, n: int, param: str | None = None) -> None:
-        """Reserve `n` bytes: at once when there is room and nobody waits before; else wait in line.
-        413 `media_too_large` for more than the whole budget; 503 `overloaded` past the wait."""
+    async def acquire(self, n: int, param: str | None = None, ahead: bool = False) -> None:
+        """Reserve `n` bytes: at once when there is room and nobody waits before; else wait in line
+        (`ahead`: at its head, for an item that already holds bytes and needs more to finish: new items
+        must not starve the ones half received). 413 `media_too_large` for more than the whole budget;
+        503 `overloaded` past the wait."""
         if n <= 0:
             return
         if n > self.capacity:
@@ -53,7 +56,10 @@ class ByteBudget:
                 self.used += n
                 return
             w = _Waiter(n, loop, loop.create_future())
-            self._waiters.append(w)
+            if ahead:
+                self._waiters.appendleft(w)
+            else:
+                self._waiters.append(w)
         try:
             async with asyncio.timeout(self.wait_s):
                 await w.fut
@@ -124,7 +130,7 @@ class Reservation:
         if self._released:
             raise RuntimeError("a released reservation cannot grow")
         self.waiting = True  # stays True when the wait ends in an exception: see the class docstring
-        await self.budget.acquire(n - self.held, self.param)
+        await self.budget.acquire(n - self.held, self.param, ahead=self.held > 0)
         self.waiting = False
         self.held = n
 

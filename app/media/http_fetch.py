@@ -175,8 +175,8 @@ class HttpFetcher:
     async def _body(resp: httpx.Response, max_bytes: int, param: str, hold: Reservation | None = None) -> bytes:
         """The body under a running byte cap; a `Content-Length` over the cap is refused before any
         body byte is read. `Accept-Encoding: identity` and raw reads: a gzip body could otherwise
-        inflate past the cap inside a single chunk. Each chunk is reserved in `hold` before it is kept
-        (as received, not as declared: a slow body claiming 256 MiB holds only what it sent)."""
+        inflate past the cap inside a single chunk. `hold` reserves a declared body whole before it is
+        read, an undeclared one chunk by chunk as it arrives (app/media/budget.py)."""
         def too_large(n: str) -> ClientError:
             return ClientError(f"media payload of {n} bytes exceeds the limit of {max_bytes}", param=param,
                                code="media_too_large", status=413)
@@ -188,6 +188,11 @@ class HttpFetcher:
         if encoding not in ("", "identity"):
             raise ClientError(f"media served with content-encoding {_short(encoding, 40)!r}; the server asks "
                               "for and accepts only uncompressed bodies", param=param, code="media_fetch_failed")
+        if hold is not None and declared is not None and declared.strip().isdigit():
+            # the whole declared body before reading it: partly received bodies that each wait for more
+            # room would hold the budget among them and all time out (a slow body claiming much is cut
+            # by the fetch's deadline); an undeclared (chunked) body reserves as it arrives
+            await hold.grow_to(int(declared))
         buf, size = bytearray(), 0
         async for chunk in resp.aiter_raw(CHUNK):
             size += len(chunk)
