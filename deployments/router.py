@@ -118,11 +118,18 @@ APP_POLL_S = 0.5
 
 
 async def _others_serving(ctx, limit_s: float) -> bool:
-    """Whether every other deployment of the Router's app has a replica running, waiting up to `limit_s`."""
+    """Whether every other deployment of the Router's app has a replica running, waiting up to `limit_s`.
+    A poll that fails (a controller busy with a large deploy, the app not listed yet) is logged and tried
+    again: one failure would otherwise open the port cold at once."""
     deadline = time.monotonic() + limit_s
     while True:
-        serving = await asyncio.wait_for(asyncio.to_thread(
-            lambda: serving_without(serve_replica_states(ctx.app_name), ctx.deployment)), 10.0)
+        serving = False
+        try:
+            serving = await asyncio.wait_for(asyncio.to_thread(
+                lambda: serving_without(serve_replica_states(ctx.app_name), ctx.deployment)), 10.0)
+        except Exception as e:  # noqa: BLE001 - keep waiting until the deadline
+            log.info("Router: the application's state could not be read (%s: %s); asking again",
+                     type(e).__name__, e)
         if serving or time.monotonic() >= deadline:
             return serving
         await asyncio.sleep(APP_POLL_S)

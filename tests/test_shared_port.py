@@ -255,7 +255,15 @@ def test_a_router_of_a_first_deploy_listens_only_once_the_app_serves_and_it_has_
     used to listen at once, cold: its first requests after ready met the Router's cold paths. It now waits
     until the other deployments serve, sends its warm-up requests, and only then listens."""
     states = {"LLM": ("UPDATING", {"STARTING": 2}), "Router": ("UPDATING", {"RUNNING": 1})}
-    monkeypatch.setattr(router, "serve_replica_states", lambda name: dict(states))
+    polls = []
+
+    def read(name):
+        polls.append(name)
+        if len(polls) == 2:  # a controller busy for a moment: the Router asks again, it does not open cold
+            raise TimeoutError("the controller did not answer")
+        return dict(states)
+
+    monkeypatch.setattr(router, "serve_replica_states", read)
     monkeypatch.setattr(router, "APP_POLL_S", 0.01)
     warmed = []
 
@@ -271,6 +279,7 @@ def test_a_router_of_a_first_deploy_listens_only_once_the_app_serves_and_it_has_
         port = sock.getsockname()[1]
         task = asyncio.get_running_loop().create_task(router.open_shared_port(given, sock))
         await asyncio.sleep(0.2)
+        assert len(polls) > 2  # past the failed poll
         assert not task.done() and not warmed  # the LLM replicas are not running yet: no warm-up, no listening
         with pytest.raises(httpx.ConnectError):
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:

@@ -165,3 +165,18 @@ def build_tokenizer(vocab_size: int = 512, template: str = CHAT_TEMPLATE, specia
     )
     fast.chat_template = template
     return fast
+
+
+def mute_unspoken_rows(weights: list, spoken: int, first_row: int = 0) -> None:
+    """Zero the embedding and LM-head rows of token ids the small tokenizer does not have (`spoken` and up;
+    `first_row`: the id of these tensors' row 0, a tensor-parallel rank's share). A real shape keeps its
+    vocabulary size (151,936), and random weights then sample those ids nearly every time: they decode to
+    "", so a streamed answer carried no text, only its role, finish and usage chunks. Benchmarks streamed
+    4 events a request instead of one per token, and GuideLLM timed no first token (2026-11-28). Their
+    logits become 0: greedy decoding and the presets' top_k (20) pick spoken ids; a request with no
+    top-k at temperature 1 still draws mostly muted ids (151k zero logits against 440)."""
+    import torch
+
+    with torch.no_grad():
+        for w in {id(w): w for w in weights}.values():  # the same tensor twice when tied
+            w[max(0, spoken - first_row):].zero_()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .checkpoint_tokenizer import chatml_template
+from .checkpoint_tokenizer import chatml_template, mute_unspoken_rows
 
 # MiniCPM-V's placeholder and boundary tokens, after ChatML's.
 MINICPMV_TOKENS = ["<unk>", "<image>", "</image>", "<slice>", "</slice>", "<image_id>", "</image_id>",
@@ -94,8 +94,6 @@ def write_minicpmv(tmp: Path, spec: dict, preset: str, seed: int, with_weights: 
         torch_dtype = torch.float32 if preset.startswith("tiny") else getattr(torch, dtype)
         state = {k: v for k, v in _random_vision(config, seed).state_dict().items()}
         text = _text_model(config, seed)
-        from .model_builder import mute_unspoken_rows
-
         mute_unspoken_rows([text.get_input_embeddings().weight, text.get_output_embeddings().weight], len(tokenizer))
         state.update({f"llm.{k}": v for k, v in text.state_dict().items()
                       if not (config.get("tie_word_embeddings") and k == "lm_head.weight")})

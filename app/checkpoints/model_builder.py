@@ -27,6 +27,7 @@ from .checkpoint_tokenizer import (  # noqa: F401 - re-exported: the builders' p
     SPECIAL_TOKENS,
     build_tokenizer,
     chatml_template,
+    mute_unspoken_rows,
     write_generation_config,
 )
 
@@ -87,20 +88,6 @@ def _processor_configs(vision: dict, family: str) -> tuple[dict, dict]:
     video = {**common, "video_processor_type": fam["video_processor"], "processor_class": fam["processor"],
              "size": fam["video_size"], "fps": 2, "min_frames": 4, "max_frames": 768, "do_sample_frames": True}
     return image, video
-
-
-def mute_unspoken_rows(weights: list, spoken: int, first_row: int = 0) -> None:
-    """Zero the embedding and LM-head rows of token ids the small tokenizer does not have (`spoken` and up;
-    `first_row`: the id of these tensors' row 0, a tensor-parallel rank's share). A real shape keeps its
-    vocabulary size (151,936), and random weights then sample those ids nearly every time: they decode to
-    "", so a streamed answer carried no text, only its role, finish and usage chunks. Benchmarks streamed
-    4 events a request instead of one per token, and GuideLLM timed no first token (2026-11-28). Their
-    logits become 0, below the sampled top-k of the spoken ones."""
-    import torch
-
-    with torch.no_grad():
-        for w in {id(w): w for w in weights}.values():  # the same tensor twice when tied
-            w[max(0, spoken - first_row):].zero_()
 
 
 def _write_qwen(tmp: Path, spec: dict, preset: str, seed: int, with_weights: bool, dtype: str) -> None:

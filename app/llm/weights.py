@@ -217,7 +217,7 @@ def init_random(model: TextModel, seed: int = 0, std: float = 0.02, spoken: int 
     """Random weights straight on the model's device (norm weights 1), as `load_format: dummy` asks:
     no file is read or written. Each rank draws its own shard. `spoken`: the tokenizer's size; the
     embedding and LM-head rows of ids past it are zeros, as the checkpoint builder writes them
-    (app/checkpoints/model_builder.py, `mute_unspoken_rows`: else answers stream no text)."""
+    (app/checkpoints/checkpoint_tokenizer.py, `mute_unspoken_rows`: else answers stream no text)."""
     gen = torch.Generator(device=model.device).manual_seed(seed + 7919 * model.tp.rank)
     for name, p in model.named_parameters():
         if name.endswith("norm") or name.endswith("_norm"):

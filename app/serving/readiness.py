@@ -1,15 +1,15 @@
-"""When the application may say it is ready (`GET /health`; docs/guides/autoscaling.md has the whole story).
+"""When the application may say it is ready (`GET /health`; docs/guides/autoscaling.md says more).
 
 Ready means, the first time, that every deployment with replicas has reached its target count, all of
-them running (Serve marks a replica running once its constructor, warm-up included, returned): with one
-running replica only, its siblings still capturing graphs on the same GPU made the first seconds' TTFT
-p99 1.87x warm (H200, 2026-11-27); waiting for all, 1.21x. Once the application has served, one running
-replica per deployment keeps it ready through rolling updates and scale-ups. "Has served" (`has_served`)
-is read from Serve's state, so that a Router started during a rolling update answers as its elders do
-(it kept the first-time rule, and /health flapped between Routers): a replica, live or recently stopped,
-that started before the last deploy, or a deployment UNHEALTHY (reached only from a settled one). Where
-the state cannot show it (`serve.run` from Python keeps `last_deployed_time_s`), a Router's own memory of
-having seen the app ready (`ReadinessProbe.was_ready`) still counts."""
+them running (Serve marks a replica running once its constructor, warm-up included, returned): one was
+not enough (first seconds' TTFT p99 1.87x warm, against 1.21x; H200, 2026-11-27). Once the app has
+served, one running replica per deployment keeps it ready through rolling updates and scale-ups. "Has
+served" (`has_served`) is read from Serve's state, so that a Router started during a rolling update
+answers as its elders do: a replica, live or recently stopped, that started before the last deploy, or a
+deployment UNHEALTHY (mostly a settled one whose replicas failed; also a controller error, or a failed
+autoscaling step of a first deploy: lenient early). Where the state cannot show it (`serve.run` from
+Python keeps `last_deployed_time_s`), a Router's own memory of having seen the app ready
+(`ReadinessProbe.was_ready`) still counts."""
 
 from __future__ import annotations
 

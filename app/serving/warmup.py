@@ -1,15 +1,15 @@
 """Warming a replica before it reports ready, so that ready means ready.
 
-A fresh replica answers its first requests slowly: kernels compile and autotune, libraries pick
-algorithms, the sampler's branches and the grammar compiler run for the first time, the allocator
-grows, decoders import codecs. At half capacity that meant 503s and multi-second TTFTs in the first
-20 s after `/health` turned green (issue 45, "Real traffic").
+A fresh replica answers its first requests slowly (kernels compile and autotune, libraries pick
+algorithms, allocators grow, decoders import codecs): at half capacity, 503s and multi-second TTFTs in
+the first 20 s after `/health` turned green (issue 45, "Real traffic").
 
 So each LLM replica sends itself real requests through the real path before its constructor returns
 (Ray Serve routes to it only after that): the chat API, media and the tower (under `fused`: a small and
 a large image, a video), prefill longer than a step's budget, concurrent decodes, every sampling filter,
 log-probabilities, a JSON schema, several choices, a stream. A media replica decodes one item of each
-kind; a Router joining an app that serves sends requests through its own routes (`warm_router`).
+kind; a Router, once the app's other deployments serve and before it listens on its own port, sends
+requests through its own routes (`warm_router`), counted in no metric (app/api/chat.py, WARM_UP).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ..api.chat import WARM_UP
 from ..media.synthetic import image_bytes, mp4_bytes
 
 log = logging.getLogger(__name__)
+WARM_UP_SEED = 1_000_000_000  # the warm-up's synthetic media: seeds far from any benchmark's
 
 
 @dataclass
@@ -65,9 +66,9 @@ def warmup_bodies(max_num_batched_tokens: int, media: bool) -> list[dict]:
     ]
     bodies += [{"messages": _user(f"Short question {i}"), "max_tokens": 8, "temperature": 0} for i in range(8)]
     if media:
-        small = _part("image_url", image_bytes(448, 448, 1, "JPEG"), "image/jpeg")
-        large = _part("image_url", image_bytes(768, 1024, 2, "PNG"), "image/png")
-        video = _part("video_url", mp4_bytes(8, seed=3), "video/mp4")
+        small = _part("image_url", image_bytes(448, 448, WARM_UP_SEED + 1, "JPEG"), "image/jpeg")
+        large = _part("image_url", image_bytes(768, 1024, WARM_UP_SEED + 2, "PNG"), "image/png")
+        video = _part("video_url", mp4_bytes(8, seed=WARM_UP_SEED + 3), "video/mp4")
         text = {"type": "text", "text": "What is this?"}
         bodies += [{"messages": _user([small, text]), "max_tokens": 4, "temperature": 0},
                    {"messages": _user([large, text]), "max_tokens": 4, "temperature": 0},
@@ -152,12 +153,14 @@ def warm_media(pipeline) -> float:
 
 
 def router_warmup_bodies() -> list[dict]:
-    """A joining Router's own requests: short answers over its routes and handles, a stream, and three
+    """A Router's own warm-up requests: short answers over its routes and handles, a stream, and three
     images; sent at once, one is prepared on the Router's own threads and the others by the media
     replicas (media.router_local_below), so both paths run."""
-    tiny = _part("image_url", image_bytes(64, 64, 4, "JPEG"), "image/jpeg")
-    jpeg = _part("image_url", image_bytes(448, 448, 5, "JPEG"), "image/jpeg")
-    png = _part("image_url", image_bytes(640, 480, 6, "PNG"), "image/png")
+    # seeds no benchmark uses (benchmarks/serve.py draws image i with seed i): an image equal to one of
+    # its requests would be an embedding-cache hit there
+    tiny = _part("image_url", image_bytes(64, 64, WARM_UP_SEED + 4, "JPEG"), "image/jpeg")
+    jpeg = _part("image_url", image_bytes(448, 448, WARM_UP_SEED + 5, "JPEG"), "image/jpeg")
+    png = _part("image_url", image_bytes(640, 480, WARM_UP_SEED + 6, "PNG"), "image/png")
     text = {"type": "text", "text": "What is this?"}
     return [{"messages": _user("Hello"), "max_tokens": 2, "temperature": 0},
             {"messages": _user("Stream this"), "max_tokens": 2, "temperature": 0, "stream": True},
