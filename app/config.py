@@ -34,7 +34,7 @@ class MediaConfig(_Strict):
     max_media_bytes: int = Field(256 * 1024 * 1024, gt=0, description="largest accepted media payload; a "
                                  "larger declared Content-Length is refused before the body (413)")
     max_media_bytes_in_flight: int = Field(4 << 30, gt=0, description="media payload bytes (http(s) bodies as "
-                                           "they arrive, decoded data: URLs, files) one process holds at once over "
+                                           "declared, or as they arrive, decoded data: URLs, files) one process holds at once over "
                                            "all its requests, each from its first byte until its decode ends; an "
                                            "item that finds no room within media_bytes_wait_s is refused with 503 "
                                            "overloaded and Retry-After. At least max_media_bytes")
