@@ -494,8 +494,6 @@ def test_rows_that_fail_for_the_servers_reasons_are_left_for_a_rerun_which_answe
 
     from app.batch import __main__ as cli
     from app.batch import job
-    from app.batch.config import PoolConfig
-    from app.batch.pool import ActorPool, Member
     from app.batch.workers import Busy, Failure
 
     monkeypatch.setattr(job, "RETRY_DELAY_S", 0)
@@ -520,19 +518,10 @@ def test_rows_that_fail_for_the_servers_reasons_are_left_for_a_rerun_which_answe
             return job._error(row, Failure(400, {"message": "unsupported media", "code": "invalid_media"})), 0
         return {"id": row.id, "response": {}, "usage": {"completion_tokens": 1, "prompt_tokens": 3}}, 1
 
-    class Stages(job.Stages):  # the real run_chunk (retries) and failed_pool; one LLM pool without Ray
+    class Stages(_one_pool_stages()):
         def __init__(self, cfg):
-            self.cfg = cfg
-            self.llm = ActorPool("llm", object, lambda i: (), PoolConfig(max_in_flight=4), 0)
-            self.llm.members = [Member("actor", 4)]
+            super().__init__(cfg)
             self.llm._grow = lambda: None  # a replacement's start is what fails below
-            self.pools = {"llm": self.llm}
-
-        async def start(self):
-            pass
-
-        async def encoder_stats(self):
-            return {}
 
         async def _once(self, rows):
             calls.extend(r.id for r in rows)
@@ -585,6 +574,29 @@ def test_rows_that_fail_for_the_servers_reasons_are_left_for_a_rerun_which_answe
     assert "no answer yet" not in capsys.readouterr().err
 
 
+def _one_pool_stages():
+    """job.Stages with one LLM pool of one actor and no Ray: the real run_chunk (retries) and failed_pool;
+    a test gives `_once`, the stages' work for a chunk."""
+    from app.batch import job
+    from app.batch.config import PoolConfig
+    from app.batch.pool import ActorPool, Member
+
+    class OnePool(job.Stages):
+        def __init__(self, cfg):
+            self.cfg = cfg
+            self.llm = ActorPool("llm", object, lambda i: (), PoolConfig(max_in_flight=4), 0)
+            self.llm.members = [Member("actor", 4)]
+            self.pools = {"llm": self.llm}
+
+        async def start(self):
+            pass
+
+        async def encoder_stats(self):
+            return {}
+
+    return OnePool
+
+
 def _read_shards(out) -> tuple[dict[str, dict], int]:
     """(records by id, lines in all shards)."""
     lines = [line for shard in sorted(out.glob("part-*.jsonl")) for line in shard.read_text().splitlines()]
@@ -601,8 +613,6 @@ def test_a_rows_own_unexpected_error_is_final_and_the_media_budgets_503_is_retri
 
     from app.batch import __main__ as cli
     from app.batch import job
-    from app.batch.config import PoolConfig
-    from app.batch.pool import ActorPool, Member
     from app.batch.workers import Busy
 
     monkeypatch.setattr(job, "RETRY_DELAY_S", 0)
@@ -616,19 +626,7 @@ def test_a_rows_own_unexpected_error_is_final_and_the_media_budgets_503_is_retri
     calls: list[str] = []
     full = {"r4": 2}  # the media stage has no room for r4 twice, then has
 
-    class Stages(job.Stages):
-        def __init__(self, cfg):
-            self.cfg = cfg
-            self.llm = ActorPool("llm", object, lambda i: (), PoolConfig(max_in_flight=4), 0)
-            self.llm.members = [Member("actor", 4)]
-            self.pools = {"llm": self.llm}
-
-        async def start(self):
-            pass
-
-        async def encoder_stats(self):
-            return {}
-
+    class Stages(_one_pool_stages()):
         async def _once(self, rows):
             calls.extend(r.id for r in rows)
             if "r2" in {r.id for r in rows}:
