@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,22 @@ def config_from_file(port: int, args: dict, deployments: dict[str, dict] | None 
     return conf
 
 
+def wait_listening(host: str, port: int, timeout_s: float = 180.0) -> None:
+    """Until something accepts connections on (host, port): the Routers' own port opens after the app's
+    other deployments serve and the Router has sent its warm-up requests (deployments/router.py)."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host if host != "0.0.0.0" else "127.0.0.1", port), timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f} s") from None
+            time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def deployed(conf: dict, metrics_port: int | None = None, num_gpus: int | None = None,
              env: dict[str, str] | None = None) -> Iterator:
@@ -58,6 +75,9 @@ def deployed(conf: dict, metrics_port: int | None = None, num_gpus: int | None =
     try:
         client = serve_api.serve_start(http_options=conf["http_options"])  # what `serve run` does
         client.deploy_apps(ServeDeploySchema.model_validate(conf), _blocking=True)
+        for app in conf["applications"]:  # a Router listens on its own port once it has warmed itself
+            if app.get("args", {}).get("router_http_port"):
+                wait_listening(app["args"].get("router_http_host", "127.0.0.1"), app["args"]["router_http_port"])
         yield client
     finally:
         serve.shutdown()
