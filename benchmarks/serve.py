@@ -496,6 +496,8 @@ def start_app(args: dict, port: int, serve_config: str | None = None, num_gpus: 
         client.deploy_apps(ServeDeploySchema.model_validate(conf), _blocking=False)
         if wait:
             wait_running(conf["applications"][0]["name"])
+            if conf["applications"][0]["args"].get("router_http_port"):
+                wait_listening(conf["applications"][0]["args"]["router_http_port"])
         return
     from ray.serve.api import _run
 
@@ -505,6 +507,25 @@ def start_app(args: dict, port: int, serve_config: str | None = None, num_gpus: 
         raise ValueError("deployment options need a config file (serve_config)")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     _run(build_app(args), _blocking=wait, name="vlm", route_prefix="/")  # serve.run is _run(_blocking=True)
+    if wait and args.get("router_http_port"):
+        wait_listening(args["router_http_port"])
+
+
+def wait_listening(port: int, host: str = "127.0.0.1", timeout_s: float = 180.0) -> None:
+    """Until something accepts connections on (host, port): the Routers' own port (router_http_port)
+    opens after the app's other deployments serve and a Router has warmed itself (deployments/router.py),
+    a little after the application reads RUNNING."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f} s") from None
+            time.sleep(0.2)
 
 
 def entry_points(a, app_args: dict) -> tuple[int, str]:

@@ -8,11 +8,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
+
+from benchmarks.serve import wait_listening
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,22 +36,6 @@ def config_from_file(port: int, args: dict, deployments: dict[str, dict] | None 
     for name, opts in (deployments or {}).items():
         by_name[name].update(copy.deepcopy(opts))
     return conf
-
-
-def wait_listening(host: str, port: int, timeout_s: float = 180.0) -> None:
-    """Until something accepts connections on (host, port): the Routers' own port opens after the app's
-    other deployments serve and the Router has sent its warm-up requests (deployments/router.py)."""
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection((host if host != "0.0.0.0" else "127.0.0.1", port), timeout=2):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f} s") from None
-            time.sleep(0.2)
 
 
 @contextlib.contextmanager
@@ -77,7 +62,7 @@ def deployed(conf: dict, metrics_port: int | None = None, num_gpus: int | None =
         client.deploy_apps(ServeDeploySchema.model_validate(conf), _blocking=True)
         for app in conf["applications"]:  # a Router listens on its own port once it has warmed itself
             if app.get("args", {}).get("router_http_port"):
-                wait_listening(app["args"].get("router_http_host", "127.0.0.1"), app["args"]["router_http_port"])
+                wait_listening(app["args"]["router_http_port"])
         yield client
     finally:
         serve.shutdown()

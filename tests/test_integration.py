@@ -9,9 +9,9 @@ import os
 import httpx
 import pytest
 
+from benchmarks.serve import wait_listening
 from deployments.ray_env import apply_serve_env
 from helpers import mp4_bytes, png_bytes
-from served import wait_listening
 
 pytestmark = pytest.mark.integration
 PORT = 8765
@@ -38,7 +38,7 @@ def server(model_cache):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(SERVER_ARGS | {"cache_dir": model_cache}), name="vlm", route_prefix="/")
-    wait_listening("127.0.0.1", DIRECT_PORT)  # the Routers' own port: open once they have warmed
+    wait_listening(DIRECT_PORT)  # the Routers' own port: open once they have warmed
     client = httpx.Client(base_url=f"http://127.0.0.1:{PORT}", timeout=120)
     try:
         yield client
