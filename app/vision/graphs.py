@@ -17,6 +17,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -75,6 +76,8 @@ class GraphSettings:
     # uint8 rows from host memory go to the GPU through pinned buffers (app/vision/staging.py says why)
     pinned_staging: bool = False
     pinned_min_rows: int = 0  # smaller batches are copied directly
+    # the auto-tune's table on disk (tune_cache.TuneCache): applied where one matches, else measured and kept
+    tune_cache: Any = None
 
     @staticmethod
     def power_of_two_budgets(min_budget: int, max_budget: int, steps_per_octave: int = 1) -> list[int]:
@@ -477,14 +480,47 @@ class GraphManager:
     def autotune(self) -> None:
         """Per budget: time graph vs eager on a batch of unequal lengths that fills it, and drop graphs
         that are not faster. Eager on equal lengths (dense attention, no padding) is timed too: for an
-        equal-length batch without a graph of its own, dispatch picks whichever of the two is faster."""
+        equal-length batch without a graph of its own, dispatch picks whichever of the two is faster.
+        With `settings.tune_cache`, the table that a replica measured for the same GPU, tower, settings
+        and code is applied instead of timing, and one measured here is kept for the next."""
+        cache, source = self.settings.tune_cache, "measured"
+        if cache is None:
+            self._measure()
+        else:
+            with cache.claim():  # replicas starting together: the first measures, the others read its table
+                table = cache.load()
+                if table is not None and self._apply(table):
+                    source = f"from {cache.path}"
+                else:
+                    self._measure()
+                    cache.save(self.autotune_table)
+        log.info("vision graph auto-tune, %s (budget or uniform shape, eager ms, graph ms, kept):\n%s", source,
+                 "\n".join(f"  {str(r.get('budget', r.get('uniform'))):>10} {r['eager_ms']:>9.3f} "
+                           f"{r['graph_ms']:>9.3f} {r['kept']}" for r in self.autotune_table))
+
+    def _measure(self) -> None:
         self.autotune_table = [self._tune_budget(b) for b in sorted(self.graphs)]
         for shape in list(self.uniform_graphs):
             items = self._synthetic_uniform(shape)
             self._tune_uniform(shape, items, self._layout(items))
-        log.info("vision graph auto-tune (budget or uniform shape, eager ms, graph ms, kept):\n%s",
-                 "\n".join(f"  {str(r.get('budget', r.get('uniform'))):>10} {r['eager_ms']:>9.3f} "
-                           f"{r['graph_ms']:>9.3f} {r['kept']}" for r in self.autotune_table))
+
+    def _apply(self, table: list[dict]) -> bool:
+        """Another replica's auto-tune table, if it covers exactly the graphs captured here: its times and
+        its drops, as `_measure` would have made them. False (nothing changed) otherwise."""
+        budgets = {r["budget"]: r for r in table if "budget" in r}
+        uniform = {tuple(r["uniform"]): r for r in table if "uniform" in r}
+        if set(budgets) != set(self.graphs) or set(uniform) != set(self.uniform_graphs):
+            return False
+        for b, r in budgets.items():
+            self._tuned[b] = (r["eager_ms"], r["eager_equal_ms"], r["graph_ms"])
+            if not r["kept"]:
+                del self.graphs[b], self._graph_out[b]
+        for shape, r in uniform.items():
+            if not r["kept"]:
+                del self.uniform_graphs[shape], self._uniform_out[shape]
+                self._uniform_rejected.add(shape)
+        self.autotune_table = [dict(r) for r in table]
+        return True
 
     # ------------------------------------------------------------------ run
     def _split(self, main: torch.Tensor, deepstack: list[torch.Tensor], lay: BatchLayout,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,10 +19,28 @@ from .cache import EmbeddingCache
 from .graphs import GraphManager, GraphSettings, VisionEmbedding, VisionItem
 from .loading import build_tower
 from .packing import Limits
+from .tune_cache import TuneCache, source_digest
 
 log = logging.getLogger(__name__)
 
 EncodedItem = tuple[torch.Tensor, list[torch.Tensor]]  # (main, deepstack): on the CPU, or kept on the device
+
+
+def tune_cache_for(cfg: AppConfig, checkpoint: str, device, dtype, settings: GraphSettings, tower) -> TuneCache:
+    """The auto-tune table's place for this GPU model, checkpoint config, dtype, graph settings, tower
+    (its class, tensor-parallel ranks, dense attention) and tower code (app/vision/tune_cache.py), under
+    `cache_dir`."""
+    from ..checkpoints.model_builder import DEFAULT_CACHE
+
+    config = Path(checkpoint) / "config.json"
+    parts = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "dtype": str(dtype),
+             "config": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else checkpoint,
+             "budgets": sorted(set(settings.budgets)), "uniform": sorted(settings.uniform_shapes),
+             "items": settings.max_items_per_batch, "frames": settings.max_frames_per_batch,
+             "uint8": settings.uint8_pixels, "pinned": settings.pinned_staging, "flash4": tower.flash4,
+             "tower": type(tower).__name__, "ranks": getattr(getattr(tower, "tp", None), "size", 1),
+             "code": source_digest()}
+    return TuneCache(Path(cfg.cache_dir or DEFAULT_CACHE) / "vision-tune", parts)
 
 
 def _to_cpu(o) -> EncodedItem:
@@ -57,12 +77,15 @@ class EncoderService:
         tower.use_dense_attention(enc.dense_attention if enc.cuda_graphs else "sdpa")  # FA4 runs only in graphs
         budgets = enc.token_budgets or GraphSettings.power_of_two_budgets(enc.min_budget, enc.max_budget,
                                                                                 enc.budget_steps_per_octave)
-        self.manager = GraphManager(tower, GraphSettings(
+        settings = GraphSettings(
             budgets, enc.max_items_per_batch, enc.max_frames_per_batch, enc.cuda_graphs, enc.autotune,
             uniform_shapes=[tuple(s) for s in enc.uniform_graph_shapes],
             uniform_capture_after=enc.uniform_capture_after, max_uniform_graphs=enc.max_uniform_graphs,
             eager_margin=enc.eager_margin, observe_dispatch=enc.observe_dispatch, uint8_pixels=True,
-            pinned_staging=enc.pinned_pixel_copy, pinned_min_rows=enc.pinned_copy_min_rows))
+            pinned_staging=enc.pinned_pixel_copy, pinned_min_rows=enc.pinned_copy_min_rows)
+        if enc.autotune_cache and enc.autotune and torch.device(device).type == "cuda":
+            settings.tune_cache = tune_cache_for(cfg, checkpoint, device, dtype, settings, tower)
+        self.manager = GraphManager(tower, settings)
         weights = ("weights", t, time.time())
         self.manager.capture()
         # (phase, start, end), wall clock: the LLM replica's start-up timeline reports them (`fused`)

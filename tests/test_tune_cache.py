@@ -1,0 +1,130 @@
+"""The vision auto-tune's table on disk (app/vision/tune_cache.py): a replica that starts where one already
+tuned applies that table instead of timing, and replicas starting together let the first one tune.
+
+On the CPU with the tiny tower, a captured graph and the timer stand in as in test_autotune_towers.py;
+everything else is the graph manager's own code."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from test_autotune_towers import emulate_capture, script_timer
+
+from app.vision.graphs import GraphManager, GraphSettings
+from app.vision.tune_cache import TuneCache, source_digest
+
+B = 64  # the tiny tower's smallest budget
+
+
+@pytest.fixture(scope="module")
+def tower(model_cache):
+    from app.checkpoints.model_builder import ensure_embedded
+    from app.vision.loading import build_tower
+
+    return build_tower(ensure_embedded("tiny", model_cache), torch.float32)
+
+
+def ms(kind: str, tokens: int) -> float:
+    """Graphs win at B and 4B and lose at 2B."""
+    if kind == "graph":
+        return 20.0 if tokens == 2 * B else 1.0
+    return 2.0 + tokens / 1000
+
+
+def tuned(tower, cache: TuneCache, budgets=(B, 2 * B, 4 * B)) -> tuple[GraphManager, list]:
+    mgr = GraphManager(tower, GraphSettings(budgets=list(budgets), max_items_per_batch=8, max_frames_per_batch=8,
+                                            tune_cache=cache))
+    emulate_capture(mgr)
+    calls = script_timer(mgr, ms)
+    mgr.autotune()
+    return mgr, calls
+
+
+def test_a_replica_applies_the_table_another_measured_and_times_nothing(tower, tmp_path):
+    parts = {"gpu": "test", "code": source_digest()}
+    first, timed = tuned(tower, TuneCache(tmp_path, parts))
+    assert timed and set(first.graphs) == {B, 4 * B}  # measured: the 2B graph lost and was dropped
+    second, timed_again = tuned(tower, TuneCache(tmp_path, dict(parts)))
+    assert timed_again == []  # nothing timed: the first one's table
+    assert set(second.graphs) == set(first.graphs) and second.autotune_table == first.autotune_table
+    assert second._tuned == {b: tuple(round(x, 3) for x in t) for b, t in first._tuned.items()}  # to the µs
+    for tokens in ([40], [100], [32, 32], [200], [120]):  # the same choices as the replica that measured
+        lay = tower.layout([tower.synthetic_grid(n) for n in tokens])
+        assert second.choose_budget(lay) == first.choose_budget(lay)
+    other, timed_other = tuned(tower, TuneCache(tmp_path, {**parts, "gpu": "another"}))
+    assert timed_other  # another GPU model (or settings, or code): measured again
+
+
+def test_a_table_for_other_graphs_is_not_applied(tower, tmp_path):
+    cache = TuneCache(tmp_path, {"gpu": "test"})
+    tuned(tower, cache, budgets=(B, 2 * B))
+    cache.save([{"budget": B, "eager_ms": 1, "eager_equal_ms": 1, "graph_ms": 9, "kept": False}])
+    mgr, timed = tuned(tower, cache)  # three budgets captured, the table has one: measure
+    assert timed and set(mgr.graphs) == {B, 4 * B} and len(cache.load()) == 3
+
+
+def test_replicas_starting_together_wait_for_the_first_ones_table(tmp_path):
+    parts = {"gpu": "test"}
+    got, order = {}, []
+
+    def first():
+        with TuneCache(tmp_path, parts).claim() as held:
+            order.append(("first", held))
+            time.sleep(0.4)  # measuring
+            TuneCache(tmp_path, parts).save([{"budget": B, "kept": True}])
+
+    def second():
+        time.sleep(0.1)
+        t = time.monotonic()
+        with TuneCache(tmp_path, parts).claim() as held:
+            got["waited"], got["held"] = time.monotonic() - t, held
+            got["table"] = TuneCache(tmp_path, parts).load()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(10)
+    assert order == [("first", True)] and got["held"] and got["waited"] >= 0.25
+    assert got["table"] == [{"budget": B, "kept": True}]
+    with TuneCache(tmp_path, parts).claim() as held:  # a holder that never lets go: tune without the lock
+        with TuneCache(tmp_path, parts).claim(wait_s=0.3) as other:
+            assert held and other is False
+
+
+def test_an_unreadable_or_foreign_file_is_no_table(tmp_path):
+    cache = TuneCache(tmp_path, {"gpu": "test"})
+    assert cache.load() is None
+    cache.folder.mkdir(parents=True, exist_ok=True)
+    cache.path.write_text("{half")
+    assert cache.load() is None
+    cache.path.write_text('{"parts": {"gpu": "other"}, "table": []}')  # a key collision: not ours
+    assert cache.load() is None
+
+
+def test_the_key_follows_the_gpu_the_checkpoint_the_settings_and_the_code(tower, tiny_checkpoint, tmp_path,
+                                                                          monkeypatch):
+    """EncoderService's key (`tune_cache_for`, on CUDA only; the GPU's name stood in here): the same
+    inputs give the same table file under cache_dir, any of them changed another."""
+    from app.config import AppConfig
+    from app.vision import service
+
+    cfg = AppConfig(model=str(tiny_checkpoint), cache_dir=str(tmp_path))
+    settings = GraphSettings(budgets=[B, 2 * B], max_items_per_batch=8, max_frames_per_batch=8, uint8_pixels=True)
+    name = {"gpu": "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name["gpu"])
+
+    def key(**change):
+        s = GraphSettings(**{**settings.__dict__, **change})
+        return service.tune_cache_for(cfg, str(tiny_checkpoint), "cuda", torch.bfloat16, s, tower)
+
+    a = key()
+    assert a.path.parent == tmp_path / "vision-tune" and key().key == a.key
+    assert a.parts["code"] == source_digest() and a.parts["tower"] == type(tower).__name__
+    assert key(budgets=[B]).key != a.key and key(max_items_per_batch=4).key != a.key
+    assert service.tune_cache_for(cfg, str(tiny_checkpoint), "cuda", torch.float16, settings, tower).key != a.key
+    name["gpu"] = "NVIDIA H200"
+    assert key().key != a.key
