@@ -27,13 +27,14 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the multi-node harness the cluster tests use
 
 from benchmarks.monitor import Monitor  # noqa: E402
-from benchmarks.serve import Workload, file_config, run_load, wait_running  # noqa: E402
+from benchmarks.serve import Workload, file_config, run_load, wait_listening, wait_running  # noqa: E402
 from cluster_harness import UNBUFFERED_LOGS, LocalCluster, environment, replica_nodes  # noqa: E402
 
 T_START = time.perf_counter()
@@ -307,10 +308,12 @@ def run_layout(a, nodes: int, out: dict) -> dict:
         deploy_call_s = ph.done()
         ph.start("running")
         wait_running(name, timeout_s=900)
+        urls = [w.url("router") for w in cluster.workers]
+        for url in urls:  # each node's Routers listen on their own port once they have warmed
+            wait_listening(urlsplit(url).port, timeout_s=300)
         out["ready_s"] = deploy_call_s + ph.done()
         procs = node_processes(cluster)
         wl = Workload("image", a.image_size, output_tokens=a.output_tokens)
-        urls = [w.url("router") for w in cluster.workers]
         loads = [("closed_loop", nodes * 10_000_000, None)]
         if a.rate:
             loads.append(("poisson", nodes * 10_000_000 + 500_000, a.rate))

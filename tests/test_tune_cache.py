@@ -128,3 +128,47 @@ def test_the_key_follows_the_gpu_the_checkpoint_the_settings_and_the_code(tower,
     assert service.tune_cache_for(cfg, str(tiny_checkpoint), "cuda", torch.float16, settings, tower).key != a.key
     name["gpu"] = "NVIDIA H200"
     assert key().key != a.key
+
+
+def test_a_folder_that_cannot_be_written_costs_a_tuning_not_a_start(tower, tmp_path):
+    """A read-only or full cache folder (here: a file where the folder should be) once raised out of the
+    tower's start-up; now the replica measures and starts, and nothing is kept."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    cache = TuneCache(blocker / "vision-tune", {"gpu": "test"})
+    with cache.claim() as held:
+        assert held is False
+    mgr, timed = tuned(tower, cache)
+    assert timed and set(mgr.graphs) == {B, 4 * B} and cache.load() is None
+
+
+def test_an_old_damaged_or_foreign_table_is_measured_again(tower, tmp_path):
+    import json
+
+    from app.vision import tune_cache
+
+    cache = TuneCache(tmp_path, {"gpu": "test"})
+    first, _ = tuned(tower, cache)
+    data = json.loads(cache.path.read_text())
+    cache.path.write_text(json.dumps({**data, "written_at": time.time() - tune_cache.MAX_AGE_S - 1}))
+    assert cache.load() is None  # older than a week: measured again
+    broken = [dict(r) for r in data["table"]]
+    del broken[-1]["graph_ms"]
+    cache.path.write_text(json.dumps({**data, "table": broken}))
+    mgr = GraphManager(tower, GraphSettings(budgets=[B, 2 * B, 4 * B], max_items_per_batch=8, max_frames_per_batch=8))
+    emulate_capture(mgr)
+    graphs = set(mgr.graphs)
+    assert mgr._apply(broken) is False and set(mgr.graphs) == graphs and mgr._tuned == {}  # nothing half-applied
+    again, timed = tuned(tower, cache)
+    assert timed and again.autotune_table == first.autotune_table
+
+
+def test_the_code_digest_follows_every_source_file(tmp_path):
+    for name in ("vision", "gpu"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "kernel.py").write_text("A = 1\n")
+    folders = (tmp_path / "vision", tmp_path / "gpu")
+    before = source_digest(folders)
+    (tmp_path / "gpu" / "kernel.py").write_text("A = 2\n")  # an attention backend's change, say
+    assert source_digest(folders) != before
+    assert source_digest() != source_digest((folders[0],))  # the real one covers app/gpu as well

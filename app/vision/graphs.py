@@ -507,6 +507,13 @@ class GraphManager:
     def _apply(self, table: list[dict]) -> bool:
         """Another replica's auto-tune table, if it covers exactly the graphs captured here: its times and
         its drops, as `_measure` would have made them. False (nothing changed) otherwise."""
+        def valid(r, times) -> bool:
+            return isinstance(r, dict) and isinstance(r.get("kept"), bool) and all(
+                isinstance(r.get(k), int | float) for k in times)
+
+        if not all(valid(r, ("eager_ms", "eager_equal_ms", "graph_ms")) if "budget" in r
+                   else valid(r, ("eager_ms", "graph_ms")) and "uniform" in r for r in table):
+            return False  # a foreign or damaged file: checked whole before anything changes
         budgets = {r["budget"]: r for r in table if "budget" in r}
         uniform = {tuple(r["uniform"]): r for r in table if "uniform" in r}
         if set(budgets) != set(self.graphs) or set(uniform) != set(self.uniform_graphs):

@@ -19,7 +19,7 @@ from .cache import EmbeddingCache
 from .graphs import GraphManager, GraphSettings, VisionEmbedding, VisionItem
 from .loading import build_tower
 from .packing import Limits
-from .tune_cache import TuneCache, source_digest
+from .tune_cache import TuneCache, library_versions, source_digest
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,8 @@ EncodedItem = tuple[torch.Tensor, list[torch.Tensor]]  # (main, deepstack): on t
 
 def tune_cache_for(cfg: AppConfig, checkpoint: str, device, dtype, settings: GraphSettings, tower) -> TuneCache:
     """The auto-tune table's place for this GPU model, checkpoint config, dtype, graph settings, tower
-    (its class, tensor-parallel ranks, dense attention) and tower code (app/vision/tune_cache.py), under
-    `cache_dir`."""
+    (its class, tensor-parallel ranks, dense attention), tower code and libraries (app/vision/tune_cache.py),
+    under `cache_dir`."""
     from ..checkpoints.model_builder import DEFAULT_CACHE
 
     config = Path(checkpoint) / "config.json"
@@ -39,7 +39,7 @@ def tune_cache_for(cfg: AppConfig, checkpoint: str, device, dtype, settings: Gra
              "items": settings.max_items_per_batch, "frames": settings.max_frames_per_batch,
              "uint8": settings.uint8_pixels, "pinned": settings.pinned_staging, "flash4": tower.flash4,
              "tower": type(tower).__name__, "ranks": getattr(getattr(tower, "tp", None), "size", 1),
-             "code": source_digest()}
+             "code": source_digest(), **library_versions()}
     return TuneCache(Path(cfg.cache_dir or DEFAULT_CACHE) / "vision-tune", parts)
 
 

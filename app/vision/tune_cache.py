@@ -4,9 +4,11 @@ the timing runs (a restart, a replica added by autoscaling, the second replica o
 Why: on one H100 an LLM replica spent 21-28 of its 26-34 s start in the tower's phase, two replicas
 tuning at once on one GPU (2026-11-28), and a replica added under load time-sliced that work against the
 serving one (its worst second's TTFT p99 2.40x warm). The key covers what the timings depend on: the
-GPU's name, torch's version, the checkpoint's config, the dtype, the graph settings and the source of
-app/vision (a code change tunes again). Replicas that start together take a file lock: the first tunes
-alone on the GPU, the others wait up to WAIT_S for its table, then read it.
+GPU's name, the versions of torch, transformers, Triton and FlashAttention-4, the checkpoint's config, the
+dtype, the graph settings and the source of app/vision and app/gpu (a code change tunes again); a table
+older than MAX_AGE_S is measured again. Replicas that start together take a file lock: the first tunes
+alone on the GPU, the others wait up to WAIT_S for its table. All of it is best effort: a folder that
+cannot be written or locked costs a tuning, never a start.
 """
 
 from __future__ import annotations
@@ -24,16 +26,32 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 WAIT_S = 300.0  # how long a replica waits for another's tuning before it tunes itself
+MAX_AGE_S = 7 * 86400.0  # an older table is measured again (one measured under load stays no longer)
 _POLL_S = 0.2
+_CODE = Path(__file__).resolve().parent.parent  # app/: vision/ (the towers) and gpu/ (attention backends)
 
 
-def source_digest(folder: Path = Path(__file__).parent) -> str:
-    """A digest of the tower code's source (every .py file under `folder`): a change tunes again."""
+def source_digest(folders: tuple[Path, ...] = (_CODE / "vision", _CODE / "gpu")) -> str:
+    """A digest of the tower code's source (every .py file under `folders`): a change tunes again."""
     h = hashlib.sha256()
-    for path in sorted(folder.rglob("*.py")):
-        h.update(path.relative_to(folder).as_posix().encode())
-        h.update(path.read_bytes())
+    for folder in folders:
+        for path in sorted(folder.rglob("*.py")):
+            h.update(path.relative_to(folder.parent).as_posix().encode())
+            h.update(path.read_bytes())
     return h.hexdigest()[:16]
+
+
+def library_versions() -> dict[str, str | None]:
+    """The versions of what else runs inside the tower's kernels and modules."""
+    from importlib import metadata
+
+    out = {}
+    for name in ("transformers", "triton", "flash-attn-4"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 class TuneCache:
@@ -46,26 +64,43 @@ class TuneCache:
         self.path = self.folder / f"{self.key}.json"
 
     def load(self) -> list[dict] | None:
-        """The table, or None (none yet, or unreadable: tune again)."""
+        """The table, or None (none yet, unreadable, another key's, or older than MAX_AGE_S: tune again)."""
         try:
             data = json.loads(self.path.read_text())
-            return data["table"] if data.get("parts") == json.loads(json.dumps(self.parts, default=str)) else None
+            if data.get("parts") != json.loads(json.dumps(self.parts, default=str)):
+                return None
+            if not time.time() - MAX_AGE_S < float(data["written_at"]) <= time.time() + 60:
+                return None
+            return data["table"] if isinstance(data["table"], list) else None
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
     def save(self, table: list[dict]) -> None:
-        """Write the table atomically (a reader sees the old file or the new, never half of one)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        """Write the table atomically (a reader sees the old file or the new, never half of one). Best
+        effort: a folder that cannot be written (read-only, full) costs the next replica a tuning, no more."""
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"parts": self.parts, "table": table, "written_at": time.time()}, default=str))
-        os.replace(tmp, self.path)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"parts": self.parts, "table": table, "written_at": time.time()}, default=str))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning("vision auto-tune: the table could not be kept in %s (%s)", self.folder, e)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
 
     @contextlib.contextmanager
     def claim(self, wait_s: float = WAIT_S) -> Iterator[bool]:
-        """Hold the key's lock while tuning or reading (True), or go on without it after `wait_s` (False):
-        a replica that waited past that tunes for itself rather than not start."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        with open(self.folder / f"{self.key}.lock", "a+") as f:
+        """Hold the key's lock while tuning or reading (True), or go on without it (False) after `wait_s`
+        (a replica that waited past that tunes for itself rather than not start) or where no lock can be
+        had (a read-only folder, a file system without flock)."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            f = open(self.folder / f"{self.key}.lock", "a+")  # noqa: SIM115 - closed below, after the body
+        except OSError as e:
+            log.warning("vision auto-tune: no lock in %s (%s); tuning without it", self.folder, e)
+            yield False
+            return
+        with f:
             deadline = time.monotonic() + wait_s
             while True:
                 try:
@@ -79,6 +114,10 @@ class TuneCache:
                         held = False
                         break
                     time.sleep(_POLL_S)
+                except OSError as e:  # ENOLCK, EOPNOTSUPP: no locks on this file system
+                    log.warning("vision auto-tune: no lock on %s (%s); tuning without it", f.name, e)
+                    held = False
+                    break
             try:
                 yield held
             finally:
