@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoints.checkpoint_tokenizer import mute_unspoken_rows
 from .model import TextModel
 
 # one slice per leading dimension; ALL for the whole tensor
@@ -216,8 +217,8 @@ def load_weights(model: TextModel, sources: Iterable[TensorSource], module_layou
 def init_random(model: TextModel, seed: int = 0, std: float = 0.02, spoken: int | None = None) -> None:
     """Random weights straight on the model's device (norm weights 1), as `load_format: dummy` asks:
     no file is read or written. Each rank draws its own shard. `spoken`: the tokenizer's size; the
-    embedding and LM-head rows of ids past it are zeros, as the checkpoint builder writes them
-    (app/checkpoints/checkpoint_tokenizer.py, `mute_unspoken_rows`: else answers stream no text)."""
+    embedding and LM-head rows of ids past it are zeros, as the checkpoint builder writes them (else
+    answers stream no text)."""
     gen = torch.Generator(device=model.device).manual_seed(seed + 7919 * model.tp.rank)
     for name, p in model.named_parameters():
         if name.endswith("norm") or name.endswith("_norm"):
@@ -225,5 +226,4 @@ def init_random(model: TextModel, seed: int = 0, std: float = 0.02, spoken: int 
         else:
             p.normal_(0.0, std, generator=gen)
     if spoken is not None:
-        for w in {id(w): w for w in (model.embed, model.head_weight)}.values():
-            w[max(0, spoken - model.vocab_start):].zero_()
+        mute_unspoken_rows([model.embed, model.head_weight], spoken, first_row=model.vocab_start)
