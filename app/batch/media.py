@@ -12,6 +12,7 @@ cap. Everything after the bytes (decode, resize, patchify, cache key) is the ser
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from pathlib import Path
 from urllib.parse import quote, unquote, urlparse
 
@@ -63,11 +64,10 @@ class BatchMediaPipeline(MediaPipeline):
         if ref.url.startswith(("data:", "http://", "https://")):
             return await super().prepare(ref, slots)
         path = resolve_file(ref.url, self.root, ref.param)
-        hold = self.budget.hold(ref.param)  # the cap until the file's size is known (app/media/budget.py)
+        hold = self.budget.hold(ref.param)
         try:
-            await hold.grow_to(self.cfg.max_media_bytes)
-            data = await asyncio.to_thread(_read, path, self.root, self.cfg.max_media_bytes, ref.param)
-            hold.trim_to(len(data))
+            data = await hold.read_capped(self.cfg.max_media_bytes,
+                                          partial(_read, path, self.root, self.cfg.max_media_bytes, ref.param))
         except BaseException:
             hold.release()
             raise

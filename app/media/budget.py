@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from collections.abc import Callable
 
 from ..errors import ClientError, Overloaded
 
@@ -133,6 +134,14 @@ class Reservation:
         await self.budget.acquire(n - self.held, self.param, ahead=self.held > 0)
         self.waiting = False
         self.held = n
+
+    async def read_capped(self, cap: int, read: Callable[[], bytes]) -> bytes:
+        """`read()` in a thread, `cap` bytes held meanwhile (a file's size is known only inside the read),
+        then only what it returned."""
+        await self.grow_to(cap)
+        data = await asyncio.to_thread(read)
+        self.trim_to(len(data))
+        return data
 
     def trim_to(self, n: int) -> None:
         """Hold no more than `n` bytes (a payload smaller than what was reserved for it)."""

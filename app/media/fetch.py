@@ -7,9 +7,9 @@ bytes in flight has no room (app/media/budget.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
+from functools import partial
 from urllib.parse import unquote_to_bytes
 
 from ..config import MediaConfig
@@ -96,10 +96,8 @@ async def _fetch(url: str, cfg: MediaConfig, param: str, http: HttpFetcher | Non
         data = await fetcher.fetch(url, timeout_s=cfg.fetch_timeout_s, max_bytes=cfg.max_media_bytes, param=param,
                                    hold=hold)
     elif scheme == "file":
-        await hold.grow_to(cfg.max_media_bytes)  # the size is known only inside the read; then trimmed to it
-        data = await asyncio.to_thread(read_local, url, root=cfg.allowed_local_media_path,
-                                       max_bytes=cfg.max_media_bytes, param=param)
-        hold.trim_to(len(data))
+        data = await hold.read_capped(cfg.max_media_bytes, partial(
+            read_local, url, root=cfg.allowed_local_media_path, max_bytes=cfg.max_media_bytes, param=param))
     else:
         raise ClientError("media URLs must be data:, http(s): or file: URLs", param=param, code="invalid_media_url")
     return _checked(data, cfg, param)
