@@ -262,7 +262,8 @@ def analyse(sent: list[Sent], lo: float, hi: float) -> dict:
         "offered_rps": offered, "served_rps": served, "ratio_shift_s": shift,
         "served_ratio": len(completed) / expected if expected else float("nan"),
         "ttft_ms": _ms([s.ttft_s for s in ok if s.ttft_s is not None]),
-        "ttft_missing": sum(1 for s in ok if s.ttft_s is None), "tpot_ms": _ms([t for t in map(tpot_s, ok) if t is not None]),
+        "ttft_missing": sum(1 for s in ok if s.ttft_s is None),
+        "tpot_ms": _ms([t for t in map(tpot_s, ok) if t is not None]),
         "e2e_ms": _ms([s.done_s - s.start_s for s in ok]),
         "errors": dict(Counter(s.status for s in sent if not s.ok)),
         "errors_in_window": dict(Counter(s.status for s in arrived if not s.ok)),
@@ -617,9 +618,7 @@ def guidellm_sent(report: dict) -> tuple[list[Sent], dict]:
             start = r.get("request_start_time") or due
             end = r.get("request_end_time")
             ok = status == "successful"
-            ttft = r.get("time_to_first_token_ms")
-            if ttft is None and timings.get("first_token_iteration") and timings.get("request_start"):
-                ttft = 1e3 * (timings["first_token_iteration"] - timings["request_start"])
+            ttft = r.get("time_to_first_token_ms")  # None where no chunk carried text: `ttft_missing`
             sent.append(Sent(len(sent), due - t0, start - t0, end - t0 if ok and end else math.inf, ok,
                              "ok" if ok else status if status != "errored" else
                              (r["info"].get("error") or "errored").split("(")[0],

@@ -22,8 +22,8 @@ class Progress:
     total: int  # input rows, including those skipped
     skipped: int = 0
     done: int = 0  # answered with a completion
-    failed: int = 0  # answered with an error object: the row's own (a client error, 4xx)
-    left: int = 0  # not answered: a server error (5xx, not written) or not started; a rerun answers them
+    failed: int = 0  # answered with an error object: the row's own (a client error, or its own 500)
+    left: int = 0  # not answered: the server could not (503, not written) or not started; a rerun answers them
     left_error: str | None = None  # the last of their server errors, for the end message
     completion_tokens: int = 0
     prompt_tokens: int = 0
