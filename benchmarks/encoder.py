@@ -37,8 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.gpu.kernel_timing import cuda_times_ms  # noqa: E402
 from app.vision.graphs import GraphManager, GraphSettings, VisionItem  # noqa: E402
-from app.vision.timing import cuda_times_ms  # noqa: E402
 from benchmarks.encoder_families import family_for  # noqa: E402
 from benchmarks.stats import p99  # noqa: E402
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from app.vision.timing import graph_us as _graph_us  # noqa: E402
+from app.gpu.kernel_timing import graph_us as _graph_us  # noqa: E402
 
 COMPUTE_32F, R_32F, R_16BF = 68, 0, 14
 TRANSA, TRANSB, EPILOGUE, BIAS_POINTER, BIAS_DATA_TYPE = 3, 4, 7, 8, 26

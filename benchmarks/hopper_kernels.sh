@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Optional Hopper kernels for `benchmarks/kernels.py fa4_attention quack_gemms`: FlashAttention-4's
+# Optional Hopper kernels for `benchmarks/tower_kernels.py fa4_attention quack_gemms`: FlashAttention-4's
 # forward and QuACK's GEMMs, both written in NVIDIA's CuTe DSL. Nothing in app/ uses them yet; the
 # probe measures whether they beat cuDNN / our Triton attention and cuBLAS at the tower's shapes.
 #
@@ -11,7 +11,7 @@
 #   here:            benchmarks/hopper_kernels.sh pack            -> .hopper-kernels/{libs.tar.xz,wheels/}
 #   device, call 1:  benchmarks/hopper_kernels.sh unpack-libs     (carry .hopper-kernels/libs.tar.xz)
 #   device, call 2:  benchmarks/hopper_kernels.sh unpack-wheels   (carry .hopper-kernels/wheels), then
-#                    PYTHONPATH=$(benchmarks/hopper_kernels.sh pythonpath) python3 benchmarks/kernels.py fa4_attention quack_gemms
+#                    PYTHONPATH=$(benchmarks/hopper_kernels.sh pythonpath) python3 benchmarks/tower_kernels.py fa4_attention quack_gemms
 set -euo pipefail
 
 DIR=.hopper-kernels

@@ -15,7 +15,7 @@ fifteenth session). Kept so the claim can be re-checked on another GPU or librar
   a budget graph runs the budget's rows where an eager batch runs its own.
 
 Times are µs per GEMM or per layer, from CUDA graphs over distinct weights per layer (read from HBM,
-as the tower reads them), median of the replays (app/vision/timing.graph_us).
+as the tower reads them), median of the replays (app/gpu/kernel_timing.graph_us).
 
     python3 benchmarks/layer_probes.py [triton_gemms] [row_split] [fc1_rows]   # writes $OUT/layer_probes.json
 """
@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from app.gpu.kernel_timing import graph_us  # noqa: E402
 from app.vision.kernels import add_bias_layernorm, linear_gelu_tanh, padded_width  # noqa: E402
-from app.vision.timing import graph_us  # noqa: E402
 
 DEV, BF = "cuda", torch.bfloat16
 HIDDEN, MLP_WIDTH, HEADS = 1152, 4304, 16  # SigLIP-so400m

@@ -37,7 +37,7 @@ from app.llm.attention import (  # noqa: E402
     paged_attention_torch,
     work_table,
 )
-from benchmarks.kernels import graph_us  # noqa: E402
+from benchmarks.tower_kernels import graph_us  # noqa: E402
 
 HEADS, KV, D, PAGE = 16, 8, 128, 16
 CASES = {  # name: (keys per sequence after the step, new queries per sequence)

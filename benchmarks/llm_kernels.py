@@ -7,7 +7,7 @@ in the same run). Token counts: 64 (a decode step), 1,600 (a scheduler step at 1
 
 `--baseline FILE` times the same calls through another copy of kernels.py (e.g. `git show
 REV:app/llm/kernels.py > /tmp/old_kernels.py`), side by side in one run, and checks that both give the
-same values. µs per call from a CUDA graph of 20 calls, median of 30 replays (benchmarks/kernels.py).
+same values. µs per call from a CUDA graph of 20 calls, median of 30 replays (benchmarks/tower_kernels.py).
 
     python3 benchmarks/llm_kernels.py [--baseline /tmp/old_kernels.py] [--out $OUT/llm_kernels.json]
 """
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.llm import kernels  # noqa: E402
-from benchmarks.kernels import graph_us  # noqa: E402
+from benchmarks.tower_kernels import graph_us  # noqa: E402
 
 HIDDEN, HEADS, KV, D, INTER = 2048, 16, 8, 128, 6144  # the 2B text model
 BF = torch.bfloat16

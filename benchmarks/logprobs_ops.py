@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from app.gpu import kernel_timing as timing  # noqa: E402
 from app.llm.logprobs import token_logprobs, token_logprobs_torch  # noqa: E402
-from app.vision import timing  # noqa: E402
 
 VOCAB = 151936
 

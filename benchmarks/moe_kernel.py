@@ -77,7 +77,7 @@ def time_ms(fn) -> float:
 
 
 def graph_ms(fn) -> float:
-    from app.vision.timing import graph_us
+    from app.gpu.kernel_timing import graph_us
 
     return graph_us(fn, inner=10) / 1e3
 

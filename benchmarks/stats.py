@@ -1,5 +1,5 @@
 """Host-side timing and percentiles for the benchmark reports (percentiles: nearest rank on the
-sorted samples, no interpolation). GPU work is timed with app.vision.timing.cuda_times_ms."""
+sorted samples, no interpolation). GPU work is timed with app.gpu.kernel_timing.cuda_times_ms."""
 
 from __future__ import annotations
 

@@ -359,7 +359,7 @@ def test_on_a_gpu_the_timer_waits_for_nothing_and_matches_a_synchronised_measure
     work()
     torch.cuda.synchronize()
     # the reference: the same work bracketed by events and waited for (the tower auto-tune's timer)
-    from app.vision.timing import cuda_times_ms
+    from app.gpu.kernel_timing import cuda_times_ms
 
     ref_ms = sorted(cuda_times_ms(work, runs=5, warmup=0))[2]
     # a long kernel first: the snapshot must come back before it ends, the bracket pending

@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - older torch
 
 DENSE_MIN_LENGTH = 512  # equal-length sequences at least this long take one dense attention call
 
-# Query rows per program -> (key block, warps, pipeline stages), from the sweep in benchmarks/kernels.py:
+# Query rows per program -> (key block, warps, pipeline stages), from the sweep in benchmarks/tower_kernels.py:
 # 128 rows suit long sequences and mixed batches (budget graphs), 64 rows short ones (a 224^2 video's
 # 196-token frames; benchmarks/results/2026-11-21-vision-encoder-qwen3-vl.md).
 CONFIGS = {128: (64, 4, 3), 64: (64, 4, 3)}

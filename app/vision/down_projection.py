@@ -18,7 +18,7 @@ import bisect
 import torch
 import torch.nn.functional as F
 
-from .timing import graph_us
+from ..gpu.kernel_timing import graph_us
 
 CUBLAS, CUBLAS_PADDED, LT_PADDED = "cublas", "cublas_padded", "cublaslt_padded"
 

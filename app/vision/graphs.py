@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from ..gpu.capture import collection_paused
+from ..gpu.kernel_timing import cuda_times_ms
 from .device_metadata import DeviceMetadataCache
 from .metadata import BatchLayout, Grid
 from .observed import EAGER, GRAPH, ObservedTimes
 from .staging import PinnedStaging, copy_rows
-from .timing import cuda_times_ms
 from .tower_api import GraphTower, TowerBatch
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""CUDA-event timing shared by the auto-tune and the benchmarks."""
+"""CUDA-event timing of kernels, shared by the start-up tuning (the tower's auto-tune and GEMM choice, the
+engine's matrix-vector choice) and the benchmarks."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import statistics
 
 import torch
 
-from ..gpu.capture import collection_paused
+from .capture import collection_paused
 
 
 def cuda_times_ms(fn, runs: int, warmup: int = 3) -> list[float]:

@@ -14,7 +14,7 @@
 Times are per call, from a CUDA graph of `inner` back-to-back calls (no launch gaps), median of 30
 replays. Writes $OUT/kernels.json (or ./kernels.json).
 
-    python benchmarks/kernels.py [sdpa_by_head_dim attention_cases gemms mergers residual_gemms fa4_attention quack_gemms
+    python benchmarks/tower_kernels.py [sdpa_by_head_dim attention_cases gemms mergers residual_gemms fa4_attention quack_gemms
                                   fa3_attention]
 """
 
@@ -34,7 +34,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.varlen import varlen_attn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from app.vision import attention, timing  # noqa: E402
+from app.gpu import kernel_timing as timing  # noqa: E402
+from app.vision import attention  # noqa: E402
 
 # The 8B tower's heads (16 x 72) unless KERNELS_HEAD_DIM says otherwise (64: the 2B tower).
 DEV, BF, HEADS, HD = "cuda", torch.bfloat16, 16, int(os.environ.get("KERNELS_HEAD_DIM", 72))
