@@ -193,6 +193,10 @@ class LLMConfig(_Strict):
                                   "decode step's sequences x KV heads fill less than half the GPU (one stream of "
                                   "a model with few KV heads, or one rank's share under tensor parallelism); 1 "
                                   "never splits")
+    decode_gemv: bool = Field(True, description="on CUDA: the engine times, at start-up, each projection shape "
+                              "of one- and two-token steps (qkv, o, the MoE router, the dense MLP) as a Triton "
+                              "matrix-vector product against cuBLAS, and uses the kernel where it is faster "
+                              "(app/llm/gemv.py; a few seconds of start-up); false keeps cuBLAS throughout")
     overlap_steps: bool | None = Field(None, description="plan and launch step N+1 while step N runs on the "
                                        "device (its sampled tokens fed back on the device), so the GPU does not "
                                        "wait for the host between steps; None: on with CUDA, off on the CPU "

@@ -5,7 +5,9 @@
 #   STAGES="tests kernel moe30b" bash benchmarks/gpu_moe_tp.sh          (results under $OUT)
 # Stages: tests, tptest (the multi-GPU test alone), kernel, moe30b, dense8b, dense32b_tp, moe30b_tp,
 # moe235b_tp4 (every layer on H200s, else LAYERS_235B layers; run 2026-11-27 on 4 x H200); served over HTTP:
-# serve_8b, serve_moe30b, serve_moe30b_tp2 (run 2026-11-27), serve_moe235b_tp4 (not yet).
+# serve_8b, serve_moe30b, serve_moe30b_tp2 (run 2026-11-27), serve_moe235b_tp4 (not yet). The matrix-vector
+# projections (app/llm/gemv.py): gemv_tests, gemv_ab (30B-A3B with a profile, and 8B, each with the kernel where
+# the start-up timing keeps it and with cuBLAS throughout), sweep64 (the sorted MoE path's tiles at 64 tokens).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source .gpu-deps/activate
@@ -22,6 +24,17 @@ for s in $STAGES; do case $s in
   tests) run tests timeout 400 python3 -m pytest -q -rs -m gpu tests/test_fused_moe.py tests/test_llm_moe.py \
            tests/test_tensor_parallel.py tests/test_llm_kernels.py -p no:cacheprovider ;;
   tptest) run tptest timeout 200 python3 -m pytest -q -rs -m gpu tests/test_tensor_parallel.py -p no:cacheprovider ;;
+  gemv_tests) run gemv_tests timeout 300 python3 -m pytest -q -rs -m gpu tests/test_gemv.py tests/test_fused_moe.py \
+                tests/test_llm_moe.py -p no:cacheprovider ;;
+  gemv_ab) run moe30b_gemv timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --profile 1 \
+             --out "$OUT/moe30b_gemv.json"
+           run moe30b_cublas timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --no-gemv \
+             --out "$OUT/moe30b_cublas.json"
+           run dense8b_gemv timeout 150 python3 benchmarks/decode.py --preset qwen3-vl-8b --new 128 --out "$OUT/dense8b_gemv.json"
+           run dense8b_cublas timeout 150 python3 benchmarks/decode.py --preset qwen3-vl-8b --new 128 --no-gemv \
+             --out "$OUT/dense8b_cublas.json" ;;
+  sweep64) run sweep64 timeout ${SWEEP_S:-200} python3 benchmarks/moe_kernel.py --tokens 64 --sweep --bandwidth 4.8 \
+             --out "$OUT/moe_kernel_sweep64.json" ;;
   kernel) run kernel timeout 200 python3 benchmarks/moe_kernel.py --out "$OUT/moe_kernel.json" ;;
   moe30b) run moe30b timeout 400 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --out "$OUT/moe30b.json" ;;
   dense8b) run dense8b timeout 300 python3 benchmarks/decode.py --preset qwen3-vl-8b --out "$OUT/dense8b.json" ;;

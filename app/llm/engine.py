@@ -28,6 +28,7 @@ from ..config import LLMConfig
 from ..errors import ClientError, Overloaded, Unavailable
 from ..gpu.timing import GpuTimer
 from .block_manager import BlockManager
+from .gemv import choose_gemv
 from .grammar import Grammars
 from .loader import load_checkpoint, load_in_memory, resolve_dtype, vision_token_ids
 from .lockstep import Channel, Tick, describe, rebuild
@@ -77,6 +78,7 @@ class Engine:
         weights = ("weights", t, time.time())
         self.model, self.tokenizer, self.eos_ids = loaded.model, loaded.tokenizer, loaded.eos_ids
         self.spec = self.model.spec
+        gemv = choose_gemv(self.model) if cfg.decode_gemv and self.device.type == "cuda" else None
         self.rope = Rope.from_config(loaded.config)
         self.vision_ids = vision_token_ids(loaded.config, self.tokenizer)
         self.runner = ModelRunner(self.model, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
@@ -85,7 +87,7 @@ class Engine:
                                   gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=cfg.cuda_graphs,
                                   step_graphs=cfg.step_graphs, decode_kv_splits=cfg.decode_kv_splits)
         # (phase, start, end), wall clock: the replica reports them (app/serving/startup.py)
-        self.startup = [weights, *self.runner.startup]
+        self.startup = [weights, *([gemv] if gemv else []), *self.runner.startup]
         self.grammars = self.runner.grammars = Grammars(self.tokenizer, self.spec.vocab)
         self.runner.sampler.eos_ids = sorted(self.eos_ids)  # what min_tokens holds back
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -274,7 +276,8 @@ class Engine:
         """load() plus step counts and host time per step (median ms by batch size) over recent steps."""
         out = self.load() | {"steps": self.steps, "graph_steps": self.graph_steps,
                              "step_graph_steps": self.step_graph_steps,
-                             "kv_bytes_per_token": self.runner.bytes_per_block // self.blocks.block_size}
+                             "kv_bytes_per_token": self.runner.bytes_per_block // self.blocks.block_size,
+                             "gemv": self.model.gemv.as_dict()}
         by_batch: dict[int, list[float]] = {}
         for seqs, _, _, host, _ in list(self.step_log):
             by_batch.setdefault(seqs, []).append(host)

@@ -22,6 +22,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .fused_moe import sum_over_k
+from .gemv import GemvTable
 from .kernels import add_rmsnorm, qk_norm_rope_store, silu_mul
 from .moe import moe_forward
 from .parallel import SINGLE, TensorParallel
@@ -111,6 +112,9 @@ class TextModel(nn.Module):
         super().__init__()
         self.spec, self.dtype, self.device, self.tp = spec, dtype, device, tp
         self.local = local = LocalShapes.of(spec, tp)
+        # one- and two-token steps' projections: Triton matrix-vector products where the engine's start-up
+        # timing found them faster than cuBLAS (gemv.py; empty, as on the CPU: F.linear throughout)
+        self.gemv = GemvTable()
 
         def param(*shape):
             return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -187,11 +191,11 @@ class TextModel(nn.Module):
 
     def _attention(self, layer: DecoderLayer, h, cos, sin, k_cache, v_cache, slots, meta) -> torch.Tensor:
         local = self.local
-        qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
+        qkv = self.gemv.linear(h, layer.qkv_weight, layer.qkv_bias)
         q = qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, cos, sin, k_cache, v_cache, slots, local.heads,
                                local.kv_heads, self.spec.eps)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.tp.all_reduce(F.linear(o.view(h.shape[0], -1), layer.o_weight))
+        return self.tp.all_reduce(self.gemv.linear(o.view(h.shape[0], -1), layer.o_weight))
 
     def _feed_forward(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
         if layer.sparse:
@@ -199,10 +203,22 @@ class TextModel(nn.Module):
             # add+RMSNorm sums them, one kernel less per layer. Across ranks the sum comes first, so
             # that the all-reduce moves one row per token.
             out = moe_forward(h, layer.router_weight, layer.experts_gate_up, layer.experts_down, self.spec, self.tp,
-                              sum_k=self.tp.enabled)
+                              sum_k=self.tp.enabled, linear=self.gemv.linear)
         else:
-            out = F.linear(silu_mul(F.linear(h, layer.gate_up_weight)), layer.down_weight)
+            out = self.gemv.linear(silu_mul(self.gemv.linear(h, layer.gate_up_weight)), layer.down_weight)
         return self.tp.all_reduce(out)
+
+    def projection_weights(self) -> dict[tuple[int, int], list[torch.Tensor]]:
+        """Every layer's weight of each projection shape (N, K) that `gemv` may take: qkv, o, the MoE
+        router, the dense MLP's gate/up and down (GemvTable.tune reads them in turn)."""
+        out: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for layer in self.layers:
+            names = ("qkv_weight", "o_weight") + (("router_weight",) if layer.sparse else
+                                                   ("gate_up_weight", "down_weight"))
+            for name in names:
+                w = getattr(layer, name)
+                out.setdefault(tuple(w.shape), []).append(w)
+        return out
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, vocab]; into `out` when given (a CUDA graph's fixed output buffer)."""

@@ -3,10 +3,12 @@ softmax over every expert, the k largest (the first index on ties), renormalised
 says so, rounded to the model's dtype.
 
 `route_topk_torch` is the CPU's path and the reference; `route_topk` runs softmax and top-k in one
-Triton kernel after cuBLAS's logits (torch's ops were eight launches a layer). A fused logits+top-k
+Triton kernel after the logits (cuBLAS's GEMM, or for one or two tokens the matrix-vector kernel of
+gemv.py where it was faster; torch's ops were eight launches a layer). A fused logits+top-k
 kernel for one or two tokens (single-stream decode) was tried and measured slower on an H100 (13.2 us
-against 7.3 us a layer, 2026-11-27), so the router is cuBLAS's GEMM then the routing kernel at every
-token count.
+against 7.3 us a layer, 2026-11-27), so the router is a GEMM then the routing kernel at every token
+count; the matrix-vector kernel took the router's GEMM from 4.85 to 2.84 us at one token on an H200
+(2026-12-01).
 """
 
 from __future__ import annotations
@@ -46,11 +48,12 @@ def route_topk(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.dty
     return ids, weights
 
 
-def route_tokens(h: torch.Tensor, router_weight: torch.Tensor, k: int, renormalize: bool
+def route_tokens(h: torch.Tensor, router_weight: torch.Tensor, k: int, renormalize: bool, linear=F.linear
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Hidden states h [T, hidden] and the router's weight [E, hidden] -> (expert ids [T, k] int32 on
-    CUDA, weights [T, k] in h's dtype): the logits by F.linear, then `route_topk`."""
-    return route_topk(F.linear(h, router_weight), k, renormalize, h.dtype)
+    CUDA, weights [T, k] in h's dtype): the logits by `linear` (F.linear, or the model's
+    GemvTable.linear for one or two tokens), then `route_topk`."""
+    return route_topk(linear(h, router_weight), k, renormalize, h.dtype)
 
 
 if triton is not None:

@@ -1,0 +1,179 @@
+"""Projections of one- and two-token steps (single-stream decode) as Triton matrix-vector products, used
+for a weight shape only where they beat cuBLAS on this GPU, as timed when the engine starts.
+
+At one token a projection streams its weight once, so bandwidth is its whole cost. cuBLAS runs the
+30B-A3B shape's o-projection (2048 x 4096) as a split-K GEMM and a reduction, 8.5 us for 16.8 MB on
+an H200 (about 2 TB/s of 4.8), and its 0.5 MB router GEMM takes 5 us, latency rather than bandwidth
+(benchmarks/results/2026-11-27-models-beyond-one-gpu.md). A first matrix-vector kernel
+(`llm.skinny_gemm`, removed the same day) ran at 0.41x cuBLAS: it multiplied both rows against each
+weight tile as one 3-D broadcast. This one has the shape of the MoE experts' matrix-vector kernel
+(fused_moe._gate_up_vec_kernel, 3.4 TB/s on an H200): each program owns BLOCK_N weight rows, streams
+them along K once, and keeps one float32 accumulator per token row. It rounds once, as F.linear does;
+only the order of the float32 sums differs (as it does between cuBLAS's own plans).
+
+`GemvTable.tune` times every distinct weight shape of the model, for one and for two rows, against
+F.linear, cycling through every layer's weight of that shape so that each call reads HBM as a decode
+step does (a single weight would sit in the L2 cache), and keeps the fastest kernel tile only where it
+beats cuBLAS by `MIN_GAIN`. `GemvTable.linear` dispatches by the table; everything else (more rows,
+the CPU, shapes cuBLAS won) is F.linear.
+
+Measured on one H200 (2026-12-01, benchmarks/results/2026-12-01-goodput-mix-gemv-h200.md), us per call
+at one row: 30B-A3B qkv 7.48 against cuBLAS's 8.13, the router 2.84 against 4.85 (kept), the o-projection
+9.12 against 9.53 (within MIN_GAIN: cuBLAS); 8B qkv 14.63 against 16.28 and o 11.42 against 13.48 (kept),
+its MLP 49.0 / 28.1 against 48.8 / 29.5 (cuBLAS). Two rows lost everywhere but the router. Single-stream
+decode: 30B-A3B 304.99 against 297.73 tok/s (+2.4%), 8B 213.64 against 207.11 (+3.2%); 64 streams
+unchanged (the kernel does not apply). The tuning did not lengthen the engine's start (12.9 s with it,
+13.7 s without: the spread between runs).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+log = logging.getLogger(__name__)
+
+Linear = Callable[..., torch.Tensor]  # F.linear's signature: (x, weight, bias=None)
+
+MAX_ROWS = 2  # token rows the kernel takes; steps with more go to cuBLAS
+MIN_GAIN = 0.95  # the kernel is used where it takes at most this share of cuBLAS's time
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) timed per shape: the tiles that won a shape on an H200
+# (2026-12-01; of six, (2, 256) and (16, 256) never did), four Triton compiles at start-up
+TILES = ((4, 512, 4, 3), (4, 256, 4, 3), (8, 256, 4, 3), (8, 512, 8, 3))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         tile: tuple[int, int, int, int] = (4, 256, 4, 3)) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [rows <= MAX_ROWS, K] and weight [N, K] with contiguous rows."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    assert rows <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
+    block_n, block_k, warps, stages = tile
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        ROWS=rows, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages)
+    return y
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, n, width, stride_xt, stride_wn, stride_yt, ROWS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # y[r, cols] = x[r] @ w[cols]^T (+ b[cols]) for the ROWS token rows, BLOCK_N weight rows per program
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        ks = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
+        x_ptrs = x_ptr + ks
+        acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, width, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
+                x0 = tl.load(x_ptrs).to(tl.float32)
+            else:
+                k_ok = ks < width - k0
+                w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                x0 = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            acc0 += tl.sum(w * x0[None, :], 1)
+            if ROWS == 2:
+                if EVEN_K:
+                    x1 = tl.load(x_ptrs + stride_xt).to(tl.float32)
+                else:
+                    x1 = tl.load(x_ptrs + stride_xt, mask=ks < width - k0, other=0.0).to(tl.float32)
+                acc1 += tl.sum(w * x1[None, :], 1)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        if HAS_BIAS:
+            b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            acc0 += b
+            acc1 += b
+        dtype = y_ptr.dtype.element_ty
+        tl.store(y_ptr + cols, acc0.to(dtype), mask=col_ok)
+        if ROWS == 2:
+            tl.store(y_ptr + stride_yt + cols, acc1.to(dtype), mask=col_ok)
+
+
+@dataclass
+class GemvChoice:
+    """One (rows, N, K): cuBLAS's time and the best tile's, microseconds per call."""
+
+    rows: int
+    n: int
+    k: int
+    cublas_us: float
+    kernel_us: float
+    tile: tuple[int, int, int, int]
+
+    @property
+    def used(self) -> bool:
+        return self.kernel_us <= MIN_GAIN * self.cublas_us
+
+
+@dataclass
+class GemvTable:
+    """Which one- and two-row projections run as `gemv`, by (rows, N, K); empty: all cuBLAS."""
+
+    choices: dict[tuple[int, int, int], GemvChoice] = field(default_factory=dict)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        c = self.choices.get((x.shape[0], weight.shape[0], weight.shape[1])) if x.shape[0] <= MAX_ROWS else None
+        if c is None or not c.used or x.stride(1) != 1:
+            return F.linear(x, weight, bias)
+        return gemv(x, weight, bias, c.tile)
+
+    def tune(self, weights_by_shape: dict[tuple[int, int], list[torch.Tensor]], timer, rows=(1, 2)) -> None:
+        """`weights_by_shape`: (N, K) -> every layer's weight of that shape, read in turn by each timed
+        call. `timer(fn) -> us` times one call of `fn` (kernel_timing.graph_us, replayed from a graph)."""
+        for (n, k), ws in weights_by_shape.items():
+            for r in rows:
+                x = torch.randn(r, k, dtype=ws[0].dtype, device=ws[0].device)
+
+                def cycle(op, ws=ws, x=x):
+                    for w in ws:
+                        op(x, w)
+
+                base = timer(lambda: cycle(F.linear)) / len(ws)
+                best, best_tile = float("inf"), TILES[0]
+                for tile in TILES:
+                    us = timer(lambda tile=tile: cycle(lambda a, w: gemv(a, w, None, tile))) / len(ws)
+                    if us < best:
+                        best, best_tile = us, tile
+                self.choices[(r, n, k)] = GemvChoice(r, n, k, base, best, best_tile)
+        log.info("matrix-vector choice (rows, N, K: cuBLAS us, kernel us, tile, used): %s",
+                 "; ".join(f"{c.rows}x{c.n}x{c.k}: {c.cublas_us:.1f}, {c.kernel_us:.1f}, {c.tile}, {c.used}"
+                           for c in self.choices.values()))
+
+    def as_dict(self) -> list[dict]:
+        return [{"rows": c.rows, "n": c.n, "k": c.k, "cublas_us": round(c.cublas_us, 2),
+                 "kernel_us": round(c.kernel_us, 2), "tile": list(c.tile), "used": c.used}
+                for c in self.choices.values()]
+
+
+def choose_gemv(model) -> tuple[str, float, float] | None:
+    """Tune `model.gemv` (a TextModel's GemvTable) on its own weights before the decode graphs are
+    captured (they capture whichever kernel the table names). -> the start-up phase (name, start, end),
+    or None where Triton is missing."""
+    if triton is None:
+        return None
+    import time
+
+    from ..gpu.kernel_timing import graph_us
+
+    t = time.time()
+    with torch.inference_mode():
+        model.gemv.tune(model.projection_weights(), lambda fn: graph_us(fn, runs=10))
+    return ("matrix-vector choice", t, time.time())

@@ -1,0 +1,131 @@
+"""The one- and two-row projections (app/llm/gemv.py): the table's choice and dispatch on the CPU, the
+Triton kernel against F.linear and the engine with it on CUDA."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from app.llm import gemv as G
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or G.triton is None, reason="needs CUDA and Triton")
+
+
+def _table_from(times: dict) -> G.GemvTable:
+    """A table tuned by a fake timer: `times` maps "cublas" or a tile to microseconds per call (the timer
+    returns them in the order tune asks: cuBLAS first, then every tile)."""
+    order = ["cublas", *G.TILES]
+    calls = itertools.cycle(order)
+    table = G.GemvTable()
+    weights = {(6, 4): [torch.zeros(6, 4), torch.zeros(6, 4)]}
+    table.tune(weights, lambda fn: 2 * times[next(calls)], rows=(1, 2))  # two weights: per call = half
+    return table
+
+
+def test_tune_keeps_the_fastest_tile_only_where_it_beats_cublas():
+    fast = {"cublas": 10.0, **{t: 12.0 for t in G.TILES}, G.TILES[3]: 7.0}
+    table = _table_from(fast)
+    for rows in (1, 2):
+        c = table.choices[(rows, 6, 4)]
+        assert (c.cublas_us, c.kernel_us, c.tile, c.used) == (10.0, 7.0, G.TILES[3], True)
+    # within MIN_GAIN of cuBLAS is not enough: cuBLAS stays
+    close = {"cublas": 10.0, **{t: 9.6 for t in G.TILES}}
+    assert not any(c.used for c in _table_from(close).choices.values())
+    assert [d["used"] for d in table.as_dict()] == [True, True]
+
+
+def test_linear_dispatches_by_rows_and_shape(monkeypatch):
+    table = _table_from({"cublas": 10.0, **{t: 5.0 for t in G.TILES}})
+    seen = []
+    monkeypatch.setattr(G, "gemv", lambda x, w, b, tile: seen.append((x.shape[0], tuple(w.shape), tile)) or F.linear(x, w, b))
+    w = torch.randn(6, 4)
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, 4)
+        assert torch.equal(table.linear(x, w), F.linear(x, w))
+    other = torch.randn(5, 4)  # a shape the table never timed
+    table.linear(torch.randn(1, 4), other)
+    # a view whose rows are not contiguous goes to F.linear too (the kernel reads x rows as contiguous)
+    table.linear(torch.randn(4, 2).t()[:1], w)
+    assert seen == [(1, (6, 4), G.TILES[0]), (2, (6, 4), G.TILES[0])]
+
+
+def test_an_empty_table_is_f_linear():
+    x, w, b = torch.randn(1, 8), torch.randn(3, 8), torch.randn(3)
+    assert torch.equal(G.GemvTable().linear(x, w, b), F.linear(x, w, b))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("n,k,bias", [(2048, 4096, False), (5120, 2048, False), (128, 2048, False),
+                                      (1000, 1000, True), (37, 300, True)])
+def test_gemv_equals_f_linear(rows, n, k, bias):
+    g = torch.Generator(device="cuda").manual_seed(n + k + rows)
+    x = torch.randn(rows, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g) * k ** -0.5
+    b = torch.randn(n, device="cuda", generator=g) if bias else None
+    exact = F.linear(x.double(), w.double(), b.double() if b is not None else None)
+    for tile in G.TILES:
+        # float32: one rounding of a float32 sum, as F.linear (TF32 off), within summation order
+        got = G.gemv(x, w, b, tile)
+        assert (got.double() - exact).abs().max().item() < 1e-4, tile
+        # bf16: no further from the exact product than cuBLAS's bf16 F.linear, give or take one ulp
+        xb, wb = x.bfloat16(), w.bfloat16()
+        bb = b.bfloat16() if b is not None else None
+        exact_b = F.linear(xb.double(), wb.double(), bb.double() if bb is not None else None)
+        mine = (G.gemv(xb, wb, bb, tile).double() - exact_b).abs().max().item()
+        cublas = (F.linear(xb, wb, bb).double() - exact_b).abs().max().item()
+        assert mine <= 1.5 * cublas + 1e-2, (tile, mine, cublas)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gemv_replays_in_a_cuda_graph():
+    x = torch.randn(2, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    eager = G.gemv(x, w)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        G.gemv(x, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = G.gemv(x, w)
+    x2 = torch.randn_like(x)
+    x.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(out, eager)
+    assert torch.equal(out, G.gemv(x2, w))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_engine_tunes_its_projections_and_answers_as_with_cublas(tmp_path):
+    """A tiny MoE engine in float32 on CUDA: the start-up times every projection shape, and greedy
+    answers (decode graphs on) equal those of the same engine with cuBLAS throughout."""
+    from app.checkpoints.model_builder import resolve_model
+    from app.llm.engine import Engine
+    from app.llm.sampling import SamplingParams
+    from app.llm.sequence import GenerationRequest
+
+    path = str(resolve_model("embedded:tiny-qwen3-vl-moe", str(tmp_path)))
+    answers = {}
+    for on in (True, False):
+        engine = Engine(path, "cuda", dtype="float32", decode_gemv=on, max_num_seqs=4)
+        try:
+            if on:
+                shapes = {(d["n"], d["k"]) for d in engine.stats()["gemv"]}
+                assert shapes == set(engine.model.projection_weights())
+                assert any(name == "matrix-vector choice" for name, _, _ in engine.startup)
+            reqs = [GenerationRequest(list(range(3 + i, 40 + i)), [0] * 37, [],
+                                      SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)) for i in range(2)]
+            answers[on] = [[t for c in engine.generate(r) for t in c.token_ids] for r in reqs]
+            assert engine.graph_steps > 0
+        finally:
+            engine.shutdown()
+    assert answers[True] == answers[False]
