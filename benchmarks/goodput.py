@@ -227,6 +227,24 @@ async def send(url: str, items: list[tuple[int, float, bytes]], tag: str, proces
 
 
 # ---------------------------------------------------------------------------- arithmetic
+def workload_ramp_s(ramp_s: float, warmup: dict | None, max_ramp_s: float) -> float:
+    """A workload's ramp: `ramp_s`, or the warm-up's E2E p99 where that is longer (capped). Completions in
+    the window come from arrivals up to one E2E before it: with answers longer than the ramp (the mix's
+    512-token tails, E2E p99 3-4 s against a 2 s ramp on one H200, 2026-12-01) the first seconds of the
+    window lack the completions of requests that were never sent, and served read 89-97% of offered at
+    rates whose TTFT was well inside the bound."""
+    e2e = ((warmup or {}).get("e2e_ms") or {}).get("p99")
+    if e2e is None or not math.isfinite(e2e):
+        return ramp_s
+    return max(ramp_s, min(max_ramp_s, e2e / 1e3))
+
+
+def window_for(window_s: float, rate: float, min_arrivals: int, max_window_s: float) -> float:
+    """A point's steady window: `window_s`, or longer (up to `max_window_s`) so that it holds `min_arrivals`
+    arrivals."""
+    return max(window_s, min(max_window_s, min_arrivals / rate)) if rate > 0 else window_s
+
+
 def _ms(xs: list[float]) -> dict:
     ms = [1e3 * x for x in xs]
     return {"p50": pct(ms, 0.5), "p99": pct(ms, 0.99), "mean": sum(ms) / len(ms) if ms else float("nan"), "n": len(ms)}
@@ -747,12 +765,12 @@ class Bench:
         items, tag, build_s = self._schedule(wl, rate, seconds)
 
         async def go() -> dict:
-            t = time.perf_counter()
+            t, wall = time.perf_counter(), time.time()
             await asyncio.to_thread(deploy)
             submitted = time.perf_counter() - t
             await poll_ready(self.url, ready_timeout_s)
-            return {"deploy_call_s": submitted, "ready_s": time.perf_counter() - t,
-                    "app_status_at_ready": await asyncio.to_thread(app_status)}
+            return {"deploy_call_s": submitted, "ready_s": time.perf_counter() - t, "deploy_wall_at": wall,
+                    "ready_wall_at": time.time(), "app_status_at_ready": await asyncio.to_thread(app_status)}
 
         sent, extra = asyncio.run(send(self.url, items, tag, self.a.load_processes, self.a.timeout_s, self.a.drain_s,
                                        before_go=go, watch=watch))
@@ -807,8 +825,11 @@ def startup_durations(load: dict) -> dict[str, dict]:
         st = r.get("startup") or {}
         t0 = st.get("started_at")
         ready = r.get("ready_at")
+        proc = st.get("process_started_at")
         out[str(r.get("replica"))] = {
             "to_ready_s": None if t0 is None or ready is None else round(ready - t0, 2),
+            "process_to_constructor_s": None if proc is None or t0 is None else round(t0 - proc, 2),
+            "process_started_at": proc, "ready_at": ready,
             "phases_s": {p["name"]: round(p["end"] - p["start"], 2) for p in st.get("phases", [])}}
     return out
 
@@ -1210,6 +1231,13 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--warmup-rate", type=float, default=None, help="default: the search's first rate")
     p.add_argument("--ramp-s", type=float, default=3.0, help="each point's first seconds, out of its window")
     p.add_argument("--window-s", type=float, default=12.0, help="each point's steady window")
+    p.add_argument("--min-window-arrivals", type=int, default=400,
+                   help="a point's window is at least this many arrivals long (N / rate seconds, at most "
+                        "--max-window-s): fewer make the 98%% rule read noise (one request of 150 is 0.7%%)")
+    p.add_argument("--max-window-s", type=float, default=30.0, help="the longest window --min-window-arrivals makes")
+    p.add_argument("--max-ramp-s", type=float, default=12.0,
+                   help="a workload's ramp is at least its warm-up's E2E p99 (requests that take longer than the "
+                        "ramp would start the window short of completions), up to this")
     p.add_argument("--drain-s", type=float, default=30.0, help="wait at most this long after the last arrival")
     p.add_argument("--drain-guess-s", type=float, default=2.0, help="drain time assumed by the deadline check")
     p.add_argument("--timeout-s", type=float, default=120.0, help="client connect / read timeout per request")
@@ -1298,9 +1326,18 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"application ready in {results['meta']['ready_s']:.1f} s; load to {url}", flush=True)
         if a.start:  # where the LLM replicas' starts went (issue 45's ready in <= 60 s)
             results["meta"]["llm_startup"] = asyncio.run(fetch_startups(url))
+            first = results["cold_start"][0] if a.cold_first and results["cold_start"] else {}
             for rid, st in results["meta"]["llm_startup"].items():
-                top = sorted(st["phases_s"].items(), key=lambda kv: -kv[1])[:6]
-                print(f"LLM replica {rid}: ready {st['to_ready_s']} s after its start; longest phases: "
+                top = sorted(st["phases_s"].items(), key=lambda kv: -kv[1])[:8]
+                around = ""
+                if first.get("deploy_wall_at") and st.get("process_started_at") and st.get("ready_at"):
+                    # the rest of a first deploy's ready time: before the replica's constructor, after it
+                    st["deploy_to_process_s"] = round(st["process_started_at"] - first["deploy_wall_at"], 2)
+                    st["replica_ready_to_app_ready_s"] = round(first["ready_wall_at"] - st["ready_at"], 2)
+                    around = (f" (deploy to its process {st['deploy_to_process_s']} s, process to constructor "
+                              f"{st['process_to_constructor_s']} s, its ready to the app's "
+                              f"{st['replica_ready_to_app_ready_s']} s)")
+                print(f"LLM replica {rid}: ready {st['to_ready_s']} s after its start{around}; longest phases: "
                       + ", ".join(f"{k} {v:.1f} s" for k, v in top), flush=True)
         for k, wl in enumerate(workloads):
             entry: dict = {"ttft_p99_bound_ms": bound_of(wl, a)}
@@ -1321,9 +1358,13 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"{wl.label}: warm-up {a.warmup_s:g} s at {warm_rate:g} req/s: TTFT p99 "
                           f"{w['ttft_ms']['p99']:.0f} ms, errors {w['errors'] or 0}", flush=True)
             bound = entry["ttft_p99_bound_ms"]
+            ramp = workload_ramp_s(a.ramp_s, entry.get("warmup"), a.max_ramp_s)
+            if ramp > a.ramp_s:
+                print(f"{wl.label}: ramp {ramp:.1f} s (the warm-up's E2E p99)", flush=True)
+            entry["ramp_s"] = ramp
 
-            def measure(rate: float, wl=wl, entry=entry, bound=bound) -> dict | None:
-                p = bench.point(wl, rate, a.ramp_s, a.window_s)
+            def measure(rate: float, wl=wl, entry=entry, bound=bound, ramp=ramp) -> dict | None:
+                p = bench.point(wl, rate, ramp, window_for(a.window_s, rate, a.min_window_arrivals, a.max_window_s))
                 if p is None:
                     print(f"{wl.label}: no time left for {rate:g} req/s", flush=True)
                     return None

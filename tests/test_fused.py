@@ -303,9 +303,16 @@ def test_the_start_up_timeline_splits_the_towers_phase(tiny_checkpoint, device):
     phases = {p["name"]: p for p in timeline.as_dict()["phases"]}
     parts = [n for n in phases if n.startswith("tower: ")]
     graphs = device == "cuda" and cfg.encoder.cuda_graphs
-    expected = (["tower: weights"] + ["tower: GEMM choice"] * (device == "cuda") + ["tower: graphs"] * graphs
+    # the weights' own steps (64.8 s to ready on one H200, 10.9 s of each replica's in the weights, 2026-12-01)
+    steps = (["tower: weights: CUDA context"] * (device == "cuda")
+             + [f"tower: weights: {n}" for n in ("module and config", "read", "to the device", "graph-friendly tower",
+                                                  "static buffers")])
+    expected = (["tower: weights", *steps] + ["tower: GEMM choice"] * (device == "cuda") + ["tower: graphs"] * graphs
                 + ["tower: auto-tune"] * (graphs and cfg.encoder.autotune))
     assert parts == expected
-    tower = phases["tower"]
+    tower, weights = phases["tower"], phases["tower: weights"]
     assert all(tower["start"] <= phases[n]["start"] <= phases[n]["end"] <= tower["end"] for n in parts)
+    assert all(weights["start"] <= phases[n]["start"] <= phases[n]["end"] <= weights["end"] for n in steps)
     assert "engine: weights" in phases and phases["engine: weights"]["start"] >= tower["end"]
+    if device == "cuda":
+        assert "engine: matrix-vector choice" in phases

@@ -36,6 +36,8 @@ from benchmarks.goodput import (
     startup_durations,
     status_of,
     verdict,
+    window_for,
+    workload_ramp_s,
 )
 from benchmarks.serve import Result, file_config
 from benchmarks.workloads import MixWorkload, arrival_times, describe
@@ -567,6 +569,7 @@ def test_a_sweep_and_a_cold_start_against_the_real_app_on_the_cpu(model_cache, t
         [sys.executable, "benchmarks/goodput.py", "--start", "--serve-config", str(cfg), "--port", str(port),
          "--workload", "image@64", "--rates", "1", "2", "--no-search", "--ramp-s", "1", "--window-s", "4",
          "--warmup-s", "2", "--drain-s", "20", "--ttft-p99-ms", "10000", "--cold-first", "1", "--cold-rate", "1",
+         "--min-window-arrivals", "0", "--max-ramp-s", "1",  # the short windows of a smoke run, whatever the CPU's E2E
          "--cold-s", "4",
          "--cold-warm-window-s", "3", "--out-dir", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
@@ -600,14 +603,46 @@ def test_a_replicas_start_is_told_in_seconds_per_phase():
     """/v1/llm/load's wall-clock phases (app/serving/startup.py) as durations, and the time to ready."""
     from app.serving.startup import StartupTimeline
 
-    st = StartupTimeline(started_at=1000.0)
+    st = StartupTimeline(started_at=1000.0, process_started_at=993.5)
     st.add("model", 1000.5, 1012.0)
     st.extend("engine", [("graphs", 1012.0, 1030.25)])
     load = {"replicas": [{"replica": "a", "ready_at": 1041.0, "startup": st.as_dict()},
                          {"replica": "b", "ready_at": None, "startup": None}]}
     assert startup_durations(load) == {
-        "a": {"to_ready_s": 41.0, "phases_s": {"model": 11.5, "engine: graphs": 18.25}},
-        "b": {"to_ready_s": None, "phases_s": {}}}
+        "a": {"to_ready_s": 41.0, "process_to_constructor_s": 6.5, "process_started_at": 993.5, "ready_at": 1041.0,
+              "phases_s": {"model": 11.5, "engine: graphs": 18.25}},
+        "b": {"to_ready_s": None, "process_to_constructor_s": None, "process_started_at": None, "ready_at": None,
+              "phases_s": {}}}
+
+
+def test_a_timeline_knows_when_its_process_started():
+    import psutil
+
+    from app.serving.startup import StartupTimeline
+
+    assert StartupTimeline().process_started_at == pytest.approx(psutil.Process().create_time())
+
+
+def test_the_ramp_covers_the_warm_ups_long_answers_and_the_window_enough_arrivals():
+    """A workload whose answers take longer than the ramp gets a ramp of its warm-up's E2E p99 (capped);
+    a slow rate gets a window long enough for `min_arrivals` arrivals."""
+    assert workload_ramp_s(2.0, {"e2e_ms": {"p99": 4300.0}}, 12.0) == pytest.approx(4.3)
+    assert workload_ramp_s(2.0, {"e2e_ms": {"p99": 180.0}}, 12.0) == 2.0  # 448² images: unchanged
+    assert workload_ramp_s(2.0, {"e2e_ms": {"p99": 60000.0}}, 12.0) == 12.0
+    assert workload_ramp_s(2.0, None, 12.0) == 2.0 and workload_ramp_s(2.0, {"e2e_ms": {"p99": math.nan}}, 12.0) == 2.0
+    assert window_for(6.0, 25.0, 400, 30.0) == pytest.approx(16.0) and window_for(6.0, 135.0, 400, 30.0) == 6.0
+    assert window_for(6.0, 1.0, 400, 30.0) == 30.0 and window_for(6.0, 1.0, 0, 30.0) == 6.0
+
+
+def test_a_ramp_shorter_than_the_answers_starts_the_window_short_of_completions():
+    """Why the ramp follows the answers: 10 req/s from t=0, one request in five taking 4 s, the others
+    0.5 s, all served (a server that keeps up). With a 2 s ramp the window's first seconds lack the
+    completions of long requests never sent before t=0, and served reads under 98%; with a 4 s ramp it
+    reads what the server did."""
+    sent = [_sent(i, round(0.1 * i, 6), 0.01, 4.0 if i % 5 == 0 else 0.5) for i in range(300)]
+    short = analyse(sent, 2.0, 8.0)
+    assert short["served_ratio"] < 0.98
+    assert analyse(sent, 4.0, 10.0)["served_ratio"] == pytest.approx(1.0, abs=0.02)
 
 
 def test_percentiles_are_nearest_rank():

@@ -15,12 +15,24 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 
+def process_started_at() -> float | None:
+    """When this process was created (seconds since the epoch): a replica's worker process starts, then
+    imports the deployment's module, before its constructor runs."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - psutil missing or the process table unreadable: not reported
+        return None
+
+
 @dataclass
 class StartupTimeline:
     """Named phases, each a start and an end in seconds since the epoch, in the order they ended."""
 
     started_at: float = field(default_factory=time.time)
     phases: list[dict] = field(default_factory=list)
+    process_started_at: float | None = field(default_factory=process_started_at)
 
     @contextmanager
     def phase(self, name: str):
@@ -39,4 +51,5 @@ class StartupTimeline:
             self.add(f"{prefix}: {name}", start, end)
 
     def as_dict(self) -> dict:
-        return {"started_at": self.started_at, "phases": list(self.phases)}
+        return {"started_at": self.started_at, "process_started_at": self.process_started_at,
+                "phases": list(self.phases)}

@@ -9,6 +9,7 @@ in the matching graph-friendly tower.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -60,11 +61,13 @@ def checkpoint_family(path: str | Path) -> str:
 
 
 def load_vision_model(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-                      random_weights: bool = False):
+                      random_weights: bool = False, phases: list | None = None):
     """transformers' Qwen3-VL / Qwen2.5-VL vision tower with the checkpoint's `model.visual.*` weights, or
-    (`random_weights`, `load_format: dummy`) random ones made on the device: a config-only folder serves."""
+    (`random_weights`, `load_format: dummy`) random ones made on the device: a config-only folder serves.
+    `phases` (a list) gets (name, start, end) of its steps, wall clock: the replica's start-up timeline."""
     from transformers import AutoConfig
 
+    t = time.time()
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
     if random_weights:
@@ -72,15 +75,26 @@ def load_vision_model(path: str | Path, dtype: torch.dtype, device: str | torch.
         _set_inv_freq(model, config.vision_config)
         return model
     model = vision_model_from_config(config.vision_config, dtype, "meta")
+    t = _mark(phases, "module and config", t)
     state = read_tensors(path, _PREFIXES)
     if not state:
         raise ValueError(f"no vision tower weights (model.visual.*) found in {path}")
+    t = _mark(phases, "read", t)
     model = model.to_empty(device=device)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if "inv_freq" not in k]:
         raise ValueError(f"vision weights in {path} do not match the config: missing {missing}, unexpected {unexpected}")
     _set_inv_freq(model, config.vision_config)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    _mark(phases, "to the device", t)
+    return model
+
+
+def _mark(phases: list | None, name: str, since: float) -> float:
+    now = time.time()
+    if phases is not None:
+        phases.append((name, since, now))
+    return now
 
 
 def _set_inv_freq(model, vision_config) -> None:
@@ -91,9 +105,10 @@ def _set_inv_freq(model, vision_config) -> None:
 
 
 def build_tower(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-                pixel_norm: tuple | None = None, fused: bool | None = None, random_weights: bool = False):
+                pixel_norm: tuple | None = None, fused: bool | None = None, random_weights: bool = False,
+                phases: list | None = None):
     """The graph-friendly tower for a checkpoint of any supported family; `fused` as the towers take it
-    (default: the fused body on CUDA with Triton)."""
+    (default: the fused body on CUDA with Triton). `phases`: as load_vision_model's (Qwen families)."""
     family = checkpoint_family(path)
     if family == "minicpmv":
         from .minicpmv_tower import MiniCPMVTower, load_minicpmv_vision
@@ -101,11 +116,15 @@ def build_tower(path: str | Path, dtype: torch.dtype, device: str | torch.device
         if random_weights:
             raise ValueError("load_format 'dummy' makes Qwen-family towers only, not MiniCPM-V's")
         return MiniCPMVTower(load_minicpmv_vision(path, dtype, device), pixel_norm, fused)
-    visual = load_vision_model(path, dtype, device, random_weights)
+    visual = load_vision_model(path, dtype, device, random_weights, phases)
+    t = time.time()
     if family == "qwen2_5_vl":
         from .qwen25_tower import Qwen25Tower
 
-        return Qwen25Tower(visual, pixel_norm, fused)
-    from .tower import VisionTower
+        tower = Qwen25Tower(visual, pixel_norm, fused)
+    else:
+        from .tower import VisionTower
 
-    return VisionTower(visual, pixel_norm, fused)
+        tower = VisionTower(visual, pixel_norm, fused)
+    _mark(phases, "graph-friendly tower", t)
+    return tower

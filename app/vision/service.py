@@ -71,9 +71,13 @@ class EncoderService:
         # The router sends raw uint8 patch rows (a quarter of float32's bytes through Ray and to the GPU);
         # the tower normalises them with the checkpoint's processor settings.
         # (the checkpoint's family picks the tower: Qwen3-VL, Qwen2.5-VL or MiniCPM-V; loading.build_tower)
-        t = time.time()
+        t, steps = time.time(), []
+        if torch.device(device).type == "cuda":  # the process's first CUDA call makes its context: its own phase
+            torch.zeros(1, device=device)
+            torch.cuda.synchronize(device)
+            steps.append(("CUDA context", t, time.time()))
         tower = build_tower(checkpoint, dtype, device, pixel_norm=patch_spec_for(checkpoint).column_norm(),
-                            random_weights=cfg.llm.load_format == "dummy")
+                            random_weights=cfg.llm.load_format == "dummy", phases=steps)
         tower.use_dense_attention(enc.dense_attention if enc.cuda_graphs else "sdpa")  # FA4 runs only in graphs
         budgets = enc.token_budgets or GraphSettings.power_of_two_budgets(enc.min_budget, enc.max_budget,
                                                                                 enc.budget_steps_per_octave)
@@ -85,11 +89,14 @@ class EncoderService:
             pinned_staging=enc.pinned_pixel_copy, pinned_min_rows=enc.pinned_copy_min_rows)
         if enc.autotune_cache and enc.autotune and torch.device(device).type == "cuda":
             settings.tune_cache = tune_cache_for(cfg, checkpoint, device, dtype, settings, tower)
+        t1 = time.time()
         self.manager = GraphManager(tower, settings)
+        steps.append(("static buffers", t1, time.time()))
         weights = ("weights", t, time.time())
         self.manager.capture()
-        # (phase, start, end), wall clock: the LLM replica's start-up timeline reports them (`fused`)
-        self.startup = [weights, *self.manager.startup]
+        # (phase, start, end), wall clock: the LLM replica's start-up timeline reports them (`fused`); the
+        # weights' own steps as "weights: <step>"
+        self.startup = [weights, *((f"weights: {n}", a, b) for n, a, b in steps), *self.manager.startup]
         # device time of each batch, from CUDA events on the stream it runs on (app/gpu/timing.py)
         self.gpu_timer = GpuTimer(device)
         self.keep_on_device = keep_on_device
