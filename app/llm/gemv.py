@@ -9,7 +9,10 @@ an H200 (about 2 TB/s of 4.8), and its 0.5 MB router GEMM takes 5 us, latency ra
 weight tile as one 3-D broadcast. This one has the shape of the MoE experts' matrix-vector kernel
 (fused_moe._gate_up_vec_kernel, 3.4 TB/s on an H200): each program owns BLOCK_N weight rows, streams
 them along K once, and keeps one float32 accumulator per token row. It rounds once, as F.linear does;
-only the order of the float32 sums differs (as it does between cuBLAS's own plans).
+only the order of the float32 sums differs (as it does between cuBLAS's own plans). Split-K tiles divide
+K among several programs per column tile and sum their float32 parts in the same launch, in a fixed
+order (the last program of a tile to finish does it), for layers with too few column tiles to keep the
+memory system busy (added after the measurements below; the start-up timing decides where they run).
 
 `GemvTable.tune` times every distinct weight shape of the model, for one and for two rows, against
 F.linear, cycling through every layer's weight of that shape so that each call reads HBM as a decode
@@ -47,45 +50,69 @@ Linear = Callable[..., torch.Tensor]  # F.linear's signature: (x, weight, bias=N
 
 MAX_ROWS = 2  # token rows the kernel takes; steps with more go to cuBLAS
 MIN_GAIN = 0.95  # the kernel is used where it takes at most this share of cuBLAS's time
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) timed per shape: the tiles that won a shape on an H200
-# (2026-12-01; of six, (2, 256) and (16, 256) never did), four Triton compiles at start-up
-TILES = ((4, 512, 4, 3), (4, 256, 4, 3), (8, 256, 4, 3), (8, 512, 8, 3))
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT) timed per shape. The first four won a shape on an H200
+# (2026-12-01; of six unsplit tiles, (2, 256) and (16, 256) never did). SPLIT > 1 divides K among that many
+# programs per column tile, as cuBLAS's split-K plan for the o-projection does, but sums the float32 parts
+# in the same kernel (the last program of a tile to finish adds them, in a fixed order): the one layer
+# where the unsplit kernel lost, 2048 x 4096 (9.12 against 9.53 us), has only 512 column tiles of 4 rows.
+TILES = ((4, 512, 4, 3, 1), (4, 256, 4, 3, 1), (8, 256, 4, 3, 1), (8, 512, 8, 3, 1), (8, 256, 4, 3, 4),
+         (16, 256, 4, 3, 4))
+# per (device, rows, N, BLOCK_N, SPLIT): the split tiles' float32 parts and per-tile counters. Made once,
+# outside any CUDA graph (GemvTable.tune makes them before the engine captures its graphs), so the graphs
+# replay with fixed addresses; each call leaves its counters at zero again.
+_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def scratch(device: torch.device, rows: int, n: int, block_n: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (str(device), rows, n, block_n, split)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = (torch.empty(split, rows, n, dtype=torch.float32, device=device),
+                         torch.zeros(triton.cdiv(n, block_n), dtype=torch.int32, device=device))
+    return _SCRATCH[key]
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         tile: tuple[int, int, int, int] = (4, 256, 4, 3)) -> torch.Tensor:
+         tile: tuple[int, ...] = (4, 256, 4, 3, 1)) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [rows <= MAX_ROWS, K] and weight [N, K] with contiguous rows."""
     rows, k = x.shape
     n = weight.shape[0]
     assert rows <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
-    block_n, block_k, warps, stages = tile
+    block_n, block_k, warps, stages, split = (*tile, 1)[:5]
+    chunk = triton.cdiv(triton.cdiv(k, split), block_k) * block_k  # each split's share of K, whole K tiles
+    split = triton.cdiv(k, chunk)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        ROWS=rows, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages)
+    parts, counts = scratch(x.device, rows, n, block_n, split) if split > 1 else (y, y)
+    _gemv_kernel[(triton.cdiv(n, block_n), split)](
+        x, weight, bias if bias is not None else weight, y, parts, counts, n, k, chunk, x.stride(0),
+        weight.stride(0), y.stride(0), ROWS=rows, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=warps, num_stages=stages)
     return y
 
 
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, n, width, stride_xt, stride_wn, stride_yt, ROWS: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # y[r, cols] = x[r] @ w[cols]^T (+ b[cols]) for the ROWS token rows, BLOCK_N weight rows per program
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, parts_ptr, counts_ptr, n, width, chunk, stride_xt, stride_wn,
+                     stride_yt, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+        # y[r, cols] = x[r] @ w[cols]^T (+ b[cols]) for the ROWS token rows, BLOCK_N weight rows per program;
+        # with SPLIT > 1, program (tile, s) takes K's s-th `chunk` and the tile's last program sums the parts
+        pid_n = tl.program_id(0)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n
+        k_begin = tl.program_id(1) * chunk
+        k_end = tl.minimum(width, k_begin + chunk)
         ks = tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
-        x_ptrs = x_ptr + ks
+        w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + (k_begin + ks)[None, :]
+        x_ptrs = x_ptr + k_begin + ks
         acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, width, BLOCK_K):
+        for k0 in range(k_begin, k_end, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
                 x0 = tl.load(x_ptrs).to(tl.float32)
             else:
-                k_ok = ks < width - k0
+                k_ok = ks < k_end - k0
                 w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
                 x0 = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
             acc0 += tl.sum(w * x0[None, :], 1)
@@ -93,10 +120,34 @@ if triton is not None:
                 if EVEN_K:
                     x1 = tl.load(x_ptrs + stride_xt).to(tl.float32)
                 else:
-                    x1 = tl.load(x_ptrs + stride_xt, mask=ks < width - k0, other=0.0).to(tl.float32)
+                    x1 = tl.load(x_ptrs + stride_xt, mask=ks < k_end - k0, other=0.0).to(tl.float32)
                 acc1 += tl.sum(w * x1[None, :], 1)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+        if SPLIT > 1:
+            # this program's part, then the tile's count; the program that makes it SPLIT sums every part in
+            # split order (the same float32 sums whichever program is last) and sets the count back to 0
+            part = parts_ptr + tl.program_id(1) * ROWS * n + cols
+            tl.store(part, acc0, mask=col_ok)
+            if ROWS == 2:
+                tl.store(part + n, acc1, mask=col_ok)
+            done = tl.atomic_add(counts_ptr + pid_n, 1, sem="acq_rel")
+            if done == SPLIT - 1:
+                acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for s in tl.static_range(SPLIT):
+                    acc0 += tl.load(parts_ptr + s * ROWS * n + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+                    if ROWS == 2:
+                        acc1 += tl.load(parts_ptr + (s * ROWS + 1) * n + cols, mask=col_ok, other=0.0,
+                                        cache_modifier=".cg")
+                _gemv_store(y_ptr, b_ptr, cols, col_ok, acc0, acc1, stride_yt, ROWS, HAS_BIAS)
+                tl.store(counts_ptr + pid_n, 0)
+        else:
+            _gemv_store(y_ptr, b_ptr, cols, col_ok, acc0, acc1, stride_yt, ROWS, HAS_BIAS)
+
+    @triton.jit
+    def _gemv_store(y_ptr, b_ptr, cols, col_ok, acc0, acc1, stride_yt, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """The float32 sums (+ bias) rounded once to y's dtype."""
         if HAS_BIAS:
             b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
             acc0 += b
@@ -116,7 +167,7 @@ class GemvChoice:
     k: int
     cublas_us: float
     kernel_us: float
-    tile: tuple[int, int, int, int]
+    tile: tuple[int, ...]
 
     @property
     def used(self) -> bool:
@@ -149,6 +200,8 @@ class GemvTable:
                 base = timer(lambda: cycle(F.linear)) / len(ws)
                 best, best_tile = float("inf"), TILES[0]
                 for tile in TILES:
+                    if x.is_cuda:  # compiled, and a split tile's scratch made, before any capture
+                        gemv(x, ws[0], None, tile)
                     us = timer(lambda tile=tile: cycle(lambda a, w: gemv(a, w, None, tile))) / len(ws)
                     if us < best:
                         best, best_tile = us, tile
