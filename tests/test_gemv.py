@@ -4,6 +4,7 @@ Triton kernel against F.linear and the engine with it on CUDA."""
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -135,3 +136,20 @@ def test_engine_tunes_its_projections_and_answers_as_with_cublas(tmp_path):
         finally:
             engine.shutdown()
     assert answers[True] == answers[False]
+
+
+@pytest.mark.skipif(G.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton's interpreter (docs/guides/benchmarks.md, 'Triton kernels on the CPU')")
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gemv_under_the_triton_interpreter(rows):
+    """Every tile on CPU tensors against float64, uneven K and a bias included, each twice: a split tile's
+    counters are back at zero after a call (the next call's last program depends on it)."""
+    g = torch.Generator().manual_seed(rows)
+    for n, k, bias in ((40, 512, False), (33, 300, True), (20, 2048, True)):
+        x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+        b = torch.randn(n, generator=g) if bias else None
+        exact = F.linear(x.double(), w.double(), b.double() if b is not None else None)
+        for tile in G.TILES:
+            for _ in range(2):
+                assert (G.gemv(x, w, b, tile).double() - exact).abs().max().item() < 1e-3, tile
+    assert all(int(counts.abs().sum()) == 0 for _, counts in G._SCRATCH.values())
