@@ -197,6 +197,11 @@ class LLMConfig(_Strict):
                               "of one- and two-token steps (qkv, o, the MoE router, the dense MLP) as a Triton "
                               "matrix-vector product against cuBLAS, and uses the kernel where it is faster "
                               "(app/llm/gemv.py; a few seconds of start-up); false keeps cuBLAS throughout")
+    pdl: bool = Field(False, description="on Hopper and later: the engine's Triton kernels are launched with "
+                      "programmatic dependent launch, so that each may start while the one before it finishes (its "
+                      "blocks wait on the device for that one's writes); aimed at single-stream decode, whose ~600 "
+                      "kernels a token left the GPU idle 13% of the time on an H200 (app/llm/pdl.py). Off until "
+                      "measured (decode.py --pdl)")
     overlap_steps: bool | None = Field(None, description="plan and launch step N+1 while step N runs on the "
                                        "device (its sampled tokens fed back on the device), so the GPU does not "
                                        "wait for the host between steps; None: on with CUDA, off on the CPU "

@@ -8,6 +8,7 @@
 # serve_8b, serve_moe30b, serve_moe30b_tp2 (run 2026-11-27), serve_moe235b_tp4 (not yet). The matrix-vector
 # projections (app/llm/gemv.py): gemv_tests, gemv_ab (30B-A3B with a profile, and 8B, each with the kernel where
 # the start-up timing keeps it and with cuBLAS throughout), sweep64 (the sorted MoE path's tiles at 64 tokens).
+# Programmatic dependent launch (app/llm/pdl.py): pdl_ab (its GPU tests, then 30B-A3B and 8B with and without).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source .gpu-deps/activate
@@ -33,6 +34,12 @@ for s in $STAGES; do case $s in
            run dense8b_gemv timeout 150 python3 benchmarks/decode.py --preset qwen3-vl-8b --new 128 --out "$OUT/dense8b_gemv.json"
            run dense8b_cublas timeout 150 python3 benchmarks/decode.py --preset qwen3-vl-8b --new 128 --no-gemv \
              --out "$OUT/dense8b_cublas.json" ;;
+  pdl_ab) run pdl_tests timeout 240 python3 -m pytest -q -rs -m gpu tests/test_pdl.py -p no:cacheprovider
+          run moe30b_pdl timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --pdl --profile 1 \
+            --out "$OUT/moe30b_pdl.json"
+          run moe30b_nopdl timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --out "$OUT/moe30b_nopdl.json"
+          run dense8b_pdl timeout 150 python3 benchmarks/decode.py --preset qwen3-vl-8b --new 128 --pdl --out "$OUT/dense8b_pdl.json"
+          run dense8b_nopdl timeout 150 python3 benchmarks/decode.py --preset qwen3-vl-8b --new 128 --out "$OUT/dense8b_nopdl.json" ;;
   sweep64) run sweep64 timeout ${SWEEP_S:-200} python3 benchmarks/moe_kernel.py --tokens 64 --sweep --bandwidth 4.8 \
              --out "$OUT/moe_kernel_sweep64.json" ;;
   kernel) run kernel timeout 200 python3 benchmarks/moe_kernel.py --out "$OUT/moe_kernel.json" ;;

@@ -20,6 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import pdl
+from .pdl import enter
+
 try:
     import triton
     import triton.language as tl
@@ -134,7 +137,9 @@ if triton is not None:
                                 lens_ptr, work_seq_ptr, work_q0_ptr, scale_log2,
                                 H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                                 GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                                PAGE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+                                PAGE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+                                PDL: tl.constexpr):
+        enter(PDL)
         BLOCK_M: tl.constexpr = BLOCK_Q * GROUP
         w = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -189,7 +194,8 @@ if triton is not None:
                                    qstart_ptr, lens_ptr, scale_log2, H: tl.constexpr, KV: tl.constexpr,
                                    D: tl.constexpr, DP: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
-                                   PRECISION: tl.constexpr):
+                                   PRECISION: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         # Decode only (one query per sequence, which sees every key): program (sequence, KV head, split)
         # runs the online softmax over its range of key tiles and writes its normalised output and
         # log2-sum-exp per query head; an empty range writes -inf, which the merge weighs as nothing.
@@ -228,7 +234,8 @@ if triton is not None:
 
     @triton.jit
     def _combine_splits_kernel(part_o_ptr, part_lse_ptr, o_ptr, qstart_ptr, H: tl.constexpr, D: tl.constexpr,
-                               DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+                               DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         # One (sequence, query head): the splits' outputs weighted by their share of the softmax's sum.
         seq = tl.program_id(0)
         head = tl.program_id(1)
@@ -270,7 +277,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             BLOCK_N=block_n or meta.block_n, PAGE=meta.block_size,
             # float32 models (tests) keep full-precision dots; tf32 would round them
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=split, num_warps=num_warps,
-            num_stages=num_stages)
+            num_stages=num_stages, **pdl.args())
     return out
 
 
@@ -288,7 +295,7 @@ def _decode_split(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, ou
         q, k_cache, v_cache, part_o, part_lse, meta.block_tables, meta.block_tables.stride(0), meta.seq_rows,
         meta.query_start, meta.seq_lens, scale * 1.4426950408889634, H=h, KV=kv, D=d, DP=dp, GROUP=group,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=SPLIT_BLOCK_N, PAGE=meta.block_size, SPLITS=splits,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=2)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=2, **pdl.args())
     _combine_splits_kernel[(b, h)](part_o, part_lse, out, meta.query_start, H=h, D=d, DP=dp, SPLITS=splits,
-                                   SP=triton.next_power_of_2(splits), num_warps=4)
+                                   SP=triton.next_power_of_2(splits), num_warps=4, **pdl.args())
     return out

@@ -27,6 +27,7 @@ import torch
 from ..config import LLMConfig
 from ..errors import ClientError, Overloaded, Unavailable
 from ..gpu.timing import GpuTimer
+from . import pdl
 from .block_manager import BlockManager
 from .gemv import choose_gemv
 from .grammar import Grammars
@@ -78,6 +79,8 @@ class Engine:
         weights = ("weights", t, time.time())
         self.model, self.tokenizer, self.eos_ids = loaded.model, loaded.tokenizer, loaded.eos_ids
         self.spec = self.model.spec
+        # before anything is timed or captured: both see the launches as they will be (app/llm/pdl.py)
+        pdl.enable(cfg.pdl, self.device)
         gemv = choose_gemv(self.model) if cfg.decode_gemv and self.device.type == "cuda" else None
         self.rope = Rope.from_config(loaded.config)
         self.vision_ids = vision_token_ids(loaded.config, self.tokenizer)

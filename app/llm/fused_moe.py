@@ -16,6 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import pdl
+from .pdl import enter
+
 try:
     import triton
     import triton.language as tl
@@ -74,11 +77,11 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     total = torch.empty(1, dtype=torch.int32, device=dev)
     block = 1024
     grid = (triton.cdiv(n, block),)
-    _count_kernel[grid](ids, counts, rank, n, num_experts, BLOCK=block, num_warps=4)
+    _count_kernel[grid](ids, counts, rank, n, num_experts, BLOCK=block, num_warps=4, **pdl.args())
     _offsets_kernel[(1,)](counts, starts, sorted_ids, expert_of_block, total, n, num_experts, cap,
                           BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK=1024,
-                          BLOCK_B=32, num_warps=8)
-    _scatter_kernel[grid](ids, rank, starts, sorted_ids, n, num_experts, BLOCK=block, num_warps=4)
+                          BLOCK_B=32, num_warps=8, **pdl.args())
+    _scatter_kernel[grid](ids, rank, starts, sorted_ids, n, num_experts, BLOCK=block, num_warps=4, **pdl.args())
     return sorted_ids, expert_of_block, total
 
 
@@ -142,7 +145,8 @@ def moe_config(tokens: int, k: int, experts: int, hidden: int, inter: int) -> di
 if triton is not None:
 
     @triton.jit
-    def _count_kernel(ids_ptr, counts_ptr, rank_ptr, n, num_experts, BLOCK: tl.constexpr):
+    def _count_kernel(ids_ptr, counts_ptr, rank_ptr, n, num_experts, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         # each assignment's bucket (E for out-of-range ids) counted, and its rank within the bucket kept
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
@@ -153,7 +157,9 @@ if triton is not None:
 
     @triton.jit
     def _offsets_kernel(counts_ptr, starts_ptr, sorted_ptr, block_expert_ptr, total_ptr, n, num_experts, cap,
-                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
+                        PDL: tl.constexpr):
+        enter(PDL)
         # one program: padded group starts, the total, every block's expert, and the padding filled in
         eb = tl.arange(0, BLOCK_E)
         live = eb <= num_experts
@@ -173,7 +179,9 @@ if triton is not None:
             tl.store(block_expert_ptr + blk, tl.sum(done.to(tl.int32), 1), mask=blk < num_blocks)
 
     @triton.jit
-    def _scatter_kernel(ids_ptr, rank_ptr, starts_ptr, sorted_ptr, n, num_experts, BLOCK: tl.constexpr):
+    def _scatter_kernel(ids_ptr, rank_ptr, starts_ptr, sorted_ptr, n, num_experts, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+        enter(PDL)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
         e = tl.load(ids_ptr + offs, mask=ok, other=0)
@@ -195,7 +203,8 @@ if triton is not None:
                         stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_ht,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                        PRECISION: tl.constexpr, DIRECT: tl.constexpr):
+                        PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         # h[a] = silu(x[a // k] @ gate_e^T) * (x[a // k] @ up_e^T) for the BLOCK_M sorted assignments
         # of one expert and BLOCK_N intermediate columns; gate and up tiles share the x tile.
         # DIRECT: block m is assignment m alone (its first row), its expert read from the router's ids
@@ -252,7 +261,8 @@ if triton is not None:
                      n_assign, num_blocks, hidden, inter, num_experts,
                      stride_ht, stride_we, stride_wn, stride_wk, stride_ot,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         # out[a] = weight[a] * (h[a] @ down_e^T) for the BLOCK_M sorted assignments of one expert and
         # BLOCK_N hidden columns; rows of out-of-range assignments get zeros.
         pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -296,7 +306,8 @@ if triton is not None:
     @triton.jit
     def _gate_up_vec_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, hidden, inter, num_experts,
                             stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_ht,
-                            TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         # The DIRECT path's gate/up as matrix-vector products on the CUDA cores: one assignment's row
         # against BLOCK_N gate and up rows (no 16-row tile of which 15 rows would be padding).
         num_n = tl.cdiv(inter, BLOCK_N)
@@ -335,7 +346,8 @@ if triton is not None:
     @triton.jit
     def _down_vec_kernel(h_ptr, w_ptr, y_ptr, weights_ptr, ids_ptr, hidden, inter, num_experts,
                          stride_ht, stride_we, stride_wn, stride_wk, stride_yt,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         # The DIRECT path's down projection per assignment (matrix-vector): y[a] = weight[a] * (h[a] @
         # down_e^T) for BLOCK_N hidden columns, rounded as the sorted path rounds it; zeros for an
         # expert held elsewhere. One program per (assignment, N tile): k times the programs of a kernel
@@ -363,7 +375,9 @@ if triton is not None:
         tl.store(y_ptr + a.to(tl.int64) * stride_yt + cols, (acc.to(dtype).to(tl.float32) * wt).to(dtype), mask=col_ok)
 
     @triton.jit
-    def _sum_k_kernel(y_ptr, out_ptr, hidden, stride_yt, stride_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    def _sum_k_kernel(y_ptr, out_ptr, hidden, stride_yt, stride_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
+        enter(PDL)
         # out[t] = sum over the token's k rows of y, in float32, in slot order
         num_n = tl.cdiv(hidden, BLOCK)
         tok, pid_n = tl.program_id(0) // num_n, tl.program_id(0) % num_n
@@ -390,19 +404,20 @@ def _fused_moe_direct(x, w_gate_up, w_down, topk_ids, topk_weights, cfg, precisi
     strides = (x.stride(0), x.stride(1), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), h.stride(0))
     if cfg.get("VEC"):
         _gate_up_vec_kernel[(n * triton.cdiv(inter, bn),)](
-            x, w_gate_up, h, ids, hidden, inter, num_experts, *strides, TOP_K=k, BLOCK_N=bn, BLOCK_K=bk, **launch)
+            x, w_gate_up, h, ids, hidden, inter, num_experts, *strides, TOP_K=k, BLOCK_N=bn, BLOCK_K=bk, **launch,
+            **pdl.args())
     else:
         _gate_up_kernel[(n * triton.cdiv(inter, bn),)](
             x, w_gate_up, h, ids, ids, ids, n, n, hidden, inter, num_experts, *strides,
             TOP_K=k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, EVEN_K=hidden % bk == 0,
-            PRECISION=precision, DIRECT=True, **launch)
+            PRECISION=precision, DIRECT=True, **launch, **pdl.args())
     dbn, dbk = cfg.get("DOWN_BLOCK_N", 8), cfg.get("DOWN_BLOCK_K", 256)
     weights = topk_weights.reshape(-1).contiguous()
     y = torch.empty(n, hidden, dtype=x.dtype, device=x.device)  # per assignment, then the sum over k
     _down_vec_kernel[(n * triton.cdiv(hidden, dbn),)](
         h, w_down, y, weights, ids, hidden, inter, num_experts,
         h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0),
-        BLOCK_N=dbn, BLOCK_K=dbk, num_warps=cfg.get("DOWN_WARPS", 4), num_stages=cfg["num_stages"])
+        BLOCK_N=dbn, BLOCK_K=dbk, num_warps=cfg.get("DOWN_WARPS", 4), num_stages=cfg["num_stages"], **pdl.args())
     return sum_over_k(y.view(t, k, hidden)) if sum_k else y.view(t, k, hidden)
 
 
@@ -415,7 +430,7 @@ def sum_over_k(y: torch.Tensor) -> torch.Tensor:
     y = y.contiguous().view(t * k, hidden)
     out = torch.empty(t, hidden, dtype=y.dtype, device=y.device)
     _sum_k_kernel[(t * triton.cdiv(hidden, 1024),)](y, out, hidden, y.stride(0), out.stride(0), TOP_K=k,
-                                                     BLOCK=1024, num_warps=4)
+                                                     BLOCK=1024, num_warps=4, **pdl.args())
     return out
 
 
@@ -442,14 +457,14 @@ def _fused_moe_triton(x, w_gate_up, w_down, topk_ids, topk_weights, config, sum_
         x, w_gate_up, h, sorted_ids, expert_of_block, total, n, blocks, hidden, inter, num_experts,
         x.stride(0), x.stride(1), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), h.stride(0),
         TOP_K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], EVEN_K=hidden % bk == 0,
-        PRECISION=precision, DIRECT=False, **launch)
+        PRECISION=precision, DIRECT=False, **launch, **pdl.args())
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
     _down_kernel[(blocks * triton.cdiv(hidden, bn),)](
         h, w_down, out, weights, sorted_ids, expert_of_block, total, n, blocks, hidden, inter, num_experts,
         h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), out.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], EVEN_K=inter % bk == 0,
-        PRECISION=precision, **launch)
+        PRECISION=precision, **launch, **pdl.args())
     return out.view(t, k, hidden).sum(1)  # each row in a fixed order: deterministic, no atomics
 
 

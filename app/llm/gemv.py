@@ -38,6 +38,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import pdl
+from .pdl import enter
+
 try:
     import triton
     import triton.language as tl
@@ -85,7 +88,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n), split)](
         x, weight, bias if bias is not None else weight, y, parts, counts, n, k, chunk, x.stride(0),
         weight.stride(0), y.stride(0), ROWS=rows, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=warps, num_stages=stages, **pdl.args())
     return y
 
 
@@ -94,7 +97,8 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, parts_ptr, counts_ptr, n, width, chunk, stride_xt, stride_wn,
                      stride_yt, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         # y[r, cols] = x[r] @ w[cols]^T (+ b[cols]) for the ROWS token rows, BLOCK_N weight rows per program;
         # with SPLIT > 1, program (tile, s) takes K's s-th `chunk` and the tile's last program sums the parts
         pid_n = tl.program_id(0)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import pdl
 from .fused_moe import sum_over_k
+from .pdl import enter
 
 try:
     import triton
@@ -74,7 +76,8 @@ if triton is not None:
 
     @triton.jit
     def _add_rmsnorm_kernel(res_ptr, x_ptr, w_ptr, out_ptr, n, eps, HAS_X: tl.constexpr, X_ROWS: tl.constexpr,
-                            BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -117,7 +120,8 @@ if triton is not None:
     def _qk_norm_rope_store_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                                    slots_ptr, eps, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
                                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
-                                   HAS_NORM: tl.constexpr):
+                                   HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         # One program per (token, q or k/v): every head of the token in one tile. A program per head
         # (one warp moving 256 bytes) left most of the memory bandwidth unused
         # (benchmarks/results/2026-11-23-overlapped-engine-steps.md).
@@ -152,7 +156,8 @@ if triton is not None:
             tl.store(v_cache_ptr + (slot * KV + hk) * D + d, v, mask=mv)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
@@ -178,7 +183,7 @@ def add_rmsnorm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Te
     out = torch.empty_like(residual)
     _add_rmsnorm_kernel[(t,)](residual, x if x is not None else residual, weight, out, n, eps,
                               HAS_X=x is not None, X_ROWS=x.shape[1] if x is not None and x.dim() == 3 else 1,
-                              BLOCK=triton.next_power_of_2(n), num_warps=8 if n > 2048 else 4)
+                              BLOCK=triton.next_power_of_2(n), num_warps=8 if n > 2048 else 4, **pdl.args())
     return residual, out
 
 
@@ -194,7 +199,7 @@ def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, h
             qkv, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, cos, sin, q,
             k_cache, v_cache, slots, eps, H=heads, KV=kv_heads, D=d, HALF=d // 2,
             BLOCK_H=triton.next_power_of_2(heads), BLOCK_KV=triton.next_power_of_2(kv_heads),
-            HAS_NORM=q_norm is not None, num_warps=4)
+            HAS_NORM=q_norm is not None, num_warps=4, **pdl.args())
     return q
 
 
@@ -206,5 +211,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = two_i // 2
     out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4, **pdl.args())
     return out

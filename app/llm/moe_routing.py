@@ -16,6 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import pdl
+from .pdl import enter
+
 try:
     import triton
     import triton.language as tl
@@ -44,7 +47,8 @@ def route_topk(logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.dty
     block_t = 4
     _route_kernel[(triton.cdiv(t, block_t),)](logits, ids, weights, t, e, logits.stride(0), TOP_K=k,
                                               K_PAD=triton.next_power_of_2(k), BLOCK_T=block_t,
-                                              BLOCK_E=triton.next_power_of_2(e), RENORM=renormalize, num_warps=4)
+                                              BLOCK_E=triton.next_power_of_2(e), RENORM=renormalize, num_warps=4,
+                                              **pdl.args())
     return ids, weights
 
 
@@ -60,7 +64,9 @@ if triton is not None:
 
     @triton.jit
     def _route_kernel(logits_ptr, ids_ptr, weights_ptr, t, num_experts, stride_lt, TOP_K: tl.constexpr,
-                      K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
+                      K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
+                      PDL: tl.constexpr):
+        enter(PDL)
         # BLOCK_T tokens: softmax over the experts in float32, the k largest one at a time (first index
         # on ties), renormalised, rounded to the weights' dtype.
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)

@@ -1,0 +1,117 @@
+"""Programmatic dependent launch for the engine's Triton kernels (app/llm/pdl.py): the switch, the rule
+that keeps the chain of early launches sound (every taking-part kernel waits first, and every launch of
+it passes the switch), and on a Hopper GPU an engine with it on answering as with it off."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.llm import pdl
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL_FILES = ("kernels.py", "moe_routing.py", "fused_moe.py", "gemv.py", "attention.py")
+
+
+def test_the_switch_stays_off_without_a_hopper_gpu():
+    assert pdl.enable(True, torch.device("cpu")) is False and pdl.on() is False
+    assert pdl.enable(True, None) is False
+    assert pdl.args() == {"PDL": False}
+
+
+def _jit_kernels(tree: ast.Module) -> list[ast.FunctionDef]:
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") and any(
+                ast.unparse(d).endswith("triton.jit") for d in node.decorator_list):
+            out.append(node)
+    return out
+
+
+def _first_statement(fn: ast.FunctionDef) -> str:
+    body = fn.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):  # a docstring
+        body = body[1:]
+    return ast.unparse(body[0])
+
+
+@pytest.mark.parametrize("name", KERNEL_FILES)
+def test_every_engine_kernel_waits_first_and_every_launch_passes_the_switch(name):
+    """A kernel launched early must wait for the one before it before it reads anything, and every program
+    must wait before it may return (else its grid could end before the grid it depends on, and the next
+    kernel's wait would cover neither): `enter(PDL)` first. A launch without `pdl.args()` would compile the
+    kernel without the wait while the switch says on."""
+    tree = ast.parse((ROOT / "app" / "llm" / name).read_text())
+    kernels = _jit_kernels(tree)
+    assert kernels
+    for fn in kernels:
+        assert "PDL" in [a.arg for a in fn.args.args], fn.name
+        assert _first_statement(fn) == "enter(PDL)", fn.name
+    launched = {fn.name: 0 for fn in kernels}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+            target = ast.unparse(node.func.value)
+            if target in launched:
+                launched[target] += 1
+                assert any(k.arg is None and ast.unparse(k.value) == "pdl.args()" for k in node.keywords), target
+    assert all(launched.values()), launched  # every kernel has a launch site here, and each was checked
+
+
+def test_the_check_sees_a_kernel_that_reads_before_it_waits():
+    tree = ast.parse('''
+@triton.jit
+def _bad_kernel(x_ptr, PDL: tl.constexpr):
+    v = tl.load(x_ptr)
+    enter(PDL)
+''')
+    (fn,) = _jit_kernels(tree)
+    assert _first_statement(fn) != "enter(PDL)"
+
+
+needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                                  reason="needs a Hopper GPU (compute capability 9 or later)")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_an_engine_with_pdl_answers_as_without(tmp_path):
+    """The tiny MoE engine in float32 on CUDA, decode and step graphs on, greedy: the same tokens with the
+    kernels launched early as without, for single streams (the one- and two-token paths) and a batch."""
+    from app.checkpoints.model_builder import resolve_model
+    from app.llm.engine import Engine
+    from app.llm.sampling import SamplingParams
+    from app.llm.sequence import GenerationRequest
+
+    path = str(resolve_model("embedded:tiny-qwen3-vl-moe", str(tmp_path)))
+
+    def reqs(n):
+        return [GenerationRequest(list(range(5 + i, 60 + i)), [0] * 55, [],
+                                  SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)) for i in range(n)]
+
+    answers = {}
+    try:
+        for on in (True, False):
+            engine = Engine(path, "cuda", dtype="float32", pdl=on, max_num_seqs=8)
+            try:
+                assert pdl.on() is on
+                single = [[t for c in engine.generate(r) for t in c.token_ids] for r in reqs(2)]
+                seqs = [engine.submit(r) for r in reqs(6)]
+                batch = []
+                for s in seqs:
+                    toks = []
+                    while True:
+                        c = s.next_chunk(timeout=120)
+                        toks += c.token_ids
+                        if c.finish_reason:
+                            break
+                    batch.append(toks)
+                answers[on] = (single, batch)
+                assert engine.graph_steps > 0
+            finally:
+                engine.shutdown()
+    finally:
+        pdl.enable(False)
+    assert answers[True] == answers[False]
