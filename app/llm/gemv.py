@@ -1,32 +1,14 @@
 """Projections of one- and two-token steps (single-stream decode) as Triton matrix-vector products, used
-for a weight shape only where they beat cuBLAS on this GPU, as timed when the engine starts.
+per weight shape only where they beat cuBLAS on this GPU, as timed when the engine starts.
 
-At one token a projection streams its weight once, so bandwidth is its whole cost. cuBLAS runs the
-30B-A3B shape's o-projection (2048 x 4096) as a split-K GEMM and a reduction, 8.5 us for 16.8 MB on
-an H200 (about 2 TB/s of 4.8), and its 0.5 MB router GEMM takes 5 us, latency rather than bandwidth
-(benchmarks/results/2026-11-27-models-beyond-one-gpu.md). A first matrix-vector kernel
-(`llm.skinny_gemm`, removed the same day) ran at 0.41x cuBLAS: it multiplied both rows against each
-weight tile as one 3-D broadcast. This one has the shape of the MoE experts' matrix-vector kernel
-(fused_moe._gate_up_vec_kernel, 3.4 TB/s on an H200): each program owns BLOCK_N weight rows, streams
-them along K once, and keeps one float32 accumulator per token row. It rounds once, as F.linear does;
-only the order of the float32 sums differs (as it does between cuBLAS's own plans). Split-K tiles divide
-K among several programs per column tile and sum their float32 parts in the same launch, in a fixed
-order (the last program of a tile to finish does it), for layers with too few column tiles to keep the
-memory system busy (added after the measurements below; the start-up timing decides where they run).
-
-`GemvTable.tune` times every distinct weight shape of the model, for one and for two rows, against
-F.linear, cycling through every layer's weight of that shape so that each call reads HBM as a decode
-step does (a single weight would sit in the L2 cache), and keeps the fastest kernel tile only where it
-beats cuBLAS by `MIN_GAIN`. `GemvTable.linear` dispatches by the table; everything else (more rows,
-the CPU, shapes cuBLAS won) is F.linear.
-
-Measured on one H200 (2026-12-01, benchmarks/results/2026-12-01-goodput-mix-gemv-h200.md), us per call
-at one row: 30B-A3B qkv 7.48 against cuBLAS's 8.13, the router 2.84 against 4.85 (kept), the o-projection
-9.12 against 9.53 (within MIN_GAIN: cuBLAS); 8B qkv 14.63 against 16.28 and o 11.42 against 13.48 (kept),
-its MLP 49.0 / 28.1 against 48.8 / 29.5 (cuBLAS). Two rows lost everywhere but the router. Single-stream
-decode: 30B-A3B 304.99 against 297.73 tok/s (+2.4%), 8B 213.64 against 207.11 (+3.2%); 64 streams
-unchanged (the kernel does not apply). The tuning did not lengthen the engine's start (12.9 s with it,
-13.7 s without: the spread between runs).
+At one token a projection streams its weight once: bandwidth is the whole cost, and cuBLAS's plans for
+small layers reach little of it (the 0.5 MB MoE router 4.85 us, the 30B o-projection's split-K about
+2 TB/s on an H200). Each program owns BLOCK_N weight rows and streams them along K once, one float32
+accumulator per token row, rounded once as F.linear rounds (only the order of the sums differs); split-K
+tiles sum their parts in the same launch. `GemvTable.tune` times each shape against F.linear over every
+layer's weight in turn (HBM reads, as in a step, not the L2's) and keeps a tile only below MIN_GAIN of
+cuBLAS. On one H200: 30B-A3B single-stream decode +2.4%, 8B +3.2% (docs/concepts/engine.md, "Steps of
+one token"; benchmarks/results/2026-12-01-goodput-mix-gemv-h200.md).
 """
 
 from __future__ import annotations

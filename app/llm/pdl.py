@@ -1,23 +1,14 @@
 """Programmatic dependent launch (Hopper and later) for the engine's own Triton kernels: opt-in, `llm.pdl`.
 
-A single-stream decode step of 30B-A3B is about 600 kernels, most of them a few microseconds long, and
-the GPU sits idle for 13% of the step between them (one H200, 2026-12-01, CUPTI), so the profile's
-advice was fewer kernels or overlapping their edges. With programmatic dependent launch, a kernel
-launched with the attribute may start while the kernel before it on the stream still runs: its blocks
-are scheduled once every block of the one before has started, and it waits on the device
-(`griddepcontrol.wait`) until that one has finished and its writes are visible. What overlaps is
-the launch and scheduling latency, not any work.
-
-Every kernel that takes part calls `enter(PDL)` as its first statement, before it reads anything a
-kernel before it may have written. Calling it first also keeps the chain sound: a program that returns
-early has waited too, so a grid never finishes before the grid it depends on, and two kernels back are
-covered through the one in between. Kernels that do not take part (cuBLAS's, torch's) are launched as
-usual and wait for the whole grid before them; a launch with the attribute after one of them waits for
-it too. CUDA graphs record these launches as programmatic edges.
-
-`enable` sets the switch for the process. The engine sets it before it captures its graphs, and every
-wrapper reads it when it launches (`args()`: the kernel's `PDL` constexpr and the launch option). Off,
-on a CPU, or before Hopper, nothing changes.
+A single-stream decode step of 30B-A3B is about 600 kernels of a few microseconds, and the GPU sat idle
+13% of the step between them (one H200, 2026-12-01). Launched with the attribute, a kernel may start
+once every block of the kernel before it has started, and waits on the device (`griddepcontrol.wait`)
+until that one has finished and its writes are visible: the launch latency overlaps, no work does.
+Every taking-part kernel calls `enter(PDL)` first, before it reads anything and before any program may
+return, so no grid ends before the grid it depends on and the chain holds two kernels back too;
+cuBLAS's and torch's kernels launch as usual. `enable` sets the switch for the process (the engine, before
+it times or captures anything); each launch passes `args()`. CUDA graphs keep the edges
+(docs/concepts/engine.md, "Steps of one token").
 """
 
 from __future__ import annotations
