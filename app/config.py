@@ -197,6 +197,9 @@ class LLMConfig(_Strict):
                               "of one- and two-token steps (qkv, o, the MoE router, the dense MLP) as a Triton "
                               "matrix-vector product against cuBLAS, and uses the kernel where it is faster "
                               "(app/llm/gemv.py; a few seconds of start-up); false keeps cuBLAS throughout")
+    decode_gemv_split: bool = Field(False, description="with decode_gemv: split-K tiles among the candidates "
+                                    "(K divided among several programs per column tile, the parts summed in the "
+                                    "same launch); off until measured on a GPU (decode.py --gemv-split)")
     pdl: bool = Field(False, description="on Hopper and later: the engine's Triton kernels are launched with "
                       "programmatic dependent launch, so that each may start while the one before it finishes (its "
                       "blocks wait on the device for that one's writes); aimed at single-stream decode, whose ~600 "

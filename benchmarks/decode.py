@@ -144,9 +144,9 @@ def rank_main(rank: int, a, path: str, port: int, out: str) -> None:
     t0 = time.perf_counter()
     engine = Engine(path, "cuda", tp=tp, load_format="dummy", max_model_len=a.max_model_len,
                     max_num_seqs=a.max_num_seqs, gpu_memory_utilization=a.gpu_memory_utilization,
-                    decode_gemv=not a.no_gemv, pdl=a.pdl, **({"decode_kv_splits": 1} if a.no_kv_split else {}))
+                    decode_gemv=not a.no_gemv, decode_gemv_split=a.gemv_split, pdl=a.pdl, **({"decode_kv_splits": 1} if a.no_kv_split else {}))
     res = {"preset": a.preset, "layers": engine.spec.layers, "tp": a.tp, "moe": a.moe, "legacy_moe": a.legacy_moe,
-           "no_kv_split": a.no_kv_split, "no_gemv": a.no_gemv, "pdl": a.pdl, "gemv": engine.model.gemv.as_dict(), "symm_all_reduce": a.tp > 1 and tp.fast is not None,
+           "no_kv_split": a.no_kv_split, "no_gemv": a.no_gemv, "gemv_split": a.gemv_split, "pdl": a.pdl, "gemv": engine.model.gemv.as_dict(), "symm_all_reduce": a.tp > 1 and tp.fast is not None,
            "direct_config": json.loads(Path(a.direct_config).read_text()) if a.direct_config else None,
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "engine_start_s": time.perf_counter() - t0, "kv_blocks": engine.blocks.usable_blocks,
@@ -208,6 +208,8 @@ def main() -> None:
                         "always sorted by expert): an A/B against today's in one device call")
     p.add_argument("--no-gemv", action="store_true",
                    help="cuBLAS for every projection (llm.decode_gemv false), for the A/B of app/llm/gemv.py")
+    p.add_argument("--gemv-split", action="store_true",
+                   help="split-K tiles among the matrix-vector candidates (llm.decode_gemv_split), for their A/B")
     p.add_argument("--pdl", action="store_true",
                    help="programmatic dependent launch for the engine's Triton kernels (llm.pdl), for its A/B")
     p.add_argument("--no-kv-split", action="store_true",

@@ -227,16 +227,21 @@ async def send(url: str, items: list[tuple[int, float, bytes]], tag: str, proces
 
 
 # ---------------------------------------------------------------------------- arithmetic
-def workload_ramp_s(ramp_s: float, warmup: dict | None, max_ramp_s: float) -> float:
-    """A workload's ramp: `ramp_s`, or the warm-up's E2E p99 where that is longer (capped). Completions in
-    the window come from arrivals up to one E2E before it: with answers longer than the ramp (the mix's
-    512-token tails, E2E p99 3-4 s against a 2 s ramp on one H200, 2026-12-01) the first seconds of the
-    window lack the completions of requests that were never sent, and served read 89-97% of offered at
-    rates whose TTFT was well inside the bound."""
-    e2e = ((warmup or {}).get("e2e_ms") or {}).get("p99")
-    if e2e is None or not math.isfinite(e2e):
+RAMP_MARGIN = 1.25  # answers grow with the rate: a ramp from lower rates' E2E p99 gets this much more
+
+
+def workload_ramp_s(ramp_s: float, seen: list[dict | None], max_ramp_s: float) -> float:
+    """A point's ramp: `ramp_s`, or RAMP_MARGIN x the longest E2E p99 among the points already measured for
+    its workload (the warm-up first), where that is longer; at most `max_ramp_s`. Completions in the
+    window come from arrivals up to one E2E before it: with answers longer than the ramp (the mix's
+    512-token tails, points' E2E p99 2.9-4.3 s against a 2 s ramp on one H200, 2026-12-01; its warm-up,
+    at the lowest rate, 2.5 s) the first seconds of the window lack the completions of requests that were
+    never sent, and served read 89-97% of offered at rates whose TTFT was well inside the bound."""
+    p99s = [((p or {}).get("e2e_ms") or {}).get("p99") for p in seen]
+    p99s = [x for x in p99s if x is not None and math.isfinite(x)]
+    if not p99s:
         return ramp_s
-    return max(ramp_s, min(max_ramp_s, e2e / 1e3))
+    return max(ramp_s, min(max_ramp_s, RAMP_MARGIN * max(p99s) / 1e3))
 
 
 def window_for(window_s: float, rate: float, min_arrivals: int, max_window_s: float) -> float:
@@ -825,11 +830,11 @@ def startup_durations(load: dict) -> dict[str, dict]:
         st = r.get("startup") or {}
         t0 = st.get("started_at")
         ready = r.get("ready_at")
-        proc = st.get("process_started_at")
+        loaded = st.get("code_loaded_at")
         out[str(r.get("replica"))] = {
             "to_ready_s": None if t0 is None or ready is None else round(ready - t0, 2),
-            "process_to_constructor_s": None if proc is None or t0 is None else round(t0 - proc, 2),
-            "process_started_at": proc, "ready_at": ready,
+            "code_to_constructor_s": None if loaded is None or t0 is None else round(t0 - loaded, 2),
+            "code_loaded_at": loaded, "ready_at": ready,
             "phases_s": {p["name"]: round(p["end"] - p["start"], 2) for p in st.get("phases", [])}}
     return out
 
@@ -1236,8 +1241,9 @@ def parse_args(argv: list[str] | None = None):
                         "--max-window-s): fewer make the 98%% rule read noise (one request of 150 is 0.7%%)")
     p.add_argument("--max-window-s", type=float, default=30.0, help="the longest window --min-window-arrivals makes")
     p.add_argument("--max-ramp-s", type=float, default=12.0,
-                   help="a workload's ramp is at least its warm-up's E2E p99 (requests that take longer than the "
-                        "ramp would start the window short of completions), up to this")
+                   help="a point's ramp is at least 1.25 x the longest E2E p99 of its workload's warm-up and earlier "
+                        "points (requests that take longer than the ramp would start the window short of "
+                        "completions), up to this")
     p.add_argument("--drain-s", type=float, default=30.0, help="wait at most this long after the last arrival")
     p.add_argument("--drain-guess-s", type=float, default=2.0, help="drain time assumed by the deadline check")
     p.add_argument("--timeout-s", type=float, default=120.0, help="client connect / read timeout per request")
@@ -1330,12 +1336,12 @@ def main(argv: list[str] | None = None) -> dict:
             for rid, st in results["meta"]["llm_startup"].items():
                 top = sorted(st["phases_s"].items(), key=lambda kv: -kv[1])[:8]
                 around = ""
-                if first.get("deploy_wall_at") and st.get("process_started_at") and st.get("ready_at"):
+                if first.get("deploy_wall_at") and st.get("code_loaded_at") and st.get("ready_at"):
                     # the rest of a first deploy's ready time: before the replica's constructor, after it
-                    st["deploy_to_process_s"] = round(st["process_started_at"] - first["deploy_wall_at"], 2)
+                    st["deploy_to_code_s"] = round(st["code_loaded_at"] - first["deploy_wall_at"], 2)
                     st["replica_ready_to_app_ready_s"] = round(first["ready_wall_at"] - st["ready_at"], 2)
-                    around = (f" (deploy to its process {st['deploy_to_process_s']} s, process to constructor "
-                              f"{st['process_to_constructor_s']} s, its ready to the app's "
+                    around = (f" (deploy to its worker loading the code {st['deploy_to_code_s']} s, the imports "
+                              f"{st['code_to_constructor_s']} s, its ready to the app's "
                               f"{st['replica_ready_to_app_ready_s']} s)")
                 print(f"LLM replica {rid}: ready {st['to_ready_s']} s after its start{around}; longest phases: "
                       + ", ".join(f"{k} {v:.1f} s" for k, v in top), flush=True)
@@ -1358,12 +1364,11 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"{wl.label}: warm-up {a.warmup_s:g} s at {warm_rate:g} req/s: TTFT p99 "
                           f"{w['ttft_ms']['p99']:.0f} ms, errors {w['errors'] or 0}", flush=True)
             bound = entry["ttft_p99_bound_ms"]
-            ramp = workload_ramp_s(a.ramp_s, entry.get("warmup"), a.max_ramp_s)
-            if ramp > a.ramp_s:
-                print(f"{wl.label}: ramp {ramp:.1f} s (the warm-up's E2E p99)", flush=True)
-            entry["ramp_s"] = ramp
 
-            def measure(rate: float, wl=wl, entry=entry, bound=bound, ramp=ramp) -> dict | None:
+            def measure(rate: float, wl=wl, entry=entry, bound=bound) -> dict | None:
+                # the answers seen so far (warm-up, earlier points) set this point's ramp
+                seen = [entry.get("warmup"), *entry.get("search", {}).get("points", [])]
+                ramp = workload_ramp_s(a.ramp_s, seen, a.max_ramp_s)
                 p = bench.point(wl, rate, ramp, window_for(a.window_s, rate, a.min_window_arrivals, a.max_window_s))
                 if p is None:
                     print(f"{wl.label}: no time left for {rate:g} req/s", flush=True)

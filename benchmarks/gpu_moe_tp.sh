@@ -31,6 +31,8 @@ for s in $STAGES; do case $s in
              --out "$OUT/moe30b_gemv.json"
            run moe30b_cublas timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --no-gemv \
              --out "$OUT/moe30b_cublas.json"
+           run moe30b_gemv_split timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --gemv-split \
+             --out "$OUT/moe30b_gemv_split.json"
            run dense8b_gemv timeout 150 python3 benchmarks/decode.py --preset qwen3-vl-8b --new 128 --out "$OUT/dense8b_gemv.json"
            run dense8b_cublas timeout 150 python3 benchmarks/decode.py --preset qwen3-vl-8b --new 128 --no-gemv \
              --out "$OUT/dense8b_cublas.json" ;;

@@ -445,10 +445,17 @@ def test_a_sweep_against_a_fake_server_finds_its_capacity(fake, tmp_path):
     server, url = fake
     r = main(["--url", url, "--workload", "image@32", "--rates", "4", "8", "30", "--max-points", "4",
               "--ramp-s", "1", "--window-s", "3", "--warmup-s", "1", "--drain-s", "10", "--ttft-p99-ms", "300",
-              "--load-processes", "2", "--no-monitor", "--out-dir", str(tmp_path)])
+              "--min-window-arrivals", "24", "--load-processes", "2", "--no-monitor", "--out-dir", str(tmp_path)])
     w = r["workloads"]["image 32^2"]
     pts = w["search"]["points"]
     assert [p["rate"] for p in pts] == [4, 8, 30, 19]
+    # each point's window holds 24 arrivals at least (4 req/s: 6 s), and its ramp is 1.25 x the longest
+    # E2E p99 seen before it where that beats --ramp-s: after the overloaded point, the queue's answers
+    assert [p["window_s"] for p in pts] == pytest.approx([6.0, 3.0, 3.0, 3.0])
+    seen = [w["warmup"]["e2e_ms"]["p99"]] + [p["e2e_ms"]["p99"] for p in pts]
+    for i, p in enumerate(pts):
+        assert p["ramp_s"] == pytest.approx(max(1.0, min(12.0, 1.25 * max(seen[:i + 1]) / 1e3)))
+    assert pts[3]["ramp_s"] > 1.0  # the 30 req/s point's queue made the last point's ramp longer
     assert [p["passes"] for p in pts][:3] == [True, True, False]
     assert 8 <= w["search"]["goodput"] < 20 and w["search"]["fails_at"] in (19, 30)
     over = pts[2]
@@ -603,33 +610,34 @@ def test_a_replicas_start_is_told_in_seconds_per_phase():
     """/v1/llm/load's wall-clock phases (app/serving/startup.py) as durations, and the time to ready."""
     from app.serving.startup import StartupTimeline
 
-    st = StartupTimeline(started_at=1000.0, process_started_at=993.5)
+    st = StartupTimeline(started_at=1000.0, code_loaded_at=993.5)
     st.add("model", 1000.5, 1012.0)
     st.extend("engine", [("graphs", 1012.0, 1030.25)])
     load = {"replicas": [{"replica": "a", "ready_at": 1041.0, "startup": st.as_dict()},
                          {"replica": "b", "ready_at": None, "startup": None}]}
     assert startup_durations(load) == {
-        "a": {"to_ready_s": 41.0, "process_to_constructor_s": 6.5, "process_started_at": 993.5, "ready_at": 1041.0,
+        "a": {"to_ready_s": 41.0, "code_to_constructor_s": 6.5, "code_loaded_at": 993.5, "ready_at": 1041.0,
               "phases_s": {"model": 11.5, "engine: graphs": 18.25}},
-        "b": {"to_ready_s": None, "process_to_constructor_s": None, "process_started_at": None, "ready_at": None,
+        "b": {"to_ready_s": None, "code_to_constructor_s": None, "code_loaded_at": None, "ready_at": None,
               "phases_s": {}}}
 
 
-def test_a_timeline_knows_when_its_process_started():
-    import psutil
+def test_a_timeline_knows_when_its_process_loaded_the_serving_code():
+    import app.serving.startup as startup
 
-    from app.serving.startup import StartupTimeline
+    st = startup.StartupTimeline()
+    assert st.code_loaded_at == startup.IMPORTED_AT <= st.started_at and st.as_dict()["code_loaded_at"] == st.code_loaded_at
 
-    assert StartupTimeline().process_started_at == pytest.approx(psutil.Process().create_time())
 
-
-def test_the_ramp_covers_the_warm_ups_long_answers_and_the_window_enough_arrivals():
-    """A workload whose answers take longer than the ramp gets a ramp of its warm-up's E2E p99 (capped);
-    a slow rate gets a window long enough for `min_arrivals` arrivals."""
-    assert workload_ramp_s(2.0, {"e2e_ms": {"p99": 4300.0}}, 12.0) == pytest.approx(4.3)
-    assert workload_ramp_s(2.0, {"e2e_ms": {"p99": 180.0}}, 12.0) == 2.0  # 448² images: unchanged
-    assert workload_ramp_s(2.0, {"e2e_ms": {"p99": 60000.0}}, 12.0) == 12.0
-    assert workload_ramp_s(2.0, None, 12.0) == 2.0 and workload_ramp_s(2.0, {"e2e_ms": {"p99": math.nan}}, 12.0) == 2.0
+def test_the_ramp_covers_the_long_answers_seen_and_the_window_enough_arrivals():
+    """A point whose workload's answers took longer than the ramp gets a ramp of 1.25 x the longest E2E
+    p99 measured so far (capped); a slow rate gets a window long enough for `min_arrivals` arrivals."""
+    warmup, point = {"e2e_ms": {"p99": 2500.0}}, {"e2e_ms": {"p99": 4300.0}}  # the mix on one H200
+    assert workload_ramp_s(2.0, [warmup], 12.0) == pytest.approx(3.125)  # 1.25 x the warm-up's
+    assert workload_ramp_s(2.0, [warmup, point], 12.0) == pytest.approx(5.375)  # and then the longest so far
+    assert workload_ramp_s(2.0, [{"e2e_ms": {"p99": 180.0}}], 12.0) == 2.0  # 448² images: unchanged
+    assert workload_ramp_s(2.0, [{"e2e_ms": {"p99": 60000.0}}], 12.0) == 12.0
+    assert workload_ramp_s(2.0, [None], 12.0) == 2.0 and workload_ramp_s(2.0, [{"e2e_ms": {"p99": math.nan}}], 12.0) == 2.0
     assert window_for(6.0, 25.0, 400, 30.0) == pytest.approx(16.0) and window_for(6.0, 135.0, 400, 30.0) == 6.0
     assert window_for(6.0, 1.0, 400, 30.0) == 30.0 and window_for(6.0, 1.0, 0, 30.0) == 6.0
 

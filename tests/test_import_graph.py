@@ -124,12 +124,22 @@ def unresolved_app_imports() -> list[str]:
     bad = []
     for folder in (*SCRIPT_FOLDERS, "app"):
         for path in (ROOT / folder).rglob("*.py"):
+            here = list(path.relative_to(ROOT).with_suffix("").parts)
+            package = here if path.name == "__init__.py" else here[:-1]
             for node in ast.walk(ast.parse(path.read_text())):
-                if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                if not isinstance(node, ast.ImportFrom):
                     continue
-                if node.module.split(".")[0] not in ("app", "benchmarks", "deployments"):
+                if node.level:  # relative: from the importing file's package, `level - 1` packages up
+                    if folder not in ("app", "deployments"):
+                        continue
+                    parts = package[:len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+                    module_name = ".".join(parts)
+                elif node.module and node.module.split(".")[0] in ("app", "benchmarks", "deployments"):
+                    module_name = node.module
+                else:
                     continue
-                base = ROOT.joinpath(*node.module.split("."))
+                node.module = module_name  # reported by its absolute name
+                base = ROOT.joinpath(*module_name.split("."))
                 module = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
                 if not module.is_file():
                     bad.append(f"{path.relative_to(ROOT)}: no module {node.module}")

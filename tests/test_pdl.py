@@ -22,13 +22,28 @@ def test_the_switch_stays_off_without_a_hopper_gpu():
     assert pdl.args() == {"PDL": False}
 
 
-def _jit_kernels(tree: ast.Module) -> list[ast.FunctionDef]:
-    out = []
+def _jit_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    """Every function under a `triton.jit` decorator (called with options or not)."""
+    out = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") and any(
-                ast.unparse(d).endswith("triton.jit") for d in node.decorator_list):
-            out.append(node)
+        if isinstance(node, ast.FunctionDef) and any(
+                ast.unparse(d.func if isinstance(d, ast.Call) else d).endswith("triton.jit")
+                for d in node.decorator_list):
+            out[node.name] = node
     return out
+
+
+def _launches(tree: ast.Module, names) -> list[tuple[str, ast.Call]]:
+    """Calls of the form `name[grid](...)`: the launches of those jit functions."""
+    return [(ast.unparse(n.func.value), n) for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Subscript) and ast.unparse(n.func.value) in names]
+
+
+def _jit_kernels(tree: ast.Module) -> list[ast.FunctionDef]:
+    """The jit functions launched as kernels in the same file (the others are helpers they call)."""
+    fns = _jit_functions(tree)
+    launched = {name for name, _ in _launches(tree, fns)}
+    return [fn for name, fn in fns.items() if name in launched]
 
 
 def _first_statement(fn: ast.FunctionDef) -> str:
@@ -50,25 +65,32 @@ def test_every_engine_kernel_waits_first_and_every_launch_passes_the_switch(name
     for fn in kernels:
         assert "PDL" in [a.arg for a in fn.args.args], fn.name
         assert _first_statement(fn) == "enter(PDL)", fn.name
-    launched = {fn.name: 0 for fn in kernels}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
-            target = ast.unparse(node.func.value)
-            if target in launched:
-                launched[target] += 1
-                assert any(k.arg is None and ast.unparse(k.value) == "pdl.args()" for k in node.keywords), target
-    assert all(launched.values()), launched  # every kernel has a launch site here, and each was checked
+    for target, call in _launches(tree, {fn.name for fn in kernels}):
+        assert any(k.arg is None and ast.unparse(k.value) == "pdl.args()" for k in call.keywords), target
+
+
+def test_kernels_that_take_part_live_only_in_the_checked_files():
+    """Kernels elsewhere in app/llm (the sampler's, the log-probabilities') do not take part: launched
+    without the attribute, they wait for the whole grid before them, which keeps the chain. A file that
+    starts launching with the switch must join KERNEL_FILES, so that the rule above checks it."""
+    for path in sorted((ROOT / "app" / "llm").glob("*.py")):
+        if path.name in (*KERNEL_FILES, "pdl.py"):
+            continue
+        assert "launch_pdl" not in path.read_text() and "pdl.args()" not in path.read_text(), path.name
 
 
 def test_the_check_sees_a_kernel_that_reads_before_it_waits():
     tree = ast.parse('''
-@triton.jit
-def _bad_kernel(x_ptr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["n"])
+def add_one(x_ptr, n, PDL: tl.constexpr):
     v = tl.load(x_ptr)
     enter(PDL)
+
+def launch(x):
+    add_one[(1,)](x, 1, **pdl.args())
 ''')
-    (fn,) = _jit_kernels(tree)
-    assert _first_statement(fn) != "enter(PDL)"
+    (fn,) = _jit_kernels(tree)  # found by its launch, whatever its name and decorator form
+    assert fn.name == "add_one" and _first_statement(fn) != "enter(PDL)"
 
 
 needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,

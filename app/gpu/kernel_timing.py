@@ -27,7 +27,7 @@ def cuda_times_ms(fn, runs: int, warmup: int = 3) -> list[float]:
     return out
 
 
-def graph_us(fn, inner: int = 1, runs: int = 30, warmup: int = 3) -> float:
+def graph_us(fn, inner: int = 1, runs: int = 30, warmup: int = 3, stream: torch.cuda.Stream | None = None) -> float:
     """Median µs of one `fn()` call replayed from a CUDA graph of `inner` calls, so that launch gaps
     weigh as they do inside the tower's graphs (the kernel benchmarks' timer). `fn` is run `warmup`
     times on a side stream first: capture needs its lazy initialisation (cuBLAS handles, workspaces,
@@ -39,7 +39,7 @@ def graph_us(fn, inner: int = 1, runs: int = 30, warmup: int = 3) -> float:
     synchronisations), and it is begun on the side stream directly rather than through
     `torch.cuda.graph`, whose entry synchronises the whole device and empties the allocator's caches;
     every wait here is on the streams used."""
-    side = torch.cuda.Stream()
+    side = stream or torch.cuda.Stream()  # a caller timing many things passes one (each keeps a cuBLAS workspace)
     side.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):

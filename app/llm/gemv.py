@@ -6,8 +6,8 @@ small layers reach little of it (the 0.5 MB MoE router 4.85 us, the 30B o-projec
 2 TB/s on an H200). Each program owns BLOCK_N weight rows and streams them along K once, one float32
 accumulator per token row, rounded once as F.linear rounds (only the order of the sums differs); split-K
 tiles sum their parts in the same launch. `GemvTable.tune` times each shape against F.linear over every
-layer's weight in turn (HBM reads, as in a step, not the L2's) and keeps a tile only below MIN_GAIN of
-cuBLAS. On one H200: 30B-A3B single-stream decode +2.4%, 8B +3.2% (docs/concepts/engine.md, "Steps of
+layer's weight in turn (HBM reads, as in a step, where they outgrow the L2: 48 routers' 24 MB do not) and
+keeps a tile only below MIN_GAIN of cuBLAS and only if its output then matches F.linear's. On one H200: 30B-A3B single-stream decode +2.4%, 8B +3.2% (docs/concepts/engine.md, "Steps of
 one token"; benchmarks/results/2026-12-01-goodput-mix-gemv-h200.md).
 """
 
@@ -35,13 +35,14 @@ Linear = Callable[..., torch.Tensor]  # F.linear's signature: (x, weight, bias=N
 
 MAX_ROWS = 2  # token rows the kernel takes; steps with more go to cuBLAS
 MIN_GAIN = 0.95  # the kernel is used where it takes at most this share of cuBLAS's time
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT) timed per shape. The first four won a shape on an H200
-# (2026-12-01; of six unsplit tiles, (2, 256) and (16, 256) never did). SPLIT > 1 divides K among that many
-# programs per column tile, as cuBLAS's split-K plan for the o-projection does, but sums the float32 parts
-# in the same kernel (the last program of a tile to finish adds them, in a fixed order): the one layer
-# where the unsplit kernel lost, 2048 x 4096 (9.12 against 9.53 us), has only 512 column tiles of 4 rows.
-TILES = ((4, 512, 4, 3, 1), (4, 256, 4, 3, 1), (8, 256, 4, 3, 1), (8, 512, 8, 3, 1), (8, 256, 4, 3, 4),
-         (16, 256, 4, 3, 4))
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT) timed per shape: the three of six unsplit tiles that won
+# a shape on an H200 (2026-12-01)
+TILES = ((4, 512, 4, 3, 1), (8, 256, 4, 3, 1), (8, 512, 8, 3, 1))
+# Split-K candidates (`llm.decode_gemv_split`, off until a GPU has run them): K divided among SPLIT programs
+# per column tile, as cuBLAS's split-K plan for the o-projection does, the float32 parts summed in the same
+# launch by the tile's last program, in split order. Meant for layers with few column tiles: 2048 x 4096
+# has 512 of 4 rows, and there the unsplit kernel's 9.12 us against cuBLAS's 9.53 missed MIN_GAIN.
+SPLIT_TILES = ((8, 256, 4, 3, 4), (16, 256, 4, 3, 4))
 # per (device, rows, N, BLOCK_N, SPLIT): the split tiles' float32 parts and per-tile counters. Made once,
 # outside any CUDA graph (GemvTable.tune makes them before the engine captures its graphs), so the graphs
 # replay with fixed addresses; each call leaves its counters at zero again.
@@ -117,6 +118,9 @@ if triton is not None:
             tl.store(part, acc0, mask=col_ok)
             if ROWS == 2:
                 tl.store(part + n, acc1, mask=col_ok)
+            # every warp's part stored before the count is raised: a scalar atomic runs on one thread, and
+            # its release orders only that thread's own earlier stores
+            tl.debug_barrier()
             done = tl.atomic_add(counts_ptr + pid_n, 1, sem="acq_rel")
             if done == SPLIT - 1:
                 acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -154,10 +158,11 @@ class GemvChoice:
     cublas_us: float
     kernel_us: float
     tile: tuple[int, ...]
+    agrees: bool = True  # the tile's output matched F.linear's on this GPU (checked after timing, on CUDA)
 
     @property
     def used(self) -> bool:
-        return self.kernel_us <= MIN_GAIN * self.cublas_us
+        return self.agrees and self.kernel_us <= MIN_GAIN * self.cublas_us
 
 
 @dataclass
@@ -172,9 +177,12 @@ class GemvTable:
             return F.linear(x, weight, bias)
         return gemv(x, weight, bias, c.tile)
 
-    def tune(self, weights_by_shape: dict[tuple[int, int], list[torch.Tensor]], timer, rows=(1, 2)) -> None:
+    def tune(self, weights_by_shape: dict[tuple[int, int], list[torch.Tensor]], timer, rows=(1, 2),
+             tiles=TILES) -> None:
         """`weights_by_shape`: (N, K) -> every layer's weight of that shape, read in turn by each timed
-        call. `timer(fn) -> us` times one call of `fn` (kernel_timing.graph_us, replayed from a graph)."""
+        call. `timer(fn) -> us` times one call of `fn` (kernel_timing.graph_us, replayed from a graph).
+        On CUDA the fastest tile's output is then checked against F.linear's on several layers' weights,
+        several times over: a tile that disagrees is not used, whatever its speed."""
         for (n, k), ws in weights_by_shape.items():
             for r in rows:
                 x = torch.randn(r, k, dtype=ws[0].dtype, device=ws[0].device)
@@ -184,14 +192,18 @@ class GemvTable:
                         op(x, w)
 
                 base = timer(lambda: cycle(F.linear)) / len(ws)
-                best, best_tile = float("inf"), TILES[0]
-                for tile in TILES:
+                best, best_tile = float("inf"), tiles[0]
+                for tile in tiles:
                     if x.is_cuda:  # compiled, and a split tile's scratch made, before any capture
                         gemv(x, ws[0], None, tile)
                     us = timer(lambda tile=tile: cycle(lambda a, w: gemv(a, w, None, tile))) / len(ws)
                     if us < best:
                         best, best_tile = us, tile
-                self.choices[(r, n, k)] = GemvChoice(r, n, k, base, best, best_tile)
+                agrees = agrees_with_f_linear(x, ws, best_tile) if x.is_cuda else True
+                if not agrees:
+                    log.warning("matrix-vector tile %s disagrees with F.linear at %d x %d x %d: cuBLAS kept",
+                                best_tile, r, n, k)
+                self.choices[(r, n, k)] = GemvChoice(r, n, k, base, best, best_tile, agrees)
         log.info("matrix-vector choice (rows, N, K: cuBLAS us, kernel us, tile, used): %s",
                  "; ".join(f"{c.rows}x{c.n}x{c.k}: {c.cublas_us:.1f}, {c.kernel_us:.1f}, {c.tile}, {c.used}"
                            for c in self.choices.values()))
@@ -202,10 +214,24 @@ class GemvTable:
                 for c in self.choices.values()]
 
 
-def choose_gemv(model) -> tuple[str, float, float] | None:
+def agrees_with_f_linear(x: torch.Tensor, ws: list[torch.Tensor], tile, layers: int = 4, repeats: int = 8) -> bool:
+    """The tile's output against F.linear's on the first `layers` weights, `repeats` times each (a race
+    shows as a wrong sum now and then, not every time): relative error within what two roundings to x's
+    dtype allow."""
+    tol = 1e-4 if x.dtype == torch.float32 else 2e-2
+    for w in ws[:layers]:
+        want = F.linear(x, w).float()
+        for _ in range(repeats):
+            got = gemv(x, w, None, tile).float()
+            if not torch.isfinite(got).all() or (got - want).norm() > tol * want.norm() + 1e-6:
+                return False
+    return True
+
+
+def choose_gemv(model, split: bool = False) -> tuple[str, float, float] | None:
     """Tune `model.gemv` (a TextModel's GemvTable) on its own weights before the decode graphs are
-    captured (they capture whichever kernel the table names). -> the start-up phase (name, start, end),
-    or None where Triton is missing."""
+    captured (they capture whichever kernel the table names); `split` adds SPLIT_TILES to the candidates.
+    -> the start-up phase (name, start, end), or None where Triton is missing."""
     if triton is None:
         return None
     import time
@@ -213,6 +239,11 @@ def choose_gemv(model) -> tuple[str, float, float] | None:
     from ..gpu.kernel_timing import graph_us
 
     t = time.time()
+    device = next(model.parameters()).device
+    side = torch.cuda.Stream(device)  # one side stream for every timing: each new one keeps its own cuBLAS workspace
     with torch.inference_mode():
-        model.gemv.tune(model.projection_weights(), lambda fn: graph_us(fn, runs=10))
+        model.gemv.tune(model.projection_weights(), lambda fn: graph_us(fn, runs=10, stream=side),
+                        tiles=TILES + (SPLIT_TILES if split else ()))
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # the timing graphs' blocks back before the KV cache is sized from free memory
     return ("matrix-vector choice", t, time.time())

@@ -1,14 +1,14 @@
 """Programmatic dependent launch (Hopper and later) for the engine's own Triton kernels: opt-in, `llm.pdl`.
 
 A single-stream decode step of 30B-A3B is about 600 kernels of a few microseconds, and the GPU sat idle
-13% of the step between them (one H200, 2026-12-01). Launched with the attribute, a kernel may start
-once every block of the kernel before it has started, and waits on the device (`griddepcontrol.wait`)
-until that one has finished and its writes are visible: the launch latency overlaps, no work does.
+13% of the step between them (one H200, 2026-12-01). Launched with the attribute after one of these
+kernels, a kernel may start once every block of that one has started (after cuBLAS's or torch's, at
+its end), and waits on the device (`griddepcontrol.wait`) until it has finished and its writes are
+visible: the launch latency overlaps, no work does.
 Every taking-part kernel calls `enter(PDL)` first, before it reads anything and before any program may
 return, so no grid ends before the grid it depends on and the chain holds two kernels back too;
-cuBLAS's and torch's kernels launch as usual. `enable` sets the switch for the process (the engine, before
-it times or captures anything); each launch passes `args()`. CUDA graphs keep the edges
-(docs/concepts/engine.md, "Steps of one token").
+others launch as usual. `enable` sets the switch for the process (the engine, before it times or
+captures anything); each launch passes `args()` (docs/concepts/engine.md, "Steps of one token").
 """
 
 from __future__ import annotations

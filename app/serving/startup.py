@@ -14,16 +14,10 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-
-def process_started_at() -> float | None:
-    """When this process was created (seconds since the epoch): a replica's worker process starts, then
-    imports the deployment's module, before its constructor runs."""
-    try:
-        import psutil
-
-        return psutil.Process().create_time()
-    except Exception:  # noqa: BLE001 - psutil missing or the process table unreadable: not reported
-        return None
+# When this process first imported the serving code: for a replica, when its worker began loading the
+# deployment (a pooled Ray worker may have been started long before it was given the replica, so the
+# process's own start time would say nothing about the deploy)
+IMPORTED_AT = time.time()
 
 
 @dataclass
@@ -32,7 +26,7 @@ class StartupTimeline:
 
     started_at: float = field(default_factory=time.time)
     phases: list[dict] = field(default_factory=list)
-    process_started_at: float | None = field(default_factory=process_started_at)
+    code_loaded_at: float = IMPORTED_AT
 
     @contextmanager
     def phase(self, name: str):
@@ -51,5 +45,4 @@ class StartupTimeline:
             self.add(f"{prefix}: {name}", start, end)
 
     def as_dict(self) -> dict:
-        return {"started_at": self.started_at, "process_started_at": self.process_started_at,
-                "phases": list(self.phases)}
+        return {"started_at": self.started_at, "code_loaded_at": self.code_loaded_at, "phases": list(self.phases)}
