@@ -79,6 +79,16 @@ def prompt_kinds(prompt, items):
     return [("image" if p.grid[0] == 1 else "video") for p in items]
 
 
+def collect(seq, timeout: float = 120):
+    """A submitted sequence's chunks read to its end -> (its tokens, the chunks)."""
+    chunks = []
+    while True:
+        c = seq.next_chunk(timeout=timeout)
+        chunks.append(c)
+        if c.finish_reason:
+            return [t for ch in chunks for t in ch.token_ids], chunks
+
+
 def ours(world, req):
     chunks = list(world["engine"].generate(req))
     return [t for c in chunks for t in c.token_ids], chunks

@@ -15,7 +15,7 @@ import torch
 from app.errors import ClientError
 from app.llm import engine as engine_module
 from app.llm.engine import Engine
-from helpers import attention_calls, make_request, reference_generate
+from helpers import attention_calls, collect, make_request, reference_generate
 
 _ENGINES: dict = {}
 
@@ -45,15 +45,6 @@ def engine(world, overlap, tiny_checkpoint):
     return _ENGINES["overlap"]
 
 KINDS = [[], ["image"], ["video"], ["image", "video"], ["image", "image"], [], ["video", "image", "video"], ["image"]]
-
-
-def collect(seq):
-    chunks = []
-    while True:
-        c = seq.next_chunk(timeout=120)
-        chunks.append(c)
-        if c.finish_reason:
-            return [t for ch in chunks for t in ch.token_ids], chunks
 
 
 def run_all(engine, reqs):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import make_request, ours, reference_generate
+from helpers import collect, make_request, ours, reference_generate
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +53,7 @@ def test_several_requests_batched_equal_each_alone(moe_world):
             for i, kinds in enumerate([["image"], [], ["video"], ["image", "image"]])]
     alone = [ours(moe_world, r)[0] for r in reqs]
     seqs = [eng.submit(r) for r in reqs]
-    together = []
-    for seq in seqs:
-        toks = []
-        while True:
-            c = seq.next_chunk()
-            toks += c.token_ids
-            if c.finish_reason:
-                break
-        together.append(toks)
+    together = [collect(seq)[0] for seq in seqs]
     assert together == alone
 
 

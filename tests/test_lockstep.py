@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers import make_request
+from helpers import collect, make_request
 
 KW = dict(max_num_batched_tokens=32, block_size=4, overlap_steps=True)
 
@@ -26,19 +26,7 @@ def _free_port() -> int:
 def _answers(engine, reqs) -> list[list[list[int]]]:
     """Per request, per choice, the tokens (all requests queued at once, then read)."""
     seqs = [engine.submit_choices(r, [None] * r.params.n) for r in reqs]
-    out = []
-    for choices in seqs:
-        per = []
-        for seq in choices:
-            toks = []
-            while True:
-                c = seq.next_chunk(timeout=120)
-                toks += c.token_ids
-                if c.finish_reason:
-                    break
-            per.append(toks)
-        out.append(per)
-    return out
+    return [[collect(seq)[0] for seq in choices] for choices in seqs]
 
 
 def _rank(rank: int, port: int, path: str, reqs_file: str, out: str) -> None:

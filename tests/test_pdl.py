@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from app.llm import pdl
+from helpers import collect
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_FILES = ("kernels.py", "moe_routing.py", "fused_moe.py", "gemv.py", "attention.py")
@@ -120,16 +121,7 @@ def test_an_engine_with_pdl_answers_as_without(tmp_path):
             try:
                 assert pdl.on() is on
                 single = [[t for c in engine.generate(r) for t in c.token_ids] for r in reqs(2)]
-                seqs = [engine.submit(r) for r in reqs(6)]
-                batch = []
-                for s in seqs:
-                    toks = []
-                    while True:
-                        c = s.next_chunk(timeout=120)
-                        toks += c.token_ids
-                        if c.finish_reason:
-                            break
-                    batch.append(toks)
+                batch = [collect(s)[0] for s in [engine.submit(r) for r in reqs(6)]]
                 answers[on] = (single, batch)
                 assert engine.graph_steps > 0
             finally:
