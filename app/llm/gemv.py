@@ -6,9 +6,9 @@ small layers reach little of it (the 0.5 MB MoE router 4.85 us, the 30B o-projec
 2 TB/s on an H200). Each program owns BLOCK_N weight rows and streams them along K once, one float32
 accumulator per token row, rounded once as F.linear rounds (only the order of the sums differs); split-K
 tiles sum their parts in the same launch. `GemvTable.tune` times each shape against F.linear over every
-layer's weight in turn (HBM reads, as in a step, where they outgrow the L2: 48 routers' 24 MB do not) and
-keeps a tile only below MIN_GAIN of cuBLAS and only if its output then matches F.linear's. On one H200: 30B-A3B single-stream decode +2.4%, 8B +3.2% (docs/concepts/engine.md, "Steps of
-one token"; benchmarks/results/2026-12-01-goodput-mix-gemv-h200.md).
+layer's weight in turn (HBM reads, as in a step, where they outgrow the L2: 48 routers' 24 MB do not),
+keeps a tile only below MIN_GAIN of cuBLAS and only if its output then matches F.linear's. On one H200:
+30B-A3B single-stream decode +2.4%, 8B +3.2% (docs/concepts/engine.md, "Steps of one token").
 """
 
 from __future__ import annotations
@@ -58,12 +58,12 @@ def scratch(device: torch.device, rows: int, n: int, block_n: int, split: int) -
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         tile: tuple[int, ...] = (4, 256, 4, 3, 1)) -> torch.Tensor:
+         tile: tuple[int, int, int, int, int] = TILES[0]) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [rows <= MAX_ROWS, K] and weight [N, K] with contiguous rows."""
     rows, k = x.shape
     n = weight.shape[0]
     assert rows <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
-    block_n, block_k, warps, stages, split = (*tile, 1)[:5]
+    block_n, block_k, warps, stages, split = tile
     chunk = triton.cdiv(triton.cdiv(k, split), block_k) * block_k  # each split's share of K, whole K tiles
     split = triton.cdiv(k, chunk)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
@@ -157,7 +157,7 @@ class GemvChoice:
     k: int
     cublas_us: float
     kernel_us: float
-    tile: tuple[int, ...]
+    tile: tuple[int, int, int, int, int]
     agrees: bool = True  # the tile's output matched F.linear's on this GPU (checked after timing, on CUDA)
 
     @property
