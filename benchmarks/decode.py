@@ -144,9 +144,11 @@ def rank_main(rank: int, a, path: str, port: int, out: str) -> None:
     t0 = time.perf_counter()
     engine = Engine(path, "cuda", tp=tp, load_format="dummy", max_model_len=a.max_model_len,
                     max_num_seqs=a.max_num_seqs, gpu_memory_utilization=a.gpu_memory_utilization,
-                    decode_gemv=not a.no_gemv, decode_gemv_split=a.gemv_split, pdl=a.pdl, **({"decode_kv_splits": 1} if a.no_kv_split else {}))
+                    decode_gemv=not a.no_gemv, decode_gemv_split=a.gemv_split, pdl=a.pdl,
+                    **({"decode_kv_splits": 1} if a.no_kv_split else {}))
     res = {"preset": a.preset, "layers": engine.spec.layers, "tp": a.tp, "moe": a.moe, "legacy_moe": a.legacy_moe,
-           "no_kv_split": a.no_kv_split, "no_gemv": a.no_gemv, "gemv_split": a.gemv_split, "pdl": a.pdl, "gemv": engine.model.gemv.as_dict(), "symm_all_reduce": a.tp > 1 and tp.fast is not None,
+           "no_kv_split": a.no_kv_split, "no_gemv": a.no_gemv, "gemv_split": a.gemv_split, "pdl": a.pdl,
+           "gemv": engine.model.gemv.as_dict(), "symm_all_reduce": a.tp > 1 and tp.fast is not None,
            "direct_config": json.loads(Path(a.direct_config).read_text()) if a.direct_config else None,
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "engine_start_s": time.perf_counter() - t0, "kv_blocks": engine.blocks.usable_blocks,

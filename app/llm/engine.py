@@ -81,7 +81,8 @@ class Engine:
         self.spec = self.model.spec
         # before anything is timed or captured: both see the launches as they will be (app/llm/pdl.py)
         pdl.enable(cfg.pdl, self.device)
-        gemv = choose_gemv(self.model, cfg.decode_gemv_split) if cfg.decode_gemv and self.device.type == "cuda" else None
+        tune = cfg.decode_gemv and self.device.type == "cuda"
+        gemv = choose_gemv(self.model, cfg.decode_gemv_split) if tune else None
         self.rope = Rope.from_config(loaded.config)
         self.vision_ids = vision_token_ids(loaded.config, self.tokenizer)
         self.runner = ModelRunner(self.model, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
