@@ -484,6 +484,24 @@ def gpu_per_request(start: dict, end: dict, completions: int) -> dict:
     return out
 
 
+def gc_delta(start: dict | None, end: dict | None) -> dict | None:
+    """The LLM replicas' full (generation 2) garbage collections inside the window, from the `gc` counters
+    of /v1/llm/load at its two edges (app/serving/gc_pauses.py), over the replicas reported at both:
+    how many, their summed pause, and the longest pause any replica has had so far (not only in the
+    window: the counter is a running maximum). None when neither edge reports them."""
+    def by_replica(load):
+        return {r.get("replica"): r["gc"] for r in (load or {}).get("replicas", []) if isinstance(r.get("gc"), dict)}
+
+    a, b = by_replica(start), by_replica(end)
+    both = [k for k in b if k in a]
+    if not both:
+        return None
+    return {"full_collections": sum(b[k]["collections"][2] - a[k]["collections"][2] for k in both),
+            "full_pause_ms": sum(b[k]["pause_ms_total"][2] - a[k]["pause_ms_total"][2] for k in both),
+            "longest_full_pause_ms_so_far": max(b[k]["pause_ms_max"][2] for k in both),
+            "frozen_objects": min(b[k]["frozen_objects"] for k in both), "replicas": len(both)}
+
+
 async def watch_window(url: str, t0: float, lo: float, hi: float, monitor: bool) -> dict:
     """Server stats at the window's edges and the LLM queue each second inside it; the monitor
     (benchmarks/monitor.py) over the window."""
@@ -530,6 +548,9 @@ async def watch_window(url: str, t0: float, lo: float, hi: float, monitor: bool)
     g1 = {**gpu_totals(enc1 if enc0 is not None else None), **gpu_totals(llm1 if llm0 is not None else None)}
     out["gpu_totals"] = {"start": g0, "end": g1}
     out["gpu_ms"] = {k: g1[k] - g0[k] for k in g1 if k.endswith("gpu_ms_total") and k in g0}
+    gc_window = gc_delta(llm0, llm1)
+    if gc_window is not None:
+        out["gc"] = gc_window
     if mon is not None:
         s = asdict(mon.summary())
         out["resources"] = {k: s[k] for k in ("duration_s", "gpu_source", "gpu_indices", "gpu_mean", "host_cores",
@@ -1076,11 +1097,17 @@ def parts_cell(point: dict) -> str:
     return ", ".join(cells) or "-"
 
 
+def gc_cell(point: dict) -> str:
+    """The LLM replicas' full garbage collections in the window: `count, summed pause ms`."""
+    g = point.get("server", {}).get("gc")
+    return "-" if not g else f"{g['full_collections']}, {g['full_pause_ms']:.0f}"
+
+
 def summary_lines(results: dict) -> list[str]:
     lines = ["| workload | offered req/s | served req/s | served % | TTFT p50 / p99 ms | TPOT p50 / p99 ms | errors "
              "| GPU ms / request: engine, tower | TTFT parts, mean (p99 bucket) ms: encode, queue, prefill "
-             "| GPU busy % | CPU cores by process | pass |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| GPU busy % | CPU cores by process | LLM full GCs: count, ms | pass |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, w in results.get("workloads", {}).items():
         for p in w.get("search", {}).get("points", []):
             res = p["server"].get("resources", {})
@@ -1090,12 +1117,12 @@ def summary_lines(results: dict) -> list[str]:
                          f"{100 * p['served_ratio']:.1f} | {p['ttft_ms']['p50']:.0f} / {p['ttft_ms']['p99']:.0f} | "
                          f"{p['tpot_ms']['p50']:.1f} / {p['tpot_ms']['p99']:.1f} | {errs} | {gpu_cell(p)} | "
                          f"{parts_cell(p)} | {busy} | "
-                         f"{cpu_cell(res.get('groups'))} | {'yes' if p['passes'] else 'no'} |")
+                         f"{cpu_cell(res.get('groups'))} | {gc_cell(p)} | {'yes' if p['passes'] else 'no'} |")
         s = w.get("search", {})
         sat = w.get("closed_loop", {}).get("steady_request_throughput")
         ratio = f", {s.get('goodput', 0) / sat:.2f} of closed-loop saturation {sat:.1f}" if sat else ""
         lines.append(f"| **{label} goodput** | **{s.get('goodput', 0):g} req/s** (fails at {s.get('fails_at')}; "
-                     f"TTFT p99 bound {w.get('ttft_p99_bound_ms'):.0f} ms{ratio}) | | | | | | | | | | |")
+                     f"TTFT p99 bound {w.get('ttft_p99_bound_ms'):.0f} ms{ratio}) | | | | | | | | | | | |")
     if any(p.get("gpu_time") for w in results.get("workloads", {}).values()
            for p in w.get("search", {}).get("points", [])):
         lines += ["", "GPU ms / request: the device time of the engines' steps and of the towers' batches (CUDA "

@@ -10,6 +10,7 @@ from ray import serve
 
 from app.checkpoints.model_builder import resolve_model
 from app.config import AppConfig
+from app.serving.gc_pauses import freeze_heap, watch
 from app.serving.placement import pinned_gpu
 
 from .logs import route_app_logs
@@ -45,6 +46,8 @@ class VisionEncoder:
         self.service = EncoderService(cfg, str(resolve_model(cfg.model, cfg.cache_dir)))
         self.metrics = EncoderMetrics(self.service.stats)
         self.service.batcher.on_batch = self.metrics.on_batch
+        self.gc = watch()
+        freeze_heap("encoder replica", cfg.gc_freeze)
 
     async def encode(self, items: list) -> list:
         """One request's items, batched with other requests' items. Each item is an object-store
@@ -53,6 +56,6 @@ class VisionEncoder:
         return await self.service.encode_async(await resolve_payload(items))
 
     def stats(self) -> dict:
-        """The service's counters, with which replica and GPU they come from."""
+        """The service's counters, with which replica and GPU they come from, and its garbage collector's pauses."""
         return {**self.service.stats(), "replica": serve.get_replica_context().replica_id.unique_id,
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "gc": self.gc.snapshot()}

@@ -19,6 +19,7 @@ from app.checkpoints.model_builder import resolve_model
 from app.config import AppConfig
 from app.llm.sequence import GenerationRequest
 from app.serving.fused import build_generation
+from app.serving.gc_pauses import freeze_heap, watch
 from app.serving.prometheus import RequestMetrics
 from app.serving.shutdown import ANSWER_GRACE_S
 from app.serving.startup import StartupTimeline
@@ -69,6 +70,9 @@ class LLM:
             self.fused.encoder.batcher.on_batch = self.encoder_metrics.on_batch
         self.metrics = LLMMetrics(self.engine.load)
         self.request_metrics = RequestMetrics(cfg.llm.max_model_len)  # GET /metrics (app/serving/prometheus.py)
+        self.gc = watch()
+        with self.startup.phase("garbage collector freeze"):  # start-up's objects, out of every later collection
+            freeze_heap("LLM replica", cfg.gc_freeze)
         # Serve routes to a replica once this constructor returns, warm-up included: replica_load reports
         # both times so that a test can hold that a replica added under load takes nothing while cold
         self.ready_at = time.time()
@@ -141,12 +145,12 @@ class LLM:
     def replica_load(self) -> dict:
         """This replica's engine load with its id and GPU, its engine's cumulative GPU time
         (`engine_gpu_ms_total`, `engine_timed_steps`: app/gpu/timing.py), whether it warmed up, when it
-        became ready and when its first request came, and the phases of its start (wall clock):
-        `/v1/llm/load` merges every replica's."""
+        became ready and when its first request came, the phases of its start (wall clock) and its garbage
+        collector's pauses (app/serving/gc_pauses.py): `/v1/llm/load` merges every replica's."""
         return {"replica": serve.get_replica_context().replica_id.unique_id,
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **self._load(),
                 **self.engine.gpu_time(), "ready_at": self.ready_at, "first_request_at": self.first_request_at,
-                "warmed": self.warmup is not None, "startup": self.startup.as_dict()}
+                "warmed": self.warmup is not None, "startup": self.startup.as_dict(), "gc": self.gc.snapshot()}
 
     def record_routing_stats(self) -> dict:
         """Ray Serve calls this every `request_routing_stats_period_s`; the routers' LeastLoadedRouter

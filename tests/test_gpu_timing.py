@@ -310,7 +310,8 @@ def test_goodput_gpu_time_per_request_from_two_snapshots():
 
 def test_goodput_reads_the_counters_at_the_windows_edges(tmp_path):
     """watch_window against a fake server whose counters move only between the window's two reads of
-    /v1/encoder/stats (the LLM's are read right after each): the deltas are exact."""
+    /v1/encoder/stats (the LLM's are read right after each): the deltas are exact, the GPU time's and the
+    garbage collector's."""
     from benchmarks.goodput import gpu_per_request, summary_lines, watch_window
 
     calls = {"enc": 0}
@@ -324,7 +325,9 @@ def test_goodput_reads_the_counters_at_the_windows_edges(tmp_path):
         k = calls["enc"]
         return web.json_response({"running": 0, "waiting": 0, "kv_usage": 0.0, "num_replicas": 1, "replicas": [
             {"replica": "r", "engine_gpu_ms_total": 100.0 * k, "engine_timed_steps": 20 * k,
-             "engine_gpu_clock": CUDA_EVENTS}]})
+             "engine_gpu_clock": CUDA_EVENTS,
+             "gc": {"collections": [9 * k, 3 * k, k], "pause_ms_total": [1.0 * k, 2.0 * k, 50.0 * k],
+                    "pause_ms_max": [0.5, 1.0, 60.0], "frozen_objects": 1000}}]})
 
     app = web.Application()
     app.router.add_get("/v1/encoder/stats", enc)
@@ -333,6 +336,8 @@ def test_goodput_reads_the_counters_at_the_windows_edges(tmp_path):
         t0 = time.perf_counter()
         out = asyncio.run(watch_window(url, t0, 0.05, 0.3, monitor=False))
     assert out["gpu_ms"] == {"encoder_gpu_ms_total": 7.5, "engine_gpu_ms_total": 100.0}
+    assert out["gc"] == {"full_collections": 1, "full_pause_ms": 50.0, "longest_full_pause_ms_so_far": 60.0,
+                         "frozen_objects": 1000, "replicas": 1}
     g = gpu_per_request(out["gpu_totals"]["start"], out["gpu_totals"]["end"], completions=5)
     assert g["engine"]["ms_per_request"] == 20.0 and g["engine"]["steps_per_request"] == 4.0
     assert g["encoder"]["ms_per_request"] == 1.5 and g["encoder"]["ms_per_batch"] == 1.875
@@ -340,7 +345,8 @@ def test_goodput_reads_the_counters_at_the_windows_edges(tmp_path):
              "ttft_ms": {"p50": 10, "p99": 20}, "tpot_ms": {"p50": 1.0, "p99": 2.0}, "server": out, "gpu_time": g}
     lines = summary_lines({"workloads": {"image": {"ttft_p99_bound_ms": 200, "search": {"goodput": 5,
                                                                                           "points": [point]}}}})
-    assert "| 20.00, 1.50 |" in lines[2] and lines[0].count("|") == lines[2].count("|")
+    assert "| 20.00, 1.50 |" in lines[2] and "| 1, 50 | yes |" in lines[2]
+    assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == lines[3].count("|")
 
 
 # ---------------------------------------------------------------------------- on a GPU

@@ -92,6 +92,18 @@ def test_the_llm_replicas_report_the_phases_of_their_start(server):
         assert phases[-1]["end"] <= r["ready_at"]
 
 
+def test_the_replicas_freeze_their_heaps_once_started(server):
+    """app/serving/gc_pauses.py: every LLM replica and the Router that answers have frozen what they held
+    when they started (a process that imported torch and transformers holds well over 50,000 objects),
+    the freeze is the LLM's last phase of start-up, and the pauses of later collections are counted."""
+    load = server.get("/v1/llm/load").json()
+    for r in load["replicas"]:
+        assert r["gc"]["frozen_objects"] > 50_000
+        assert r["startup"]["phases"][-1]["name"] == "garbage collector freeze"
+        assert len(r["gc"]["collections"]) == len(r["gc"]["pause_ms_max"]) == 3
+    assert load["router_gc"]["frozen_objects"] > 50_000
+
+
 def test_the_cluster_runs_ray_serve_in_its_low_overhead_mode(server):
     """The environment set before Ray starts (deployments/ray_env.py, as `make serve` does) reaches the
     cluster's processes, where Ray Serve reads it."""
