@@ -348,9 +348,6 @@ class AppConfig(_Strict):
         False, description="usage.prompt_tokens_details.cached_tokens (Responses: input_tokens_details) says how "
         "many prompt tokens the prefix cache served, as vLLM's --enable-prompt-tokens-details; off by default as "
         "there (a repeated prompt's usage then differs from its first)")
-    gc_freeze: bool = Field(True, description="once a replica has started and warmed, move every object it holds "
-                            "out of the garbage collector's reach (gc.freeze), so that a full collection walks only "
-                            "what was made since: 220 ms became 2.3 ms on the CPU machine (app/serving/gc_pauses.py)")
     warmup: bool | None = Field(None, description="before a replica reports ready, it sends itself real requests "
                                 "through the real path (app/serving/warmup.py: the LLM replica every sampling, log-probability, "
                                 "structured-output and, under fused, media path; a media replica each codec), so its "

@@ -95,6 +95,7 @@ from benchmarks.serve import (  # noqa: E402
     start_app,
     stop_app,
 )
+from benchmarks.serve_timeline import deploy_timeline  # noqa: E402
 from benchmarks.stats import pct  # noqa: E402
 from benchmarks.workloads import ARRIVALS, MixWorkload, arrival_times  # noqa: E402
 
@@ -394,7 +395,11 @@ async def _get_text(client: aiohttp.ClientSession, path: str) -> str | None:
 
 # the server's time-to-first-token histograms (app/serving/prometheus.py), as /metrics renders them
 TTFT_PART_METRICS = {"ttft": "vllm:time_to_first_token_seconds", "encode": "vlm:request_encode_time_seconds",
-                     "queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds"}
+                     "queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds",
+                     # the encode time's parts (fused): the tower's queue, its batch, the event loop's lag after
+                     "encode_wait": "vlm:request_encode_wait_time_seconds",
+                     "encode_run": "vlm:request_encode_run_time_seconds",
+                     "encode_wake": "vlm:request_encode_wake_time_seconds"}
 
 
 def histograms_of(text: str) -> dict[str, dict]:
@@ -556,6 +561,15 @@ async def watch_window(url: str, t0: float, lo: float, hi: float, monitor: bool)
         out["resources"] = {k: s[k] for k in ("duration_s", "gpu_source", "gpu_indices", "gpu_mean", "host_cores",
                                               "host_busy", "groups", "processes", "verdict")}
     return out
+
+
+def serve_log_dir() -> Path:
+    """This Ray session's Serve logs (the driver's session; the newest session's when Ray is not up here)."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None) if ray.is_initialized() else None
+    session = Path(node.get_session_dir_path()) if node is not None else Path("/tmp/ray/session_latest")
+    return session / "logs" / "serve"
 
 
 async def settle(url: str, timeout_s: float = 30.0) -> float:
@@ -1097,6 +1111,14 @@ def parts_cell(point: dict) -> str:
     return ", ".join(cells) or "-"
 
 
+def encode_parts_cell(point: dict) -> str:
+    """The encode time's parts over the window, p99 bucket ms: wait, run, wake (`-` without them)."""
+    parts = point.get("server", {}).get("ttft_parts") or {}
+    cells = [f"{parts[k]['p99_bucket_ms']:g}" for k in ("encode_wait", "encode_run", "encode_wake")
+             if parts.get(k, {}).get("n")]
+    return ", ".join(cells) if len(cells) == 3 else "-"
+
+
 def gc_cell(point: dict) -> str:
     """The LLM replicas' full garbage collections in the window: `count, summed pause ms`."""
     g = point.get("server", {}).get("gc")
@@ -1106,8 +1128,9 @@ def gc_cell(point: dict) -> str:
 def summary_lines(results: dict) -> list[str]:
     lines = ["| workload | offered req/s | served req/s | served % | TTFT p50 / p99 ms | TPOT p50 / p99 ms | errors "
              "| GPU ms / request: engine, tower | TTFT parts, mean (p99 bucket) ms: encode, queue, prefill "
+             "| encode's parts, p99 bucket ms: wait, run, wake "
              "| GPU busy % | CPU cores by process | LLM full GCs: count, ms | pass |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, w in results.get("workloads", {}).items():
         for p in w.get("search", {}).get("points", []):
             res = p["server"].get("resources", {})
@@ -1116,13 +1139,13 @@ def summary_lines(results: dict) -> list[str]:
             lines.append(f"| {label} | {p['rate']:g} ({p['offered_rps']:.1f}) | {p['served_rps']:.1f} | "
                          f"{100 * p['served_ratio']:.1f} | {p['ttft_ms']['p50']:.0f} / {p['ttft_ms']['p99']:.0f} | "
                          f"{p['tpot_ms']['p50']:.1f} / {p['tpot_ms']['p99']:.1f} | {errs} | {gpu_cell(p)} | "
-                         f"{parts_cell(p)} | {busy} | "
+                         f"{parts_cell(p)} | {encode_parts_cell(p)} | {busy} | "
                          f"{cpu_cell(res.get('groups'))} | {gc_cell(p)} | {'yes' if p['passes'] else 'no'} |")
         s = w.get("search", {})
         sat = w.get("closed_loop", {}).get("steady_request_throughput")
         ratio = f", {s.get('goodput', 0) / sat:.2f} of closed-loop saturation {sat:.1f}" if sat else ""
         lines.append(f"| **{label} goodput** | **{s.get('goodput', 0):g} req/s** (fails at {s.get('fails_at')}; "
-                     f"TTFT p99 bound {w.get('ttft_p99_bound_ms'):.0f} ms{ratio}) | | | | | | | | | | | |")
+                     f"TTFT p99 bound {w.get('ttft_p99_bound_ms'):.0f} ms{ratio}) | | | | | | | | | | | | |")
     if any(p.get("gpu_time") for w in results.get("workloads", {}).values()
            for p in w.get("search", {}).get("points", [])):
         lines += ["", "GPU ms / request: the device time of the engines' steps and of the towers' batches (CUDA "
@@ -1372,6 +1395,10 @@ def main(argv: list[str] | None = None) -> dict:
                               f"{st['replica_ready_to_app_ready_s']} s)")
                 print(f"LLM replica {rid}: ready {st['to_ready_s']} s after its start{around}; longest phases: "
                       + ", ".join(f"{k} {v:.1f} s" for k, v in top), flush=True)
+            if first.get("deploy_wall_at"):  # the part before the replicas' code: Ray Serve's own steps
+                results["meta"]["deploy_timeline"] = deploy_timeline(serve_log_dir(), first["deploy_wall_at"])
+                for step in results["meta"]["deploy_timeline"]:
+                    print(f"deploy + {step['at_s']:6.2f} s: {step['event']}", flush=True)
         for k, wl in enumerate(workloads):
             entry: dict = {"ttft_p99_bound_ms": bound_of(wl, a)}
             results["workloads"][wl.label] = entry
@@ -1404,7 +1431,8 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{wl.label}: {rate:g} req/s offered {p['offered_rps']:.2f} served {p['served_rps']:.2f}, TTFT "
                       f"p50/p99 {p['ttft_ms']['p50']:.0f}/{p['ttft_ms']['p99']:.0f} ms, TPOT p99 "
                       f"{p['tpot_ms']['p99']:.1f} ms, errors {p['errors'] or 0}, GPU ms/request (engine, tower) "
-                      f"{gpu_cell(p)}, TTFT parts ms (encode, queue, prefill) {parts_cell(p)}: "
+                      f"{gpu_cell(p)}, TTFT parts ms (encode, queue, prefill) {parts_cell(p)}, encode's p99 "
+                      f"buckets (wait, run, wake) {encode_parts_cell(p)}: "
                       f"{'pass' if p['passes'] else 'fail: ' + '; '.join(p['why_not'])}", flush=True)
                 for kind, said in p["error_examples"].items():
                     print(f"  {kind}, the first: {said}", flush=True)

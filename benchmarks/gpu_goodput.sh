@@ -7,8 +7,6 @@
 #              search per workload, then cold start at 50% and 90% of the first workload's goodput (the app
 #              deployed again; the load starts the moment /health and /v1/models answer).
 #   all        every GPU of the host: closed loop, warm-up, goodput search (no cold start).
-#   gcoff      the garbage collector's A/B: a fresh 1-GPU app with `gc_freeze: false`, at RATES_GCOFF (default
-#              RATES_ONE, which `one` then searches from, so that both sides hold points at the same rates)
 #   crosscheck GuideLLM against a fresh 1-GPU app at the goodput that `one` found (or CROSSCHECK_RATE), beside
 #              our own point of the same shape, when guidellm is importable here, GUIDELLM names its command,
 #              or .gpu-guidellm is carried (benchmarks/bundle_guidellm.sh; it does not fit beside .gpu-deps,
@@ -24,10 +22,10 @@
 #   COLD_FIRST (req/s)       the first deploy is itself the cold start at this rate (about half the expected
 #                            goodput; its fraction of the measured goodput is reported), then only 0.9 is
 #                            redeployed: one deploy less (60-100 s on the 2B preset)
+#   PROBE_IMPORTS            set: first time the serving imports in two fresh processes ($OUT/imports.txt)
 #   LOAD_ONE [2] LOAD_ALL [2 per GPU]   load processes (one process tops out at a few hundred streamed req/s)
 #   BUDGET [570]             seconds this script may take in all; each stage gets a deadline from it and starts
 #   ALL_RESERVE [200]        no point it could not finish; `one` leaves ALL_RESERVE seconds to `all`
-#   GCOFF_RESERVE [130]      and GCOFF_RESERVE to `gcoff`
 # What fits: with the defaults (image only) about 550 s on the 2B preset if an app deploys in about 60 s;
 # what does not fit is skipped and said so, a stage's last steps first (the 0.9 cold start, then the 0.5).
 # The mix on both sides does not fit beside it: run STAGES=one WORKLOADS="image mix" in one call and
@@ -50,6 +48,18 @@ COMMON=(--serve-config "$CONFIG" --workload "${WL[@]}"
         --window-s "${WINDOW:-6}" --ramp-s "${RAMP:-2}" --warmup-s "${WARMUP:-6}" --max-points "${MAX_POINTS:-5}"
         --fractions ${FRACTIONS:-0.5 0.7 0.85 1.0})
 : > "$OUT/summary.md"
+if [ -n "${PROBE_IMPORTS:-}" ]; then  # how long the serving imports take on this machine, in fresh processes
+  { python3 -c "import sys, os, transformers; d = os.path.dirname(transformers.__file__)
+print('dont_write_bytecode', sys.dont_write_bytecode, os.environ.get('PYTHONDONTWRITEBYTECODE'), 'transformers at', d,
+      'writable', os.access(d, os.W_OK), 'has __pycache__', os.path.isdir(d + '/__pycache__'))"
+    for i in 1 2; do python3 -c "import time; t = time.time(); import torch; t1 = time.time()
+from transformers import AutoConfig; t2 = time.time()
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel; t3 = time.time()
+import deployments.llm; t4 = time.time()
+print(f'import torch {t1 - t:.2f} s, AutoConfig {t2 - t1:.2f} s, modeling_qwen3_vl {t3 - t2:.2f} s, deployments.llm {t4 - t3:.2f} s')"
+    done; } > "$OUT/imports.txt" 2>&1
+  cat "$OUT/imports.txt"
+fi
 
 stage() {  # NAME DIR GPUS DEADLINE_S [goodput.py args ...]
   local name=$1 dir=$2 gpus=$3 deadline=$4; shift 4
@@ -72,7 +82,6 @@ for s in $ALL_STAGES; do
   case $s in
     one)
       reserve=0; [[ "$ALL_STAGES" == *" all "* ]] && reserve=${ALL_RESERVE:-200}
-      [[ "$ALL_STAGES" == *" gcoff "* ]] && reserve=$(( reserve + ${GCOFF_RESERVE:-130} ))
       cold=(--cold-start 0.5 0.9)
       [ -n "${COLD_FIRST:-}" ] && cold=(--cold-first "$COLD_FIRST" --cold-start 0.9)
       # shellcheck disable=SC2086
@@ -85,12 +94,6 @@ for s in $ALL_STAGES; do
       stage all "$OUT/goodput_${NG}gpu" "$NG" $(( $(left) - 20 )) --load-processes "${LOAD_ALL:-$(( 2 * NG ))}" \
         --closed-loop ${CLOSED_ALL:-$(( 256 * NG )) $(( 2048 * NG ))} \
         ${RATES_ALL:+--rates $RATES_ALL} "$@" ;;
-    gcoff)
-      rates=${RATES_GCOFF:-${RATES_ONE:-}}
-      if [ -z "$rates" ]; then echo "=== gcoff: skipped, no RATES_GCOFF or RATES_ONE" | tee -a "$OUT/summary.md"; continue; fi
-      # shellcheck disable=SC2086
-      stage gcoff "$OUT/goodput_1gpu_gcoff" 1 $(( $(left) - 20 )) --rates $rates --no-search --closed-loop 0 0 \
-        --load-processes "${LOAD_ONE:-2}" --app-args '{"gc_freeze": false}' "$@" ;;
     crosscheck)
       g=${CROSSCHECK_RATE:-$(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(next(iter(r['workloads'].values()))['search']['goodput'])" \
           "$OUT/goodput_1gpu/goodput.json" 2>/dev/null)}

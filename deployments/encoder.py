@@ -10,7 +10,7 @@ from ray import serve
 
 from app.checkpoints.model_builder import resolve_model
 from app.config import AppConfig
-from app.serving.gc_pauses import freeze_heap, watch
+from app.serving.gc_pauses import watch
 from app.serving.placement import pinned_gpu
 
 from .logs import route_app_logs
@@ -47,7 +47,6 @@ class VisionEncoder:
         self.metrics = EncoderMetrics(self.service.stats)
         self.service.batcher.on_batch = self.metrics.on_batch
         self.gc = watch()
-        freeze_heap("encoder replica", cfg.gc_freeze)
 
     async def encode(self, items: list) -> list:
         """One request's items, batched with other requests' items. Each item is an object-store

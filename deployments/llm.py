@@ -19,7 +19,7 @@ from app.checkpoints.model_builder import resolve_model
 from app.config import AppConfig
 from app.llm.sequence import GenerationRequest
 from app.serving.fused import build_generation
-from app.serving.gc_pauses import freeze_heap, watch
+from app.serving.gc_pauses import watch
 from app.serving.prometheus import RequestMetrics
 from app.serving.shutdown import ANSWER_GRACE_S
 from app.serving.startup import StartupTimeline
@@ -70,9 +70,7 @@ class LLM:
             self.fused.encoder.batcher.on_batch = self.encoder_metrics.on_batch
         self.metrics = LLMMetrics(self.engine.load)
         self.request_metrics = RequestMetrics(cfg.llm.max_model_len)  # GET /metrics (app/serving/prometheus.py)
-        self.gc = watch()
-        with self.startup.phase("garbage collector freeze"):  # start-up's objects, out of every later collection
-            freeze_heap("LLM replica", cfg.gc_freeze)
+        self.gc = watch()  # Ray Serve freezes the heap once this returns (app/serving/gc_pauses.py)
         # Serve routes to a replica once this constructor returns, warm-up included: replica_load reports
         # both times so that a test can hold that a replica added under load takes nothing while cold
         self.ready_at = time.time()

@@ -20,7 +20,6 @@ from app.media.pipeline import MediaPipeline, PreparedItem
 from app.media.ref import MediaRef
 from app.media.spec import patch_spec_for
 from app.media.workers import SharedSlots
-from app.serving.gc_pauses import freeze_heap
 
 from .logs import route_app_logs
 
@@ -38,7 +37,6 @@ class MediaPreprocessor:
             from app.serving.warmup import warm_media
 
             warm_media(self.pipeline)
-        freeze_heap("media replica", cfg.gc_freeze)
 
     async def prepare(self, ref: MediaRef, request_key: str | None = None) -> PreparedItem:
         """A ClientError (bad, hostile or oversized media) reaches the caller inside Ray's RayTaskError."""

@@ -37,7 +37,7 @@ from app.media.pipeline import MediaPipeline
 from app.media.remote import RemoteMedia
 from app.media.spec import patch_spec_for
 from app.serving.cluster import node_router_port
-from app.serving.gc_pauses import freeze_heap, watch
+from app.serving.gc_pauses import watch
 from app.serving.prometheus import scrape_text
 from app.serving.readiness import ReadinessProbe, serve_app_state, serve_replica_states, serving_without
 from app.serving.replica_stats import merge_encoder_stats, merge_llm_loads
@@ -136,7 +136,7 @@ async def _others_serving(ctx, limit_s: float) -> bool:
         await asyncio.sleep(APP_POLL_S)
 
 
-async def open_shared_port(app, sock, gc_freeze: bool = True) -> SharedPortServer:
+async def open_shared_port(app, sock) -> SharedPortServer:
     """A Router's shared port, opened only once Ray Serve has made the Router the replica's instance: FastAPI's
     routes find their `self` through it, which Serve sets after the constructor returns, so a request the
     port took in between would have none. Before it listens, a Router sends its own warm-up requests
@@ -149,8 +149,7 @@ async def open_shared_port(app, sock, gc_freeze: bool = True) -> SharedPortServe
     `app` is the FastAPI app as the Router's own methods see it: Serve pickles the Router with a copy of
     the module's `api`, and only that copy holds the API key the constructor set (`app.state.api_key`; the
     module's own `api`, which this function would otherwise find, has none: the port once let every
-    request through). Warm, it freezes its heap (`gc_freeze`, app/serving/gc_pauses.py) and listens. A failed
-    or cancelled opening stops what it started and closes the socket."""
+    request through). A failed or cancelled opening stops what it started and closes the socket."""
     server = None
     try:
         while serve.get_replica_context().servable_object is None:
@@ -164,7 +163,6 @@ async def open_shared_port(app, sock, gc_freeze: bool = True) -> SharedPortServe
                          len(report.errors), f" (first: {report.errors[0]})" if report.errors else "")
         except Exception as e:  # noqa: BLE001 - a warm-up that fails leaves the Router cold, not down
             log.warning("Router warm-up failed, opening the shared port cold: %s: %s", type(e).__name__, e)
-        freeze_heap("Router", gc_freeze)
         server = SharedPortServer(app, sock)
         await server.started()
         return server
@@ -218,9 +216,7 @@ class Router:
             # bound here, so that a port another program holds fails this constructor, and served after it,
             # once the replica is Serve's (check_health reports a later failure)
             sock = bind_shared(self.cfg.router_http_host, node_router_port(self.cfg.router_http_port))
-            self.opening = asyncio.get_running_loop().create_task(open_shared_port(api, sock, self.cfg.gc_freeze))
-        else:  # nothing more to warm (the Serve proxy's Routers do not warm themselves)
-            freeze_heap("Router", self.cfg.gc_freeze)
+            self.opening = asyncio.get_running_loop().create_task(open_shared_port(api, sock))
         self.gc = watch()
 
     @property

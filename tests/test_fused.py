@@ -206,8 +206,8 @@ def test_a_request_the_engine_would_refuse_is_refused_before_its_media_is_encode
 
 
 def test_the_first_chunk_says_how_long_the_media_took_to_encode(tiny_checkpoint):
-    """A request's first chunk carries its time to first token's parts: the tower's (queue and batch),
-    then the engine's queue and prefill; the later chunks carry none."""
+    """A request's first chunk carries its time to first token's parts: the tower's (queue and batch, and
+    its wait, run and wake), then the engine's queue and prefill; the later chunks carry none."""
     from app.config import AppConfig
     from app.serving.fused import FusedBackend
 
@@ -224,8 +224,11 @@ def test_the_first_chunk_says_how_long_the_media_took_to_encode(tiny_checkpoint)
     finally:
         fused.engine.shutdown()
     first, *rest = got
-    assert set(first["timing"]) == {"encode_s", "queue_s", "prefill_s"} and min(first["timing"].values()) >= 0
-    assert first["timing"]["encode_s"] > 0 and all(c["timing"] is None for c in rest)
+    t = first["timing"]
+    assert set(t) == {"encode_s", "encode_wait_s", "encode_run_s", "encode_wake_s", "queue_s", "prefill_s"}
+    assert min(t.values()) >= 0 and t["encode_run_s"] > 0 and all(c["timing"] is None for c in rest)
+    # the encode time's parts follow one another inside it (the cache lookup and the copies are the rest)
+    assert t["encode_wait_s"] + t["encode_run_s"] + t["encode_wake_s"] <= t["encode_s"]
 
 
 # ---------------------------------------------------------------- through Ray Serve

@@ -585,6 +585,12 @@ def test_a_sweep_and_a_cold_start_against_the_real_app_on_the_cpu(model_cache, t
     r = json.loads((out / "goodput.json").read_text())
     starts = r["meta"]["llm_startup"]  # where each LLM replica's start went, read at ready
     assert starts and all(st["to_ready_s"] > 0 and st["phases_s"] for st in starts.values()), starts
+    # the first deploy's steps before the replicas' code, from Ray Serve's own logs (benchmarks/serve_timeline.py)
+    steps = r["meta"]["deploy_timeline"]
+    events = [s["event"] for s in steps]
+    assert events[:2] == ["controller: deploying the app", "builder: its task began importing the app"], events
+    assert "controller: the app built" in events and any(e.startswith("controller: LLM replica") for e in events)
+    assert all(0 <= a["at_s"] <= b["at_s"] for a, b in zip(steps, steps[1:])) and steps[-1]["at_s"] < r["meta"]["ready_s"]
     w = r["workloads"]["image 64^2"]
     pts = w["search"]["points"]
     assert [p["rate"] for p in pts] == [1, 2]

@@ -92,14 +92,13 @@ def test_the_llm_replicas_report_the_phases_of_their_start(server):
         assert phases[-1]["end"] <= r["ready_at"]
 
 
-def test_the_replicas_freeze_their_heaps_once_started(server):
-    """app/serving/gc_pauses.py: every LLM replica and the Router that answers have frozen what they held
-    when they started (a process that imported torch and transformers holds well over 50,000 objects),
-    the freeze is the LLM's last phase of start-up, and the pauses of later collections are counted."""
+def test_the_replicas_heaps_are_frozen_and_their_collections_counted(server):
+    """app/serving/gc_pauses.py: Ray Serve froze what every LLM replica and the Router that answers held
+    when their constructors returned (a process that imported torch and transformers holds well over
+    50,000 objects), so full collections skip it; the pauses of later collections are counted."""
     load = server.get("/v1/llm/load").json()
     for r in load["replicas"]:
         assert r["gc"]["frozen_objects"] > 50_000
-        assert r["startup"]["phases"][-1]["name"] == "garbage collector freeze"
         assert len(r["gc"]["collections"]) == len(r["gc"]["pause_ms_max"]) == 3
     assert load["router_gc"]["frozen_objects"] > 50_000
 

@@ -344,3 +344,36 @@ def test_a_queue_that_makes_a_whole_batch_does_not_wait_out_the_window():
     took = asyncio.run(two())
     assert sizes == [2] and took < 1.0  # two items fill the cap of 2: no 3 s wait
 
+
+
+def test_a_requests_encode_time_splits_into_its_wait_its_batch_and_the_loops_lag():
+    """EncodeBatcher.submit's `timing`: `wait_s` until the batch running the request's piece began, `run_s`
+    that batch, `wake_s` from its result to the request running again. Here the first request starts an
+    idle encoder (no wait) and its batch takes 0.1 s; a second arrives 0.02 s in and waits for that batch;
+    after each batch something holds the event loop for 0.1 s before the request can resume."""
+    import time
+
+    from app.vision.batcher import EncodeBatcher
+
+    sizes = []
+    batcher = EncodeBatcher(echo_batch(sizes, sleep_s=0.1), Limits(64, 4, 4), wait_ms=0)
+    px = torch.ones((4, 8))
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        # called after each batch, before its results are set: the sleep runs before the waiters resume
+        batcher.on_batch = lambda *_: loop.call_soon(time.sleep, 0.1)
+        first, second = {}, {}
+
+        async def later():
+            await asyncio.sleep(0.02)
+            await batcher.submit([(px, (1, 2, 2))], second)
+
+        await asyncio.gather(batcher.submit([(px, (1, 2, 2))], first), later())
+        return first, second
+
+    first, second = asyncio.run(scenario())
+    assert sizes == [1, 1]
+    assert first["wait_s"] < 0.05 and first["run_s"] >= 0.1 and first["wake_s"] >= 0.1
+    assert second["wait_s"] >= 0.06  # the first batch's remaining 0.08 s
+    assert second["run_s"] >= 0.1 and second["wake_s"] >= 0.1

@@ -34,7 +34,8 @@ class Chunk:
     index: int = 0  # which of the request's choices (OpenAI's `n`) this chunk belongs to
     cached_tokens: int = 0  # on the last one: prompt tokens taken from the prefix cache (OpenAI's usage)
     # on a choice's first chunk: where its time to first token went, in seconds (`queue_s` waiting for the
-    # engine, `prefill_s` from its first step to its first token; under `fused`, `encode_s` its media)
+    # engine, `prefill_s` from its first step to its first token; under `fused`, `encode_s` its media, and
+    # `encode_wait_s`, `encode_run_s`, `encode_wake_s` that time's parts: app/vision/batcher.py's submit)
     timing: dict | None = None
 
 

@@ -62,14 +62,15 @@ class FusedBackend:
         too long) is refused before its media is encoded; requests still encoding do not count
         towards the queue, so a burst may still be refused after encoding, by `submit`."""
         self.engine.check_admission(len(gen["input_ids"]), gen["params"].get("n", 1))
-        t = time.perf_counter()
-        encoded = await self.encoder.encode_async(items) if items else []
-        encode_s = time.perf_counter() - t  # the tower's queue and batch: part of the time to first token
+        t, parts = time.perf_counter(), {}
+        encoded = await self.encoder.encode_async(items, parts) if items else []
+        # the tower's queue and batch: part of the time to first token, and its own three parts
+        encode = {"encode_s": time.perf_counter() - t, **{f"encode_{k}": v for k, v in parts.items()}}
         stream = self.streams.generate(GenerationRequest.from_router(gen, encoded))
         del encoded  # the engine's sequence copies the embeddings: keep no GPU memory here meanwhile
         async for chunk in stream:
             if chunk.timing is not None:  # each choice's first chunk
-                chunk.timing = {**chunk.timing, "encode_s": encode_s}
+                chunk.timing = {**chunk.timing, **encode}
             yield chunk
 
     async def stream(self, gen: dict, payload: list) -> AsyncIterator[dict]:

@@ -1,29 +1,24 @@
-"""Python's garbage collector in a serving process: frozen once the process is warm, its pauses counted.
+"""Python's garbage collector in a serving process: each collection's pause, counted per generation.
 
-Why: a full (generation 2) collection walks every object the process holds, and a replica that has
-imported torch, transformers, Ray and FastAPI holds about 440,000 of them before it serves anything.
-One such collection took 220 ms on the CPU machine, with the GIL held: the engine thread, the event loop
-and the tower's batches all stop for it, and every request in flight gets those milliseconds added to
-its time to first token. CPython starts one whenever the objects that survived since the last grow past
-a quarter of the long-lived ones, which under load is every few seconds, and the p99 of TTFT is where
-such stops show.
+Why: a full (generation 2) collection walks every object the process tracks, with the GIL held: the
+engine thread, the event loop and the tower's batches all stop for it. A replica that has imported torch,
+transformers, Ray and FastAPI holds about 550,000 objects when it starts serving; a full collection of
+that many took 220 ms on the CPU machine and up to 356 ms in an LLM replica starting on an H200 host.
 
-What: `freeze_heap()`, called when start-up and warm-up are done, collects once and moves every object
-still alive into the permanent generation (`gc.freeze`), which later collections skip: a full one then
-walks only what was made since (2.3 ms instead of 220 on the CPU machine). vLLM freezes after its warm-up
-as well, and SGLang offers it behind a flag. Objects made later (requests, their sequences) are still
-collected as before. `watch()` installs `GcPauses`, which times every collection from `gc.callbacks`, so
-that a replica's stats say whether long pauses remain (`replica_load()["gc"]`, per generation).
+Ray Serve 2.60 already takes them out of reach: at the end of a replica's constructor it collects and
+freezes the heap (`gc.freeze`, `RAY_SERVE_FREEZE_GC_ON_STARTUP`, on by default), so later full
+collections walk only what was made since. Measured under Poisson load on one H200 (2026-12-01,
+benchmarks/results/2026-12-01-encode-parts-ready-h200.md): one or two full collections per LLM replica in
+each 6 s window at 120-155 req/s, 6-8 ms each. Not the TTFT tail; these counters are how to see that it
+stays so (`replica_load()["gc"]`, which benchmarks/goodput.py diffs over each window). A copy of our own
+freeze was measured and dropped, as it repeated Ray's.
 """
 
 from __future__ import annotations
 
 import gc
-import logging
 import time
 from dataclasses import dataclass, field
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,7 +44,7 @@ class GcPauses:
         self.max_s[g] = max(self.max_s[g], pause)
 
     def snapshot(self) -> dict:
-        """Counters for stats answers: cumulative, in ms, with the objects `freeze_heap` set aside."""
+        """Counters for stats answers: cumulative, in ms, with the objects frozen out of reach."""
         return {"collections": list(self.collections), "pause_ms_total": [round(1e3 * s, 3) for s in self.total_s],
                 "pause_ms_max": [round(1e3 * s, 3) for s in self.max_s], "frozen_objects": gc.get_freeze_count()}
 
@@ -64,17 +59,3 @@ def watch() -> GcPauses:
         _PAUSES = GcPauses()
         gc.callbacks.append(_PAUSES.callback)
     return _PAUSES
-
-
-def freeze_heap(what: str, enabled: bool = True) -> dict | None:
-    """Collect once, then freeze every object that is left (see the module docstring); `what` names the
-    process in the log. Returns what it did, or None when `enabled` is false (`gc_freeze: false`)."""
-    if not enabled:
-        return None
-    t = time.perf_counter()
-    gc.collect()
-    gc.freeze()
-    done = {"frozen_objects": gc.get_freeze_count(), "seconds": time.perf_counter() - t}
-    log.info("%s: %d objects frozen out of the garbage collector's reach in %.2f s", what,
-             done["frozen_objects"], done["seconds"])
-    return done

@@ -40,6 +40,16 @@ TTFT_PARTS = {
     "encode_s": ("encode", "vlm:request_encode_time_seconds",
                  "Time encoding a request's media in the LLM replica (fused placement: the tower's queue and "
                  "batch), in seconds."),
+    # the encode time's three parts (app/vision/batcher.py, EncodeBatcher.submit), for requests that ran a batch
+    "encode_wait_s": ("encode_wait", "vlm:request_encode_wait_time_seconds",
+                      "Fused placement: time a request's media waited for the tower batch that ran its last "
+                      "piece to begin, in seconds."),
+    "encode_run_s": ("encode_run", "vlm:request_encode_run_time_seconds",
+                     "Fused placement: time of the tower batch that ran a request's last piece (its thread hop, "
+                     "host work and launches), in seconds."),
+    "encode_wake_s": ("encode_wake", "vlm:request_encode_wake_time_seconds",
+                      "Fused placement: time from a request's embeddings being ready to its coroutine running "
+                      "again (the replica's event loop lag), in seconds."),
 }
 
 

@@ -34,11 +34,15 @@ class _Request:
     future: asyncio.Future
     parts: list[list[VisionEmbedding | None]]  # per item, per chunk
     cancelled: bool = False
+    ran_at: float = 0.0  # when the batch that ran its last piece began (monotonic)
+    done_at: float = 0.0  # when its last piece's batch had run and its result was set
 
-    def fill(self, item: int, chunk: int, out: VisionEmbedding) -> None:
+    def fill(self, item: int, chunk: int, out: VisionEmbedding, ran_at: float) -> None:
         self.parts[item][chunk] = out
+        self.ran_at = max(self.ran_at, ran_at)
         if self.future.done() or any(p is None for chunks in self.parts for p in chunks):
             return
+        self.done_at = time.monotonic()
         merged = []
         for chunks in self.parts:
             if len(chunks) == 1:
@@ -113,7 +117,13 @@ class EncodeBatcher:
         self._task: asyncio.Task | None = None
         self._last_end = float("-inf")  # when the last batch ended (monotonic)
 
-    async def submit(self, items: list[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[VisionEmbedding]:
+    async def submit(self, items: list[tuple[torch.Tensor, tuple[int, int, int]]],
+                     timing: dict | None = None) -> list[VisionEmbedding]:
+        """The items' embeddings, in order. `timing` (a dict), if given, gets where the request's time
+        went, in seconds: `wait_s` in the queue until the batch that ran its last piece began (the
+        window, and the batches ahead of it), `run_s` that batch (the hop to a worker thread, the
+        tower's host work and launches), `wake_s` from its result to this coroutine running again
+        (the event loop's lag: the replica's other requests' chunks go through the same loop)."""
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
             self._wakeup = asyncio.Event()
@@ -128,10 +138,13 @@ class EncodeBatcher:
                 self._queue.append(_Queued(req, i, c, VisionItem(rows, (e - s, h, w)), now))
         self._wakeup.set()
         try:
-            return await req.future
+            out = await req.future
         except asyncio.CancelledError:
             req.cancelled = True
             raise
+        if timing is not None:
+            timing.update(wait_s=req.ran_at - now, run_s=req.done_at - req.ran_at, wake_s=time.monotonic() - req.done_at)
+        return out
 
     async def _run(self) -> None:
         while True:
@@ -222,6 +235,6 @@ class EncodeBatcher:
                 log.exception("encoder on_batch hook failed")
         for q, out in zip(batch, outs):
             try:
-                q.req.fill(q.item, q.chunk, out)
+                q.req.fill(q.item, q.chunk, out, start)
             except Exception as e:  # noqa: BLE001 - its request fails, the batch's others are answered
                 q.req.fail(e)

@@ -155,14 +155,16 @@ class EncoderService:
             outs = self.manager.encode([VisionItem(torch.from_numpy(px), tuple(grid)) for px, grid in items])
         return [_to_cpu(o) for o in outs]
 
-    async def encode_async(self, items: list[tuple[np.ndarray, tuple[int, int, int], str | None]]
-                           ) -> list[EncodedItem]:
+    async def encode_async(self, items: list[tuple[np.ndarray, tuple[int, int, int], str | None]],
+                           timing: dict | None = None) -> list[EncodedItem]:
         """Items (uint8 patch rows, grid, cache key). Cache first; the misses join the cross-request
-        batcher; results in item order."""
+        batcher; results in item order. `timing`: as EncodeBatcher.submit's (left empty when every item
+        was cached)."""
         results: list[EncodedItem | None] = [self.cache.get(key) for _, _, key in items]
         todo = [i for i, r in enumerate(results) if r is None]
         if todo:
-            outs = await self.batcher.submit([(torch.from_numpy(items[i][0]), tuple(items[i][1])) for i in todo])
+            outs = await self.batcher.submit([(torch.from_numpy(items[i][0]), tuple(items[i][1])) for i in todo],
+                                             timing)
             for i, o in zip(todo, outs):
                 if self._stream is not None:  # copied out on the tower's stream already
                     results[i] = o.main, o.deepstack
