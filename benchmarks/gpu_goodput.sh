@@ -7,6 +7,9 @@
 #              search per workload, then cold start at 50% and 90% of the first workload's goodput (the app
 #              deployed again; the load starts the moment /health and /v1/models answer).
 #   all        every GPU of the host: closed loop, warm-up, goodput search (no cold start).
+#   ab         an A/B against `one`: a fresh 1-GPU app with AB_ARGS (JSON deep-merged into the config's args, e.g.
+#              '{"encoder": {"pinned_copy_min_rows": 0}}') at AB_RATES (default RATES_ONE, which `one` then
+#              searches from, so that both sides hold points at the same rates), no search, no closed loop
 #   crosscheck GuideLLM against a fresh 1-GPU app at the goodput that `one` found (or CROSSCHECK_RATE), beside
 #              our own point of the same shape, when guidellm is importable here, GUIDELLM names its command,
 #              or .gpu-guidellm is carried (benchmarks/bundle_guidellm.sh; it does not fit beside .gpu-deps,
@@ -26,6 +29,7 @@
 #   LOAD_ONE [2] LOAD_ALL [2 per GPU]   load processes (one process tops out at a few hundred streamed req/s)
 #   BUDGET [570]             seconds this script may take in all; each stage gets a deadline from it and starts
 #   ALL_RESERVE [200]        no point it could not finish; `one` leaves ALL_RESERVE seconds to `all`
+#   AB_RESERVE [150]         and AB_RESERVE to `ab`
 # What fits: with the defaults (image only) about 550 s on the 2B preset if an app deploys in about 60 s;
 # what does not fit is skipped and said so, a stage's last steps first (the 0.9 cold start, then the 0.5).
 # The mix on both sides does not fit beside it: run STAGES=one WORKLOADS="image mix" in one call and
@@ -82,6 +86,7 @@ for s in $ALL_STAGES; do
   case $s in
     one)
       reserve=0; [[ "$ALL_STAGES" == *" all "* ]] && reserve=${ALL_RESERVE:-200}
+      [[ "$ALL_STAGES" == *" ab "* ]] && reserve=$(( reserve + ${AB_RESERVE:-150} ))
       cold=(--cold-start 0.5 0.9)
       [ -n "${COLD_FIRST:-}" ] && cold=(--cold-first "$COLD_FIRST" --cold-start 0.9)
       # shellcheck disable=SC2086
@@ -94,6 +99,14 @@ for s in $ALL_STAGES; do
       stage all "$OUT/goodput_${NG}gpu" "$NG" $(( $(left) - 20 )) --load-processes "${LOAD_ALL:-$(( 2 * NG ))}" \
         --closed-loop ${CLOSED_ALL:-$(( 256 * NG )) $(( 2048 * NG ))} \
         ${RATES_ALL:+--rates $RATES_ALL} "$@" ;;
+    ab)
+      rates=${AB_RATES:-${RATES_ONE:-}}
+      if [ -z "$rates" ] || [ -z "${AB_ARGS:-}" ]; then
+        echo "=== ab: skipped, it needs AB_ARGS and AB_RATES (or RATES_ONE)" | tee -a "$OUT/summary.md"; continue
+      fi
+      # shellcheck disable=SC2086
+      stage ab "$OUT/goodput_1gpu_ab" 1 $(( $(left) - 20 )) --rates $rates --no-search --closed-loop 0 0 \
+        --load-processes "${LOAD_ONE:-2}" --app-args "$AB_ARGS" "$@" ;;
     crosscheck)
       g=${CROSSCHECK_RATE:-$(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(next(iter(r['workloads'].values()))['search']['goodput'])" \
           "$OUT/goodput_1gpu/goodput.json" 2>/dev/null)}
