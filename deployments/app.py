@@ -142,12 +142,29 @@ def dormant_encoder(opts: dict) -> dict:
     return opts | {"autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}}
 
 
+def warn_without_low_overhead_mode() -> bool:
+    """Logs, and returns True, when this cluster's Ray Serve runs replicas' code on a thread of its own: Ray
+    was started without deployments/ray_env.py's environment (`make serve` and the docs' commands set it),
+    and the config files no longer ask for that part of it through a runtime_env, which would start a fresh
+    worker for the builder and each replica."""
+    from ray.serve._private import constants
+
+    if not constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD:
+        return False
+    log.warning("Ray was started without Ray Serve's low-overhead mode: each replica's code runs on a thread "
+                "of its own, which costs the Routers time per call. Start Ray with "
+                "`env $(python -m deployments.ray_env) serve run ...` (what `make serve` does), or export those "
+                "variables before `ray start` on every node (docs/guides/single-gpu.md)")
+    return True
+
+
 def build_app(args: dict):
     try:
         cfg = AppConfig(**(args or {}))
     except ValidationError as e:
         raise ValueError(f"invalid application config:\n{e}") from None
     resolve_model(cfg.model, cfg.cache_dir)  # fail fast, and build an embedded checkpoint once, here
+    warn_without_low_overhead_mode()
     gpus, cpus = cluster_resources()
     if cfg.warmup is None:  # on where there are GPUs to warm (app/serving/warmup.py)
         cfg = cfg.model_copy(update={"warmup": gpus > 0})

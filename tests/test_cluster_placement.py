@@ -126,3 +126,20 @@ def test_a_node_may_give_its_routers_their_own_port():
     assert node_router_port(8000, {"VLM_ROUTER_HTTP_PORT": "18001"}) == 18001
     with pytest.raises(ValueError, match="not a TCP port"):
         node_router_port(8000, {"VLM_ROUTER_HTTP_PORT": "70000"})
+
+
+def test_the_builder_warns_when_ray_runs_replicas_code_on_threads_of_their_own(monkeypatch):
+    """deployments.app.warn_without_low_overhead_mode: Ray Serve's constant for where replicas' code runs,
+    as the cluster's environment set it, decides the warning."""
+    pytest.importorskip("ray")
+    from ray.serve._private import constants
+
+    import deployments.app as app_module
+
+    said = []
+    monkeypatch.setattr(app_module.log, "warning", lambda msg, *a: said.append(msg % a))
+    monkeypatch.setattr(constants, "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", True)
+    assert app_module.warn_without_low_overhead_mode() is True
+    assert len(said) == 1 and "low-overhead mode" in said[0] and "deployments.ray_env" in said[0]
+    monkeypatch.setattr(constants, "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", False)
+    assert app_module.warn_without_low_overhead_mode() is False and len(said) == 1

@@ -111,8 +111,11 @@ def test_serve_config_v2_is_this_application():
     ServeDeploySchema.model_validate(conf)  # what Ray Serve accepts
     ours = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     app, base = conf["applications"][0], ours["applications"][0]
-    for key in ("name", "route_prefix", "import_path", "runtime_env"):
+    for key in ("name", "route_prefix", "import_path"):
         assert app[key] == base[key], key
+    # neither asks for a runtime_env: it would start a fresh Ray worker for the builder and each replica
+    # (the pods' environment runs Ray Serve's low-overhead mode instead)
+    assert "runtime_env" not in app and "runtime_env" not in base
     assert [d["name"] for d in app["deployments"]] == [d["name"] for d in base["deployments"]]
     assert conf["proxy_location"] == ours["proxy_location"] == "EveryNode"
     AppConfig(**app["args"])  # unknown or mistyped args fail here, with their names
