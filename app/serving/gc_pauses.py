@@ -1,17 +1,13 @@
 """Python's garbage collector in a serving process: each collection's pause, counted per generation.
 
-Why: a full (generation 2) collection walks every object the process tracks, with the GIL held: the
-engine thread, the event loop and the tower's batches all stop for it. A replica that has imported torch,
-transformers, Ray and FastAPI holds about 550,000 objects when it starts serving; a full collection of
-that many took 220 ms on the CPU machine and up to 356 ms in an LLM replica starting on an H200 host.
-
-Ray Serve 2.60 already takes them out of reach: at the end of a replica's constructor it collects and
-freezes the heap (`gc.freeze`, `RAY_SERVE_FREEZE_GC_ON_STARTUP`, on by default), so later full
-collections walk only what was made since. Measured under Poisson load on one H200 (2026-12-01,
-benchmarks/results/2026-12-01-encode-parts-ready-h200.md): one or two full collections per LLM replica in
-each 6 s window at 120-155 req/s, 6-8 ms each. Not the TTFT tail; these counters are how to see that it
-stays so (`replica_load()["gc"]`, which benchmarks/goodput.py diffs over each window). A copy of our own
-freeze was measured and dropped, as it repeated Ray's.
+Why: a full (generation 2) collection walks every object the process tracks with the GIL held, so the
+engine thread, the event loop and the tower all stop for it. A serving replica holds about 550,000
+objects; a full collection of that many took 220 ms on the CPU machine. Ray Serve 2.60 already freezes
+a replica's heap when its constructor returns (`gc.freeze`, `RAY_SERVE_FREEZE_GC_ON_STARTUP`, on by
+default), so later full collections walk only what was made since. Under Poisson load on one H200 the
+LLM replicas then made 0-2 full collections per 6 s window, 6-8 ms each, with or without a freeze of our
+own, which was measured and dropped (benchmarks/results/2026-12-01-encode-parts-ready-h200.md). These
+counters show that it stays so: `replica_load()["gc"]`, diffed over each window by benchmarks/goodput.py.
 """
 
 from __future__ import annotations
