@@ -48,8 +48,8 @@ def _events(path: Path, patterns) -> list[tuple[float, str]]:
 
 def deploy_timeline(serve_log_dir: str | Path, since: float) -> list[dict]:
     """The controller's and the builder's steps found in `serve_log_dir` (a Ray session's logs/serve), in
-    time order, as {"at_s": seconds after `since` (the deploy call's wall time), "event"}; the steps
-    before `since` (an earlier deploy in the same session) are left out."""
+    time order, as {"at_s": seconds after `since` (the deploy call's wall time), "event"}; steps more than
+    a second before `since` (an earlier deploy in the same session) are left out."""
     d = Path(serve_log_dir)
     found: list[tuple[float, str]] = []
     for path in sorted(d.glob("controller_*.log")):
