@@ -183,15 +183,35 @@ def proxy_nodes() -> set[str]:
             if info.get("State") == "ALIVE" and (info.get("Name") or "").startswith("SERVE_PROXY_ACTOR")}
 
 
-def wait_for(condition, timeout_s: float, what: str, every_s: float = 0.5):
+def wait_for(condition, timeout_s: float, what: str, every_s: float = 0.5, describe=None):
+    """`condition()` until truthy; past `timeout_s` an AssertionError that carries `describe()`, the state
+    that explains the wait (a CI log has nothing else to go on)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            said = f"\n{describe()}" if describe is not None else ""
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{said}")
         time.sleep(every_s)
+
+
+def serve_state(app: str = "vlm") -> str:
+    """Serve's own account of `app`: each deployment's status and message, and where its replicas run."""
+    from ray import serve
+
+    try:
+        status = serve.status().applications.get(app)
+    except Exception as e:  # noqa: BLE001 - a diagnostic must not hide the timeout it explains
+        return f"serve.status() failed: {e!r}"
+    if status is None:
+        return f"Serve knows no application {app!r}"
+    lines = [f"application {app}: {status.status} {status.message}".rstrip()]
+    for name, d in status.deployments.items():
+        lines.append(f"  {name}: {d.status} {d.message}".rstrip())
+    lines.append(f"  alive replicas by node: {replica_nodes(app)}")
+    return "\n".join(lines)
 
 
 def metric_total(node: ClusterNode, name: str) -> float:

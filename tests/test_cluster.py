@@ -34,7 +34,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster_harness import answers_health, local_cluster, metric_total, proxy_nodes, replica_nodes, wait_for
+from cluster_harness import (
+    answers_health,
+    local_cluster,
+    metric_total,
+    proxy_nodes,
+    replica_nodes,
+    serve_state,
+    wait_for,
+)
 from helpers import mp4_bytes, png_bytes
 from served import config_from_file
 
@@ -115,7 +123,7 @@ def cluster(model_cache):
         t0 = time.perf_counter()
         client = serve_api.serve_start(http_options=conf["http_options"])  # what `serve run` does
         client.deploy_apps(ServeDeploySchema.model_validate(conf), _blocking=False)
-        wait_for(app_running, START_BOUND_S, "the application to run on two nodes")
+        wait_for(app_running, START_BOUND_S, "the application to run on two nodes", describe=serve_state)
         for node in c.nodes:
             for which in ("router", "proxy"):
                 wait_for(lambda n=node, w=which: answers_health(n.url(w)), START_BOUND_S, f"{node.name}'s {which} port")
@@ -220,7 +228,8 @@ def redeploy(cluster, model_cache: str, **args) -> None:
         now = replica_nodes()
         return app_running() and all(len(now.get(n, {})) == 2 and not set(now[n]) & old[n] for n in names)
 
-    wait_for(replaced, START_BOUND_S, "the application to run again on two nodes")
+    wait_for(replaced, START_BOUND_S, "the application to run again on two nodes",
+             describe=serve_state)
     for node in cluster.nodes:
         for which in ("router", "proxy"):
             wait_for(lambda n=node, w=which: answers_health(n.url(w)), START_BOUND_S, f"{node.name}'s {which} port")
@@ -383,7 +392,8 @@ def test_a_node_lost_under_load_loses_no_request(cluster, reference):
     assert store[new.node_id] == 200 * 2**20, store
     nodes = {n.node_id for n in cluster.nodes}
     wait_for(lambda: all(set(replica_nodes().get(d, {}).values()) == nodes
-                         for d in ("Router", "MediaPreprocessor", "LLM")), RECOVERY_BOUND_S, "replicas on the new node")
+                         for d in ("Router", "MediaPreprocessor", "LLM")), RECOVERY_BOUND_S, "replicas on the new node",
+             describe=serve_state)
     for which in ("router", "proxy"):
         wait_for(lambda w=which: answers_health(new.url(w)), RECOVERY_BOUND_S, f"the new node's {which} port")
     recovery_s = time.monotonic() - t1

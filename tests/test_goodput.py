@@ -441,11 +441,14 @@ def fake():
 
 def test_a_sweep_against_a_fake_server_finds_its_capacity(fake, tmp_path):
     """Capacity 20 req/s (2 slots of 0.1 s): 4 and 8 req/s pass, 30 fails (served falls behind, the queue
-    grows), and the bisection settles below 20. Sent from two load processes."""
+    grows), and the bisection settles below 20. Sent from two load processes. The served bound is 90%, not
+    the default 98%: a window of 24 arrivals moves by 4% per request completing just past its edge (CI saw
+    95.7% at 8 req/s), while 30 req/s serves about 67%."""
     server, url = fake
     r = main(["--url", url, "--workload", "image@32", "--rates", "4", "8", "30", "--max-points", "4",
               "--ramp-s", "1", "--window-s", "3", "--warmup-s", "1", "--drain-s", "10", "--ttft-p99-ms", "300",
-              "--min-window-arrivals", "24", "--load-processes", "2", "--no-monitor", "--out-dir", str(tmp_path)])
+              "--min-window-arrivals", "24", "--min-served", "0.9", "--load-processes", "2", "--no-monitor",
+              "--out-dir", str(tmp_path)])
     w = r["workloads"]["image 32^2"]
     pts = w["search"]["points"]
     assert [p["rate"] for p in pts] == [4, 8, 30, 19]
