@@ -24,11 +24,11 @@ def _visual(dtype=torch.float32, device="cpu"):
     from transformers import AutoConfig
 
     from app.checkpoints.model_builder import load_preset
-    from app.vision.loading import vision_model_from_config
+    from app.vision.loading import vision_params
 
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(**load_preset("tiny")).vision_config
-    return vision_model_from_config(cfg, torch.float32).to(device, dtype)  # the same weights on any device
+    return vision_params(cfg, torch.float32).to(device, dtype)  # a replica's module, the same weights anywhere
 
 
 def _items(patch_dim: int):

@@ -23,12 +23,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class Harness:
-    """`truth` is the reference tower judged against: the same module on the CPU, an fp32 copy on GPU."""
+    """`visual` is transformers' module (the reference forward), and the tower runs on our parameter tree
+    (app/vision/qwen3_params.py) with `visual`'s weights unless `params` is given. `truth` is the reference
+    judged against: `visual` itself on the CPU, an fp32 copy on GPU."""
 
-    def __init__(self, visual, dtype, tol, scale=1, truth=None, dense_attention="sdpa"):
+    def __init__(self, visual, dtype, tol, scale=1, truth=None, dense_attention="sdpa", params=None):
+        from app.vision.qwen3_params import Qwen3VisionParams
+
         self.visual, self.dtype, self.tol, self.scale = visual, dtype, tol, scale
         self.truth = truth
-        self.tower = VisionTower(visual)
+        self.tower = VisionTower(params if params is not None else Qwen3VisionParams.from_module(visual))
         self.tower.use_dense_attention(dense_attention)  # before capture, as the service does
         self.device = self.tower.device
         budgets = [b * scale for b in BUDGETS]
@@ -79,7 +83,9 @@ class Harness:
 def cpu_harness(tiny_checkpoint):
     from app.vision.loading import load_vision_model
 
-    return Harness(load_vision_model(tiny_checkpoint, torch.float32), torch.float32, 1e-4)
+    # the reference and the tower's tree each loaded from the checkpoint, as a replica loads it
+    return Harness(load_vision_model(tiny_checkpoint, torch.float32, reference=True), torch.float32, 1e-4,
+                   params=load_vision_model(tiny_checkpoint, torch.float32))
 
 
 def _gpu_harness(dense_attention: str) -> Harness:
@@ -304,8 +310,8 @@ def test_fused_layer_structure_equals_reference_on_cpu(tiny_checkpoint):
     """The fused path (bias folded into the residual add, next layer's norm chained) with torch kernels."""
     from app.vision.loading import load_vision_model
 
-    visual = load_vision_model(tiny_checkpoint, torch.float32)
-    tower = VisionTower(visual, fused=True)
+    visual = load_vision_model(tiny_checkpoint, torch.float32, reference=True)
+    tower = VisionTower(load_vision_model(tiny_checkpoint, torch.float32), fused=True)
     mgr = GraphManager(tower, GraphSettings(budgets=[256], autotune=False))
     items = Harness.items(type("H", (), {"tower": tower, "device": tower.device, "dtype": torch.float32})(),
                           [(1, 4, 6), (2, 4, 4)])

@@ -13,6 +13,7 @@ metadata.cu_seqlens): their rows come out finite and never mix with real rows.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 
 import torch
@@ -28,10 +29,15 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-try:  # torch >= 2.10
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # pragma: no cover - older torch
-    varlen_attn = None
+# PyTorch's varlen FlashAttention (torch >= 2.10), imported at its first call: its module imports
+# torch._dynamo, 1.5 s of every replica's start on the CPU machine, for a path the CPU never takes.
+HAS_TORCH_VARLEN = importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
+def varlen_attn(*args, **kwargs):
+    from torch.nn.attention.varlen import varlen_attn as fn
+
+    return fn(*args, **kwargs)
 
 DENSE_MIN_LENGTH = 512  # equal-length sequences at least this long take one dense attention call
 
@@ -175,7 +181,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: t
 
 def uses_torch_varlen(device: torch.device, dtype: torch.dtype) -> bool:
     """PyTorch's varlen FlashAttention runs here: CUDA, bf16/fp16, Ampere or newer."""
-    return (varlen_attn is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    return (HAS_TORCH_VARLEN and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
             and _capability(device.index)[0] >= 8)
 
 

@@ -1,9 +1,10 @@
 """Load only the vision tower of a checkpoint (the encoder replicas need nothing else).
 
-Supported families (the checkpoint's `model_type`): Qwen3-VL (`qwen3_vl`), Qwen2.5-VL (`qwen2_5_vl`),
-both into transformers' own tower modules by parameter name, and MiniCPM-V 4.5 (`minicpmv`) into our
-modules with the published parameter names (minicpmv_tower.py). `build_tower` wraps the loaded module
-in the matching graph-friendly tower.
+Supported families (the checkpoint's `model_type`): Qwen3-VL (`qwen3_vl`) into our parameter modules
+(qwen3_params.py: transformers' names, without its modeling imports), Qwen2.5-VL (`qwen2_5_vl`) into
+transformers' own tower modules, and MiniCPM-V 4.5 (`minicpmv`) into our modules with the published
+parameter names (minicpmv_tower.py). `build_tower` wraps the loaded module in the matching graph-friendly
+tower. `reference=True` loads transformers' module for any Qwen family: the tests' reference forward.
 """
 
 from __future__ import annotations
@@ -40,12 +41,26 @@ def _model_type(vision_config) -> str:
 
 
 def vision_model_from_config(vision_config, dtype: torch.dtype, device: str | torch.device = "cpu"):
-    """A randomly initialised transformers vision tower (benchmarks: speed ignores weight values)."""
+    """A randomly initialised transformers vision tower: the reference, with its forward (tests, and
+    benchmarks that time against it; speed ignores weight values)."""
     cls = _tower_class(_model_type(vision_config))
     vision_config._attn_implementation = "sdpa"
     with torch.device(device):
         model = cls._from_config(vision_config, dtype=dtype)
     return model.eval()
+
+
+def vision_params(vision_config, dtype: torch.dtype, device: str | torch.device = "cpu", reference: bool = False):
+    """The module a tower runs on, random weights: Qwen3-VL's our own (qwen3_params.py) unless `reference`,
+    the rotary frequencies set (float32)."""
+    if _model_type(vision_config) == "qwen3_vl" and not reference:
+        from .qwen3_params import Qwen3VisionParams
+
+        model = Qwen3VisionParams.random(vision_config, dtype, device)
+    else:
+        model = vision_model_from_config(vision_config, dtype, device)
+    _set_inv_freq(model, vision_config)
+    return model
 
 
 def _axial_inv_freq(cfg) -> torch.Tensor:
@@ -61,31 +76,36 @@ def checkpoint_family(path: str | Path) -> str:
 
 
 def load_vision_model(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-                      random_weights: bool = False, phases: list | None = None):
-    """transformers' Qwen3-VL / Qwen2.5-VL vision tower with the checkpoint's `model.visual.*` weights, or
-    (`random_weights`, `load_format: dummy`) random ones made on the device: a config-only folder serves.
-    `phases` (a list) gets (name, start, end) of its steps, wall clock: the replica's start-up timeline."""
+                      random_weights: bool = False, phases: list | None = None, reference: bool = False):
+    """The Qwen3-VL / Qwen2.5-VL vision tower's module (`vision_params`) with the checkpoint's
+    `model.visual.*` weights, or (`random_weights`, `load_format: dummy`) random ones made on the device:
+    a config-only folder serves. `phases` (a list) gets (name, start, end) of its steps, wall clock: the
+    replica's start-up timeline. `reference`: transformers' module, with its forward."""
     from transformers import AutoConfig
 
     t = time.time()
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
     if random_weights:
-        model = vision_model_from_config(config.vision_config, dtype, device)
-        _set_inv_freq(model, config.vision_config)
-        return model
-    model = vision_model_from_config(config.vision_config, dtype, "meta")
+        return vision_params(config.vision_config, dtype, device, reference)
+    if _model_type(config.vision_config) == "qwen3_vl" and not reference:
+        from .qwen3_params import Qwen3VisionParams
+
+        model = Qwen3VisionParams.empty(config.vision_config, dtype, device)
+    else:
+        model = vision_model_from_config(config.vision_config, dtype, "meta")
     t = _mark(phases, "module and config", t)
     state = read_tensors(path, _PREFIXES)
     if not state:
         raise ValueError(f"no vision tower weights (model.visual.*) found in {path}")
     t = _mark(phases, "read", t)
-    model = model.to_empty(device=device)
+    if model.patch_embed.proj.weight.is_meta:
+        model = model.to_empty(device=device)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if "inv_freq" not in k]:
         raise ValueError(f"vision weights in {path} do not match the config: missing {missing}, unexpected {unexpected}")
-    _set_inv_freq(model, config.vision_config)
     model = model.to(dtype).eval()
+    _set_inv_freq(model, config.vision_config)
     _mark(phases, "to the device", t)
     return model
 
@@ -98,10 +118,14 @@ def _mark(phases: list | None, name: str, since: float) -> float:
 
 
 def _set_inv_freq(model, vision_config) -> None:
-    inv_freq = _axial_inv_freq(vision_config).to(model.rotary_pos_emb.inv_freq.device)
-    model.rotary_pos_emb.inv_freq.copy_(inv_freq)
-    if hasattr(model.rotary_pos_emb, "original_inv_freq"):
-        model.rotary_pos_emb.original_inv_freq.copy_(inv_freq)
+    """The rotary frequencies in float32 whatever the weights' dtype, as transformers' `from_pretrained`
+    keeps them: rounded to bf16 (a module's `.to(dtype)` casts buffers too), 0.1 reads 0.1001 and an
+    angle at row 100 moves by up to 0.4 rad."""
+    rot = model.rotary_pos_emb
+    inv_freq = _axial_inv_freq(vision_config).to(rot.inv_freq.device)
+    rot.inv_freq = inv_freq  # a registered buffer: this replaces it, dtype included
+    if hasattr(rot, "original_inv_freq"):
+        rot.original_inv_freq = inv_freq.clone()
 
 
 def build_tower(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",

@@ -1,0 +1,151 @@
+"""Our Qwen3-VL vision parameter tree (app/vision/qwen3_params.py) against transformers' `Qwen3VLVisionModel`.
+
+The same parameter names and shapes for every Qwen3-VL preset (dense and MoE), the same sub-module
+outputs bit for bit, the same tower outputs bit for bit on the same weights, the rotary table in float32
+as transformers' `from_pretrained` keeps it, and a replica's tower built without transformers' modeling
+code imported (the point of the tree: 4-6 s of a GPU replica's start).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from app.checkpoints.model_builder import PRESET_DIR
+
+QWEN3_PRESETS = ["tiny", "tiny-qwen3-vl-moe", "qwen3-vl-2b", "qwen3-vl-8b", "qwen3-vl-32b", "qwen3-vl-30b-a3b",
+                 "qwen3-vl-235b-a22b"]
+
+
+def _vision_config(preset: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**json.loads((PRESET_DIR / f"{preset}.json").read_text())).vision_config
+
+
+def _reference(cfg, device="cpu"):
+    from app.vision.loading import vision_model_from_config
+
+    torch.manual_seed(0)
+    return vision_model_from_config(cfg, torch.float32, device)
+
+
+@pytest.mark.parametrize("preset", QWEN3_PRESETS)
+def test_names_and_shapes_equal_transformers_module(preset):
+    from app.vision.qwen3_params import Qwen3VisionParams
+
+    cfg = _vision_config(preset)
+    ref = _reference(cfg, "meta")
+    with torch.device("meta"):
+        ours = Qwen3VisionParams(cfg)
+    want = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
+    assert got == want
+    assert ours.blocks[0].norm1.eps == ref.blocks[0].norm1.eps and ours.merger.norm.eps == ref.merger.norm.eps
+
+
+def test_sub_modules_equal_transformers_bit_for_bit():
+    """The calls the tower makes on its module: each block's norms and MLP, the main and deepstack mergers."""
+    from app.vision.qwen3_params import Qwen3VisionParams
+
+    ref = _reference(_vision_config("tiny"))
+    ours = Qwen3VisionParams.from_module(ref)
+    x = torch.randn(32, ref.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for a, b in zip(ours.blocks, ref.blocks, strict=True):
+            assert torch.equal(a.norm1(x), b.norm1(x)) and torch.equal(a.norm2(x), b.norm2(x))
+            assert torch.equal(a.mlp(x), b.mlp(x))
+            assert torch.equal(a.mlp.act_fn(x), b.mlp.act_fn(x))
+            assert torch.equal(a.attn.qkv(x), b.attn.qkv(x)) and torch.equal(a.attn.proj(x), b.attn.proj(x))
+        assert torch.equal(ours.merger(x), ref.merger(x))
+        for a, b in zip(ours.deepstack_merger_list, ref.deepstack_merger_list, strict=True):
+            assert torch.equal(a(x), b(x))
+    assert torch.equal(ours.rotary_pos_emb.inv_freq, ref.rotary_pos_emb.inv_freq)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_tower_on_our_tree_equals_the_tower_on_transformers_module(tiny_checkpoint, fused):
+    """Same checkpoint, both trees loaded from it: every output of the tower equal, bit for bit."""
+    from app.vision.graphs import GraphManager, GraphSettings, VisionItem
+    from app.vision.loading import load_vision_model
+    from app.vision.qwen3_params import Qwen3VisionParams
+    from app.vision.tower import VisionTower
+
+    ours, ref = load_vision_model(tiny_checkpoint, torch.float32), load_vision_model(
+        tiny_checkpoint, torch.float32, reference=True)
+    assert isinstance(ours, Qwen3VisionParams) and not isinstance(ref, Qwen3VisionParams)
+    g = torch.Generator().manual_seed(3)
+    grids = [(1, 4, 6), (2, 4, 4), (1, 8, 8)]
+    outs = []
+    for visual in (ours, ref):
+        tower = VisionTower(visual, fused=fused)
+        items = [VisionItem(torch.randn(t * h * w, tower.patch_dim, generator=g.manual_seed(i)), (t, h, w))
+                 for i, (t, h, w) in enumerate(grids)]
+        outs.append(GraphManager(tower, GraphSettings(budgets=[256], autotune=False)).encode(items))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a.main, b.main)
+        assert all(torch.equal(x, y) for x, y in zip(a.deepstack, b.deepstack, strict=True))
+
+
+@pytest.mark.parametrize("random_weights", [False, True])
+def test_the_rotary_table_stays_float32_in_bf16_as_transformers_keeps_it(tiny_checkpoint, random_weights):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from app.vision.loading import load_vision_model
+
+    want = Qwen3VLForConditionalGeneration.from_pretrained(
+        tiny_checkpoint, dtype=torch.bfloat16).model.visual.rotary_pos_emb.inv_freq
+    assert want.dtype == torch.float32
+    for reference in (False, True):
+        visual = load_vision_model(tiny_checkpoint, torch.bfloat16, random_weights=random_weights, reference=reference)
+        assert visual.blocks[0].attn.qkv.weight.dtype == torch.bfloat16
+        assert torch.equal(visual.rotary_pos_emb.inv_freq, want)
+
+
+def test_random_weights_are_initialised_as_transformers_does():
+    """Normal weights of the config's initializer range, zero biases, unit layer norms: nothing left as
+    `torch.empty` left it, and the spread within 5% of transformers' own random module."""
+    from app.vision.qwen3_params import Qwen3VisionParams
+
+    cfg = _vision_config("tiny")
+    torch.manual_seed(0)
+    ours = Qwen3VisionParams.random(cfg, torch.float32)
+    ref = _reference(cfg)
+    for (name, a), (_, b) in zip(ours.state_dict().items(), ref.state_dict().items(), strict=True):
+        assert torch.isfinite(a).all(), name
+        if name.endswith("bias"):
+            assert torch.equal(a, torch.zeros_like(a)) and torch.equal(b, torch.zeros_like(b)), name
+        elif "norm" in name:
+            assert torch.equal(a, torch.ones_like(a)), name
+        elif a.numel() > 1000:
+            assert a.std().item() == pytest.approx(b.std().item(), rel=0.05), name
+
+
+def test_an_unknown_activation_is_a_clear_error():
+    from app.vision.qwen3_params import Qwen3VisionParams
+
+    cfg = _vision_config("tiny")
+    cfg.hidden_act = "swiglu_of_the_future"
+    with pytest.raises(ValueError, match="unsupported vision activation 'swiglu_of_the_future'"):
+        Qwen3VisionParams(cfg)
+
+
+def test_a_replica_builds_its_tower_without_transformers_modeling_code(tiny_checkpoint):
+    """In a fresh process, as an LLM or encoder replica builds it: the tower from the checkpoint, and none
+    of transformers' model code imported (the 4-6 s this tree saves). Its config classes stay: AutoConfig
+    brings the auto mappings' names and the rope and generation config helpers, all light."""
+    code = (
+        "import sys, torch\n"
+        "from app.vision.loading import build_tower\n"
+        f"tower = build_tower({str(tiny_checkpoint)!r}, torch.float32)\n"
+        "heavy = sorted(m for m in sys.modules if m in ('transformers.modeling_utils', 'transformers.activations',"
+        " 'transformers.generation.utils') or (m.startswith('transformers.models.') and '.modeling_' in m"
+        " and not m.endswith('.modeling_auto')))\n"
+        "print(type(tower.visual).__name__, heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split("\n")[0] == "Qwen3VisionParams []", out.stdout + out.stderr
