@@ -24,9 +24,9 @@ ACTIVATIONS = {
 }
 
 
-# torch's layers without their initialisation at construction: a tree built on the meta device (the
-# loader's) would otherwise run every init through torch's Python meta kernels, which import torch._dynamo
-# (about 2 s). `Qwen3VisionParams.random` initialises explicitly; loading overwrites every value.
+# torch's layers without their initialisation at construction: the loader overwrites every value, and
+# `Qwen3VisionParams.random` initialises explicitly. A default init would cost seconds of host time for
+# a large tower, and on the meta device it runs torch's Python meta kernels, which import torch._dynamo.
 class Linear(nn.Linear):
     def reset_parameters(self) -> None:
         pass
@@ -62,10 +62,10 @@ class Activation(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, width: int, inner: int, act: str):
+    def __init__(self, width: int, inner: int, act: str, **dd):
         super().__init__()
-        self.linear_fc1 = Linear(width, inner)
-        self.linear_fc2 = Linear(inner, width)
+        self.linear_fc1 = Linear(width, inner, **dd)
+        self.linear_fc2 = Linear(inner, width, **dd)
         self.act_fn = Activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,14 +76,14 @@ class PatchMerger(nn.Module):
     """Each 2x2 group of patch rows (merge_size² consecutive rows) into one LLM token. The main merger
     normalises rows before grouping them; the deepstack mergers normalise the group (`post_shuffle`)."""
 
-    def __init__(self, width: int, merge_size: int, out_width: int, post_shuffle: bool):
+    def __init__(self, width: int, merge_size: int, out_width: int, post_shuffle: bool, **dd):
         super().__init__()
         self.hidden_size = width * merge_size**2
         self.use_postshuffle_norm = post_shuffle
-        self.norm = LayerNorm(self.hidden_size if post_shuffle else width, eps=1e-6)
-        self.linear_fc1 = Linear(self.hidden_size, self.hidden_size)
+        self.norm = LayerNorm(self.hidden_size if post_shuffle else width, eps=1e-6, **dd)
+        self.linear_fc1 = Linear(self.hidden_size, self.hidden_size, **dd)
         self.act_fn = Activation("gelu")
-        self.linear_fc2 = Linear(self.hidden_size, out_width)
+        self.linear_fc2 = Linear(self.hidden_size, out_width, **dd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_postshuffle_norm:
@@ -94,51 +94,52 @@ class PatchMerger(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, width: int):
+    def __init__(self, width: int, **dd):
         super().__init__()
-        self.qkv = Linear(width, 3 * width)
-        self.proj = Linear(width, width)
+        self.qkv = Linear(width, 3 * width, **dd)
+        self.proj = Linear(width, width, **dd)
 
 
 class Block(nn.Module):
-    def __init__(self, width: int, inner: int, act: str):
+    def __init__(self, width: int, inner: int, act: str, **dd):
         super().__init__()
-        self.norm1 = LayerNorm(width, eps=1e-6)
-        self.norm2 = LayerNorm(width, eps=1e-6)
-        self.attn = Attention(width)
-        self.mlp = MLP(width, inner, act)
+        self.norm1 = LayerNorm(width, eps=1e-6, **dd)
+        self.norm2 = LayerNorm(width, eps=1e-6, **dd)
+        self.attn = Attention(width, **dd)
+        self.mlp = MLP(width, inner, act, **dd)
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, channels: int, width: int, patch: int, temporal_patch: int):
+    def __init__(self, channels: int, width: int, patch: int, temporal_patch: int, **dd):
         super().__init__()
         kernel = (temporal_patch, patch, patch)
-        self.proj = Conv3d(channels, width, kernel_size=kernel, stride=kernel)
+        self.proj = Conv3d(channels, width, kernel_size=kernel, stride=kernel, **dd)
 
 
 class AxialRotary(nn.Module):
     """The rotary frequencies, rebuilt at load (checkpoints do not store them; loading.py fills them)."""
 
-    def __init__(self, head_dim: int):
+    def __init__(self, head_dim: int, device=None):
         super().__init__()
-        self.inv_freq = nn.Buffer(torch.empty(head_dim // 4), persistent=False)
+        self.inv_freq = nn.Buffer(torch.empty(head_dim // 4, device=device), persistent=False)
 
 
 class Qwen3VisionParams(nn.Module):
-    """The parameters of `Qwen3VLVisionModel(config)`, by the same names; `config` is kept as it is."""
+    """The parameters of `Qwen3VLVisionModel(config)`, by the same names; `config` is kept as it is. Made
+    in `dtype` on `device` (default: torch's), values unset: see `empty` and `random`."""
 
-    def __init__(self, config):
+    def __init__(self, config, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
         super().__init__()
         self.config = config
-        width, act = config.hidden_size, config.hidden_act
-        self.patch_embed = PatchEmbed(config.in_channels, width, config.patch_size, config.temporal_patch_size)
-        self.pos_embed = Embedding(config.num_position_embeddings, width)
-        self.rotary_pos_emb = AxialRotary(width // config.num_heads)
-        self.blocks = nn.ModuleList(Block(width, config.intermediate_size, act) for _ in range(config.depth))
+        width, act, dd = config.hidden_size, config.hidden_act, {"dtype": dtype, "device": device}
+        self.patch_embed = PatchEmbed(config.in_channels, width, config.patch_size, config.temporal_patch_size, **dd)
+        self.pos_embed = Embedding(config.num_position_embeddings, width, **dd)
+        self.rotary_pos_emb = AxialRotary(width // config.num_heads, device)
+        self.blocks = nn.ModuleList(Block(width, config.intermediate_size, act, **dd) for _ in range(config.depth))
         merge, out = config.spatial_merge_size, config.out_hidden_size
-        self.merger = PatchMerger(width, merge, out, post_shuffle=False)
+        self.merger = PatchMerger(width, merge, out, post_shuffle=False, **dd)
         self.deepstack_merger_list = nn.ModuleList(
-            PatchMerger(width, merge, out, post_shuffle=True) for _ in config.deepstack_visual_indexes)
+            PatchMerger(width, merge, out, post_shuffle=True, **dd) for _ in config.deepstack_visual_indexes)
 
     @classmethod
     def from_module(cls, module: nn.Module) -> Qwen3VisionParams:
@@ -151,17 +152,17 @@ class Qwen3VisionParams(nn.Module):
         return params.eval()
 
     @classmethod
-    def empty(cls, config, dtype: torch.dtype, device: str | torch.device = "meta") -> Qwen3VisionParams:
-        """The tree with its values unset (`torch.empty` on `device`), for a loader to fill. Made on the
-        device itself: a meta tree's `to_empty` runs torch's Python meta kernels (0.7-1 s of imports)."""
-        with torch.device(device):
-            return cls(config).to(dtype)
+    def empty(cls, config, dtype: torch.dtype, device: str | torch.device = "cpu") -> Qwen3VisionParams:
+        """The tree with its values unset (`torch.empty` on `device`, in `dtype`), for a loader to fill.
+        Made on the device itself: a meta tree's `to_empty` runs torch's Python meta kernels (0.7-1 s of
+        imports), and made in `dtype` (no float32 copy to cast, which the allocator would keep)."""
+        return cls(config, dtype, device)
 
     @classmethod
     def random(cls, config, dtype: torch.dtype, device: str | torch.device = "cpu") -> Qwen3VisionParams:
         """Random weights made on `device` (benchmarks and `load_format: dummy`: speed ignores values): normal
         with the config's initializer range, as transformers initialises the module; zero biases, unit norms."""
-        model = cls.empty(config, torch.float32, device)
+        model = cls.empty(config, dtype, device)
         std = getattr(config, "initializer_range", 0.02)
         with torch.no_grad():
             for m in model.modules():
@@ -172,4 +173,4 @@ class Qwen3VisionParams(nn.Module):
                 elif isinstance(m, nn.LayerNorm):
                     m.weight.fill_(1.0)
                     m.bias.zero_()
-        return model.to(dtype).eval()  # (the rotary frequencies are the loader's: loading._set_inv_freq)
+        return model.eval()  # (the rotary frequencies are the loader's: loading._set_inv_freq)
