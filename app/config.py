@@ -316,7 +316,9 @@ class AppConfig(_Strict):
     model: str = Field("embedded:tiny", description="'embedded:<preset>' or a path to a Qwen3-VL checkpoint")
     served_model_name: str | None = Field(None, description="the model id in responses and /v1/models; None: "
                                           "the preset's or the checkpoint folder's name")
-    cache_dir: str | None = Field(None, description="where embedded checkpoints are built; default ~/.cache/vlm-serve")
+    cache_dir: str | None = Field(None, description="where embedded checkpoints are built, the tower's auto-tune "
+                                  "table and the compiled Triton kernels kept (app/gpu/kernel_cache.py); default "
+                                  "~/.cache/vlm-serve")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when the replica has a GPU, "
                                                    "else cpu")
     media: MediaConfig = Field(MediaConfig(), description="decoding, sampling and limits for images and videos")

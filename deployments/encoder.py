@@ -10,6 +10,7 @@ from ray import serve
 
 from app.checkpoints.model_builder import resolve_model
 from app.config import AppConfig
+from app.gpu.kernel_cache import use_kernel_cache
 from app.serving.gc_pauses import watch
 from app.serving.placement import pinned_gpu
 
@@ -43,6 +44,7 @@ class VisionEncoder:
         from app.vision.service import EncoderService  # after pinning: importing it may touch CUDA
 
         cfg = AppConfig(**config)
+        use_kernel_cache(cfg.cache_dir)
         self.service = EncoderService(cfg, str(resolve_model(cfg.model, cfg.cache_dir)))
         self.metrics = EncoderMetrics(self.service.stats)
         self.service.batcher.on_batch = self.metrics.on_batch

@@ -17,6 +17,7 @@ from ray import serve
 
 from app.checkpoints.model_builder import resolve_model
 from app.config import AppConfig
+from app.gpu.kernel_cache import use_kernel_cache
 from app.llm.sequence import GenerationRequest
 from app.serving.fused import build_generation
 from app.serving.gc_pauses import watch
@@ -48,6 +49,7 @@ class LLM:
         self.startup = StartupTimeline()  # what starting did, and when: /v1/llm/load reports it
         route_app_logs()
         cfg = AppConfig(**config)
+        self.kernel_cache = use_kernel_cache(cfg.cache_dir)  # before any Triton compile (app/gpu/kernel_cache.py)
         checkpoint = str(resolve_model(cfg.model, cfg.cache_dir))
         engine_kw, self.followers = {}, []
         if cfg.placement.llm_tensor_parallel > 1:  # this replica is rank 0 of a group spanning several GPUs
@@ -144,11 +146,13 @@ class LLM:
         """This replica's engine load with its id and GPU, its engine's cumulative GPU time
         (`engine_gpu_ms_total`, `engine_timed_steps`: app/gpu/timing.py), whether it warmed up, when it
         became ready and when its first request came, the phases of its start (wall clock) and its garbage
-        collector's pauses (app/serving/gc_pauses.py): `/v1/llm/load` merges every replica's."""
+        collector's pauses (app/serving/gc_pauses.py) and where its Triton kernels are kept
+        (app/gpu/kernel_cache.py): `/v1/llm/load` merges every replica's."""
         return {"replica": serve.get_replica_context().replica_id.unique_id,
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **self._load(),
                 **self.engine.gpu_time(), "ready_at": self.ready_at, "first_request_at": self.first_request_at,
-                "warmed": self.warmup is not None, "startup": self.startup.as_dict(), "gc": self.gc.snapshot()}
+                "warmed": self.warmup is not None, "startup": self.startup.as_dict(), "gc": self.gc.snapshot(),
+                "kernel_cache": self.kernel_cache}
 
     def record_routing_stats(self) -> dict:
         """Ray Serve calls this every `request_routing_stats_period_s`; the routers' LeastLoadedRouter

@@ -18,6 +18,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from app.config import AppConfig
+from app.gpu.kernel_cache import use_kernel_cache
 from app.llm.loader import resolve_dtype
 from app.llm.spec import TextSpec
 from app.serving.tensor_parallel import Rendezvous, free_address, join
@@ -44,6 +45,7 @@ class LLMFollower:
         from app.llm.engine import Engine
 
         cfg = AppConfig(**config)
+        use_kernel_cache(cfg.cache_dir)
         tp, channel = _rank_setup(cfg, checkpoint, rv, rank)
         self.engine = Engine(checkpoint, pick_device(cfg.device), cfg.llm, tp=tp, lockstep=channel)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+from pathlib import Path
 
 import httpx
 import pytest
@@ -90,6 +91,15 @@ def test_the_llm_replicas_report_the_phases_of_their_start(server):
         assert all(p["start"] <= p["end"] for p in phases)
         assert all(a["end"] <= b["start"] for a, b in zip(phases, phases[1:]))
         assert phases[-1]["end"] <= r["ready_at"]
+
+
+def test_the_llm_replicas_keep_their_triton_kernels_under_cache_dir(server, model_cache):
+    """app/gpu/kernel_cache.py: a replica's compiled kernels go beside the model cache, which a deployment
+    keeps on a volume, unless TRITON_CACHE_DIR was set for it."""
+    want = os.environ.get("TRITON_CACHE_DIR") or str(Path(model_cache) / "triton")
+    replicas = server.get("/v1/llm/load").json()["replicas"]
+    assert replicas and all(r["kernel_cache"] == want for r in replicas)
+    assert Path(want).is_dir()
 
 
 def test_the_replicas_heaps_are_frozen_and_their_collections_counted(server):

@@ -28,6 +28,7 @@ from ..api.schemas import ChatRequest
 from ..checkpoints.model_builder import resolve_model
 from ..config import AppConfig
 from ..errors import ClientError
+from ..gpu.kernel_cache import use_kernel_cache
 from ..llm.sampling import MAX_CHOICES
 from ..media.spec import patch_spec_for
 from ..serving.placement import pinned_gpu
@@ -125,6 +126,7 @@ class EncoderWorker:
         from ..vision.service import EncoderService
 
         cfg = AppConfig(**config)
+        use_kernel_cache(cfg.cache_dir)
         self.service = EncoderService(cfg, _checkpoint(cfg))
 
     def ready(self) -> bool:
@@ -156,6 +158,7 @@ class LLMWorker:
         from ..vision.service import pick_device
 
         cfg = AppConfig(**config)
+        use_kernel_cache(cfg.cache_dir)
         # Nothing streams here: wake each request for its first and last chunk, rarely between. The
         # driver keeps `capacity()` rows in flight here (a full batch and as many again); the engine
         # queues them all, each row's `n` choices included: its `max_waiting` guards a server's

@@ -1,0 +1,36 @@
+"""app/gpu/kernel_cache.py: where a replica's Triton compiles go (TRITON_CACHE_DIR)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.gpu import kernel_cache
+
+
+@pytest.fixture
+def no_env(monkeypatch):
+    """TRITON_CACHE_DIR unset for the test, and restored after it (what the function sets included)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", "recorded")  # so that the teardown restores the real value
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    return monkeypatch
+
+
+def test_kernels_go_under_the_configs_cache_dir(no_env, tmp_path):
+    import os
+
+    got = kernel_cache.use_kernel_cache(str(tmp_path / "models"))
+    assert got == str(tmp_path / "models" / "triton") == os.environ["TRITON_CACHE_DIR"]
+    assert Path(got).is_dir()
+
+
+def test_without_a_cache_dir_the_default_model_cache_holds_them(no_env, tmp_path):
+    no_env.setattr(kernel_cache, "DEFAULT_CACHE", tmp_path / "default")
+    assert kernel_cache.use_kernel_cache(None) == str(tmp_path / "default" / "triton")
+
+
+def test_a_triton_cache_dir_already_set_wins(no_env, tmp_path):
+    no_env.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    assert kernel_cache.use_kernel_cache(str(tmp_path / "models")) == str(tmp_path / "mine")
+    assert not (tmp_path / "models").exists()
