@@ -34,3 +34,16 @@ def test_a_triton_cache_dir_already_set_wins(no_env, tmp_path):
     no_env.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
     assert kernel_cache.use_kernel_cache(str(tmp_path / "models")) == str(tmp_path / "mine")
     assert not (tmp_path / "models").exists()
+
+
+def test_a_cache_dir_that_cannot_be_written_leaves_tritons_default(no_env, tmp_path, caplog):
+    """A read-only mount of prepared checkpoints as cache_dir: the replica starts, Triton keeps its own
+    default directory (nothing set), and the log says why."""
+    import os
+
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the directory would go")
+    with caplog.at_level("WARNING", logger="app.gpu.kernel_cache"):
+        assert kernel_cache.use_kernel_cache(str(blocked)) is None
+    assert "TRITON_CACHE_DIR" not in os.environ
+    assert "cannot write" in caplog.text

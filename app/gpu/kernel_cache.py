@@ -10,19 +10,29 @@ several GPU models or images share stays correct. A TRITON_CACHE_DIR already set
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 from ..checkpoints.model_builder import DEFAULT_CACHE
 
+log = logging.getLogger(__name__)
 
-def use_kernel_cache(cache_dir: str | None) -> str:
+
+def use_kernel_cache(cache_dir: str | None) -> str | None:
     """Point this process's Triton compiles at `<cache_dir>/triton` (before the first compile) unless
-    TRITON_CACHE_DIR is set; returns the directory in use."""
+    TRITON_CACHE_DIR is set; returns the directory in use. A `cache_dir` that cannot be written (a
+    read-only mount of prepared checkpoints) leaves Triton's own default, with a warning: None."""
     if os.environ.get("TRITON_CACHE_DIR"):
         return os.environ["TRITON_CACHE_DIR"]
-    path = Path(cache_dir) if cache_dir else DEFAULT_CACHE
-    path = path.expanduser() / "triton"
-    path.mkdir(parents=True, exist_ok=True)
+    path = (Path(cache_dir) if cache_dir else DEFAULT_CACHE).expanduser() / "triton"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        writable = os.access(path, os.W_OK)
+    except OSError:
+        writable = False
+    if not writable:
+        log.warning("cannot write %s: Triton keeps its compiled kernels in its own default directory", path)
+        return None
     os.environ["TRITON_CACHE_DIR"] = str(path)
     return str(path)
