@@ -153,6 +153,10 @@ def qwen_family(preset: str, dtype: torch.dtype, device: str) -> Family:
             return [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
         return f
 
+    if config["model_type"] != "qwen2_5_vl":  # the tree a replica's tower runs on, with the same weights
+        from app.vision.qwen3_params import Qwen3VisionParams
+
+        visual = Qwen3VisionParams.from_module(visual)
     return Family(config["model_type"], tower_cls(visual, pixel_norm=spec.column_norm()), run(reference), run(truth),
                   lambda grids: flops(cfg, grids), workloads)
 

@@ -35,12 +35,12 @@ def build(preset: str, device: torch.device):
     from app.checkpoints.model_builder import load_preset
     from app.media.preprocess import PatchSpec
     from app.vision.graphs import GraphManager, GraphSettings
-    from app.vision.loading import vision_model_from_config
+    from app.vision.loading import vision_params
     from app.vision.tower import VisionTower
 
     cfg = AutoConfig.for_model(**load_preset(preset)).vision_config
     torch.manual_seed(0)
-    visual = vision_model_from_config(cfg, torch.bfloat16, device)
+    visual = vision_params(cfg, torch.bfloat16, device)
     norm = PatchSpec(patch=cfg.patch_size, temporal=cfg.temporal_patch_size, merge=cfg.spatial_merge_size,
                      mean=(0.5,) * 3, std=(0.5,) * 3).column_norm()
     tower = VisionTower(visual, pixel_norm=norm)

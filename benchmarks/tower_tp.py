@@ -57,16 +57,17 @@ TOLERANCE = {"cpu": 1e-4, "cuda": 3e-2}  # max relative difference against (a) t
 
 
 def build_visual(preset: str, dtype: torch.dtype, device: torch.device):
-    """transformers' vision model of the preset's shape with random weights, identical on every rank."""
+    """The vision module a replica's tower runs on (our tree for Qwen3-VL), the preset's shape with random
+    weights, identical on every rank."""
     import torch.distributed as dist
     from transformers import AutoConfig
 
     from app.checkpoints.model_builder import load_preset
-    from app.vision.loading import vision_model_from_config
+    from app.vision.loading import vision_params
 
     cfg = AutoConfig.for_model(**load_preset(preset)).vision_config
     torch.manual_seed(0)
-    visual = vision_model_from_config(cfg, dtype, device)
+    visual = vision_params(cfg, dtype, device)
     with torch.no_grad():
         for t in [*visual.parameters(), *visual.buffers()]:
             dist.broadcast(t.data, src=0)

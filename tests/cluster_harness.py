@@ -192,7 +192,12 @@ def wait_for(condition, timeout_s: float, what: str, every_s: float = 0.5, descr
         if value:
             return value
         if time.monotonic() > deadline:
-            said = f"\n{describe()}" if describe is not None else ""
+            said = ""
+            if describe is not None:
+                try:
+                    said = f"\n{describe()}"
+                except Exception as e:  # noqa: BLE001 - the timeout is the failure; its account is a bonus
+                    said = f"\n(describing the wait failed: {e!r})"
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{said}")
         time.sleep(every_s)
 

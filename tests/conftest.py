@@ -7,6 +7,18 @@ import os
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def _triton_cache_dir_restored():
+    """A GPU actor built in the test process (app/gpu/kernel_cache.py) sets TRITON_CACHE_DIR for the process:
+    restored after each test, so that no later test or Ray it starts inherits it."""
+    saved = os.environ.get("TRITON_CACHE_DIR")
+    yield
+    if saved is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+    else:
+        os.environ["TRITON_CACHE_DIR"] = saved
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory):
     return os.environ.get("VLM_SERVE_TEST_CACHE") or str(tmp_path_factory.mktemp("model-cache"))

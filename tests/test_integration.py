@@ -36,7 +36,10 @@ def server(model_cache):
     from deployments.app import build_app
 
     apply_serve_env()  # as `make serve` starts Ray
+    saved_triton = os.environ.pop("TRITON_CACHE_DIR", None)  # the replicas choose theirs (test below)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT)
+    if saved_triton is not None:
+        os.environ["TRITON_CACHE_DIR"] = saved_triton
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(SERVER_ARGS | {"cache_dir": model_cache}), name="vlm", route_prefix="/")
     wait_listening(DIRECT_PORT)  # the Routers' own port: open once they have warmed
@@ -95,8 +98,8 @@ def test_the_llm_replicas_report_the_phases_of_their_start(server):
 
 def test_the_llm_replicas_keep_their_triton_kernels_under_cache_dir(server, model_cache):
     """app/gpu/kernel_cache.py: a replica's compiled kernels go beside the model cache, which a deployment
-    keeps on a volume, unless TRITON_CACHE_DIR was set for it."""
-    want = os.environ.get("TRITON_CACHE_DIR") or str(Path(model_cache) / "triton")
+    keeps on a volume (the fixture starts Ray without a TRITON_CACHE_DIR, which would win)."""
+    want = str(Path(model_cache).resolve() / "triton")
     replicas = server.get("/v1/llm/load").json()["replicas"]
     assert replicas and all(r["kernel_cache"] == want for r in replicas)
     assert Path(want).is_dir()

@@ -3,7 +3,7 @@
 The same parameter names and shapes for every Qwen3-VL preset (dense and MoE), the same sub-module
 outputs bit for bit, the same tower outputs bit for bit on the same weights, the rotary table in float32
 as transformers' `from_pretrained` keeps it, and a replica's tower built without transformers' modeling
-code imported (the point of the tree: 4-6 s of a GPU replica's start).
+code imported (the point of the tree: seconds of every replica's start).
 """
 
 from __future__ import annotations
@@ -64,7 +64,36 @@ def test_sub_modules_equal_transformers_bit_for_bit():
         assert torch.equal(ours.merger(x), ref.merger(x))
         for a, b in zip(ours.deepstack_merger_list, ref.deepstack_merger_list, strict=True):
             assert torch.equal(a(x), b(x))
-    assert torch.equal(ours.rotary_pos_emb.inv_freq, ref.rotary_pos_emb.inv_freq)
+
+
+def test_the_rebuilt_rotary_table_equals_transformers_own():
+    """Checkpoints do not store it: loading._axial_inv_freq rebuilds it, for every Qwen3-VL preset."""
+    from app.vision.loading import _axial_inv_freq
+
+    for preset in QWEN3_PRESETS:
+        cfg = _vision_config(preset)
+        assert torch.equal(_axial_inv_freq(cfg), _reference(cfg).rotary_pos_emb.inv_freq), preset
+
+
+@pytest.mark.parametrize("name", ["gelu_pytorch_tanh", "gelu", "silu", "quick_gelu"])
+def test_each_activation_equals_transformers(name):
+    from transformers.activations import ACT2FN
+
+    from app.vision.qwen3_params import Activation
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(4)) * 4
+    assert torch.equal(Activation(name)(x), ACT2FN[name](x))
+
+
+def test_the_rotary_table_stays_float32_through_casts():
+    """A replica's later `.to(bf16)` (a test's, a benchmark's) keeps it exact, on the cast's device."""
+    from app.vision.loading import vision_params
+
+    visual = vision_params(_vision_config("tiny"), torch.float32)
+    table = visual.rotary_pos_emb.inv_freq.clone()
+    visual = visual.to(torch.bfloat16)
+    assert visual.blocks[0].attn.qkv.weight.dtype == torch.bfloat16
+    assert visual.rotary_pos_emb.inv_freq.dtype == torch.float32 and torch.equal(visual.rotary_pos_emb.inv_freq, table)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -91,17 +120,21 @@ def test_the_tower_on_our_tree_equals_the_tower_on_transformers_module(tiny_chec
         assert all(torch.equal(x, y) for x, y in zip(a.deepstack, b.deepstack, strict=True))
 
 
+@pytest.mark.parametrize("family", ["tiny", "tiny-qwen2.5-vl"])
 @pytest.mark.parametrize("random_weights", [False, True])
-def test_the_rotary_table_stays_float32_in_bf16_as_transformers_keeps_it(tiny_checkpoint, random_weights):
-    from transformers import Qwen3VLForConditionalGeneration
+def test_the_rotary_table_stays_float32_in_bf16_as_transformers_keeps_it(model_cache, family, random_weights):
+    """Both Qwen families (Qwen2.5-VL on transformers' module, through the meta path)."""
+    from transformers import AutoModelForImageTextToText
 
+    from app.checkpoints.model_builder import ensure_embedded
     from app.vision.loading import load_vision_model
 
-    want = Qwen3VLForConditionalGeneration.from_pretrained(
-        tiny_checkpoint, dtype=torch.bfloat16).model.visual.rotary_pos_emb.inv_freq
+    checkpoint = ensure_embedded(family, model_cache)
+    want = AutoModelForImageTextToText.from_pretrained(
+        checkpoint, dtype=torch.bfloat16).model.visual.rotary_pos_emb.inv_freq
     assert want.dtype == torch.float32
     for reference in (False, True):
-        visual = load_vision_model(tiny_checkpoint, torch.bfloat16, random_weights=random_weights, reference=reference)
+        visual = load_vision_model(checkpoint, torch.bfloat16, random_weights=random_weights, reference=reference)
         assert visual.blocks[0].attn.qkv.weight.dtype == torch.bfloat16
         assert torch.equal(visual.rotary_pos_emb.inv_freq, want)
 
@@ -115,7 +148,10 @@ def test_random_weights_are_initialised_as_transformers_does():
     torch.manual_seed(0)
     ours = Qwen3VisionParams.random(cfg, torch.float32)
     ref = _reference(cfg)
-    for (name, a), (_, b) in zip(ours.state_dict().items(), ref.state_dict().items(), strict=True):
+    want = ref.state_dict()
+    assert set(ours.state_dict()) == set(want)
+    for name, a in ours.state_dict().items():
+        b = want[name]
         assert torch.isfinite(a).all(), name
         if name.endswith("bias"):
             assert torch.equal(a, torch.zeros_like(a)) and torch.equal(b, torch.zeros_like(b)), name
@@ -136,7 +172,7 @@ def test_an_unknown_activation_is_a_clear_error():
 
 def test_a_replica_builds_its_tower_without_transformers_modeling_code(tiny_checkpoint):
     """In a fresh process, as an LLM or encoder replica builds it: the tower from the checkpoint, and none
-    of transformers' model code imported (the 4-6 s this tree saves). Its config classes stay: AutoConfig
+    of transformers' model code imported (what this tree saves). Its config classes stay: AutoConfig
     brings the auto mappings' names and the rope and generation config helpers, all light."""
     code = (
         "import sys, torch\n"

@@ -231,7 +231,7 @@ def test_raw_uint8_rows_give_the_embeddings_of_the_processors_float_rows(h):
     scale, offset = (torch.as_tensor(t) for t in spec.column_norm())
     assert raw.pixel_values.dtype == np.uint8
     assert torch.equal(torch.from_numpy(raw.pixel_values).float() * scale + offset, torch.from_numpy(norm.pixel_values))
-    mgr = GraphManager(VisionTower(h.visual, pixel_norm=spec.column_norm()),
+    mgr = GraphManager(VisionTower(h.tower.visual, pixel_norm=spec.column_norm()),
                        GraphSettings(budgets=h.mgr.budgets, max_items_per_batch=4, max_frames_per_batch=8,
                                      autotune=False, uint8_pixels=True))
     mgr.capture()
@@ -262,7 +262,7 @@ def test_pinned_staging_gives_the_same_embeddings_as_pageable_copies(gpu_harness
     h = gpu_harness
 
     spec = PatchSpec()
-    mgrs = [GraphManager(VisionTower(h.visual, pixel_norm=spec.column_norm()),
+    mgrs = [GraphManager(VisionTower(h.tower.visual, pixel_norm=spec.column_norm()),
                          GraphSettings(budgets=h.mgr.budgets, max_items_per_batch=4, max_frames_per_batch=8,
                                        autotune=False, uint8_pixels=True, pinned_staging=pinned))
             for pinned in (False, True)]

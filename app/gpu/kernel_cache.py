@@ -1,10 +1,10 @@
 """Triton's compiled kernels kept under `cache_dir`, beside the model cache and the tower's auto-tune table.
 
-Why: on a fresh machine each LLM replica spent 12-14 s of its start compiling the Triton kernels of its
-graphs, against 3-4 s in a redeploy on the same machine, whose ~/.triton/cache was already filled (the
-2026-12-01 results). A container's home dies with it, while `cache_dir` is where a deployment mounts a
-writable volume that outlives pods (docs/guides/cluster.md), so a restarted or rescheduled replica finds
-its kernels compiled. Triton's cache key holds the GPU target and Triton's own version, so a volume that
+Why: on a fresh machine an LLM replica's graph captures took 12-14 s of its start (engine and tower),
+against 1.6-2.4 s per capture in a redeploy on the same machine (2026-12-01). Most of the difference is
+likely the first compile of the Triton kernels, which the redeploy found in ~/.triton/cache; no compile
+was timed alone. A container's home dies with it, while `cache_dir` is where a deployment mounts a
+writable volume that outlives pods (docs/guides/cluster.md). Triton's cache key holds the GPU target and Triton's own version, so a volume that
 several GPU models or images share stays correct. A TRITON_CACHE_DIR already set wins.
 """
 
@@ -22,10 +22,11 @@ log = logging.getLogger(__name__)
 def use_kernel_cache(cache_dir: str | None) -> str | None:
     """Point this process's Triton compiles at `<cache_dir>/triton` (before the first compile) unless
     TRITON_CACHE_DIR is set; returns the directory in use. A `cache_dir` that cannot be written (a
-    read-only mount of prepared checkpoints) leaves Triton's own default, with a warning: None."""
+    read-only mount of prepared checkpoints) leaves Triton's own default (~/.triton/cache), with a
+    warning, and returns None: `/v1/llm/load` then reports `kernel_cache: null`."""
     if os.environ.get("TRITON_CACHE_DIR"):
         return os.environ["TRITON_CACHE_DIR"]
-    path = (Path(cache_dir) if cache_dir else DEFAULT_CACHE).expanduser() / "triton"
+    path = (Path(cache_dir) if cache_dir else DEFAULT_CACHE).resolve() / "triton"  # as the checkpoints' path
     try:
         path.mkdir(parents=True, exist_ok=True)
         writable = os.access(path, os.W_OK)

@@ -35,9 +35,14 @@ HAS_TORCH_VARLEN = importlib.util.find_spec("torch.nn.attention.varlen") is not 
 
 
 def varlen_attn(*args, **kwargs):
+    return _torch_varlen()(*args, **kwargs)
+
+
+@functools.cache
+def _torch_varlen():
     from torch.nn.attention.varlen import varlen_attn as fn
 
-    return fn(*args, **kwargs)
+    return fn
 
 DENSE_MIN_LENGTH = 512  # equal-length sequences at least this long take one dense attention call
 

@@ -41,8 +41,8 @@ def _model_type(vision_config) -> str:
 
 
 def vision_model_from_config(vision_config, dtype: torch.dtype, device: str | torch.device = "cpu"):
-    """A randomly initialised transformers vision tower: the reference, with its forward (tests, and
-    benchmarks that time against it; speed ignores weight values)."""
+    """A randomly initialised transformers vision tower: the reference, with its forward (the tests, and
+    benchmarks/encoder_families.py's reference rows; speed ignores weight values)."""
     cls = _tower_class(_model_type(vision_config))
     vision_config._attn_implementation = "sdpa"
     with torch.device(device):

@@ -2,8 +2,9 @@
 
 `VisionTower` (tower.py) computes the tower itself and needs from its module only the parameters and a
 few small sub-modules (layer norms, the MLPs, the patch mergers). transformers' `Qwen3VLVisionModel`
-brings them along with `modeling_utils`, `activations` and the generation stack: 4-6 s of imports in
-every LLM replica's start on a 16-core GPU host (2026-12-01 results), on the path to ready.
+brings them along with `modeling_utils`, `activations` and the generation stack: most of the 4.7-6.2 s
+"module and config" phase of an LLM replica's start on a 16-core GPU host (2026-12-01), on the path to
+ready, and 4-5 s of the tower's build on the CPU machine (2026-12-02).
 `Qwen3VisionParams` holds the same parameters under the same names and shapes (one checkpoint loads
 into either; tests/test_qwen3_params.py compares them with transformers' module), and the same
 sub-module calls, op for op. It has no forward of its own: the tower is the only caller.
@@ -11,16 +12,24 @@ sub-module calls, op for op. It has no forward of its own: the tower is the only
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# transformers' activation names for the Qwen-family towers, as the functions its modules call
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+# transformers' activation names for the Qwen-family towers, as the functions its modules call (no
+# lambdas: the tree pickles, as transformers' module does)
 ACTIVATIONS = {
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
     "gelu": F.gelu,
     "silu": F.silu,
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "quick_gelu": quick_gelu,
 }
 
 
@@ -117,11 +126,19 @@ class PatchEmbed(nn.Module):
 
 
 class AxialRotary(nn.Module):
-    """The rotary frequencies, rebuilt at load (checkpoints do not store them; loading.py fills them)."""
+    """The rotary frequencies, rebuilt at load (checkpoints do not store them; loading.py fills them). They
+    stay float32 through the module's casts (`.to(bf16)`, `.half()`), as transformers' `from_pretrained`
+    keeps them: rounded to bf16, an angle at row 100 moves by up to 0.18 rad (the 8B tower's heads)."""
 
     def __init__(self, head_dim: int, device=None):
         super().__init__()
         self.inv_freq = nn.Buffer(torch.empty(head_dim // 4, device=device), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        table = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = table.to(self.inv_freq.device, torch.float32)  # the cast's device, not its dtype
+        return self
 
 
 class Qwen3VisionParams(nn.Module):
@@ -143,8 +160,9 @@ class Qwen3VisionParams(nn.Module):
 
     @classmethod
     def from_module(cls, module: nn.Module) -> Qwen3VisionParams:
-        """This tree with another module's parameters and buffers (transformers' `Qwen3VLVisionModel`: the
-        tests and benchmarks that hold a reference beside the tower), on its device and in its dtypes."""
+        """This tree with another module's parameters and rotary table (transformers' `Qwen3VLVisionModel`:
+        the tests and benchmarks that hold a reference beside the tower), on its device and in the dtype of
+        its patch embedding."""
         w = module.patch_embed.proj.weight
         params = cls.empty(module.config, w.dtype, w.device)
         params.load_state_dict(module.state_dict(), strict=True)

@@ -35,7 +35,7 @@ def _replace(lin: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def shard_blocks(visual: nn.Module, tp: TensorParallel) -> None:
-    """Slice a transformers Qwen3-VL vision model's blocks in place to this rank's share: qkv by output
+    """Slice a Qwen3-VL vision module's blocks (qwen3_params.py's names) in place to this rank's share: qkv by output
     rows (heads), the attention output projection by input columns, fc1 by rows and fc2 by columns (MLP
     units). The biases of the column-split projections stay whole: they are added once, after the
     all-reduce. Patch embedding, position table, merger and deepstack mergers stay replicated. The

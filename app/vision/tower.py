@@ -1,7 +1,7 @@
 """Qwen3-VL vision tower with a static-shape body that CUDA graphs can capture.
 
-It runs on the parameters of transformers' `Qwen3VLVisionModel` (same modules, no copy of the
-weights). What the reference computes from `grid_thw` on the host inside its forward is passed
+It runs on the parameters of a module named as transformers' `Qwen3VLVisionModel` (a replica's is our
+own tree, qwen3_params.py; tests also pass transformers' module itself), with no copy of the weights. What the reference computes from `grid_thw` on the host inside its forward is passed
 in as tensors (see metadata.py), and attention is one block-diagonal variable-length call over
 the whole packed batch instead of one call per frame.
 """
@@ -23,7 +23,8 @@ def padded_cu_seqlens(seq_lens: list[int], budget: int | None, seq_slots: int) -
 
 
 class VisionTower(GraphTower):
-    """Wraps a transformers `Qwen3VLVisionModel`; `forward(TowerBatch)` -> (main, [deepstack...])."""
+    """Wraps a Qwen3-VL vision module (qwen3_params.py's tree, or transformers' `Qwen3VLVisionModel`);
+    `forward(TowerBatch)` -> (main, [deepstack...])."""
 
     def __init__(self, visual: nn.Module, pixel_norm: tuple | None = None, fused: bool | None = None):
         """`pixel_norm` = (scale, offset) per row column (`PatchSpec.column_norm`) lets the tower take
