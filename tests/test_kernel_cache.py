@@ -26,7 +26,9 @@ def test_kernels_go_under_the_configs_cache_dir(no_env, tmp_path):
 
 
 def test_without_a_cache_dir_the_default_model_cache_holds_them(no_env, tmp_path):
-    no_env.setattr(kernel_cache, "DEFAULT_CACHE", tmp_path / "default")
+    from app.checkpoints import model_builder
+
+    no_env.setattr(model_builder, "DEFAULT_CACHE", tmp_path / "default")
     assert kernel_cache.use_kernel_cache(None) == str(tmp_path / "default" / "triton")
 
 

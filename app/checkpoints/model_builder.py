@@ -158,9 +158,15 @@ def build_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, w
     return out_dir
 
 
+def cache_root(cache_dir: str | Path | None) -> Path:
+    """The app's `cache_dir`, or the default: embedded checkpoints, the tower's auto-tune table and the
+    compiled Triton kernels live under it."""
+    return Path(cache_dir) if cache_dir else DEFAULT_CACHE
+
+
 def ensure_embedded(preset: str = "tiny", cache_dir: str | Path | None = None, seed: int = 0) -> Path:
     """Path of the cached embedded checkpoint for `preset`, building it on first use."""
-    cache = Path(cache_dir) if cache_dir else DEFAULT_CACHE
+    cache = cache_root(cache_dir)
     out = cache / f"{preset}-seed{seed}-v{BUILDER_VERSION}"
     marker = out / "vlm_serve_builder.json"
     if not marker.is_file():

@@ -50,10 +50,15 @@ def vision_model_from_config(vision_config, dtype: torch.dtype, device: str | to
     return model.eval()
 
 
+def _our_tree(vision_config, reference: bool) -> bool:
+    """Whether the tower's module is ours (qwen3_params.py: Qwen3-VL, unless the reference is asked for)."""
+    return _model_type(vision_config) == "qwen3_vl" and not reference
+
+
 def vision_params(vision_config, dtype: torch.dtype, device: str | torch.device = "cpu", reference: bool = False):
     """The module a tower runs on, random weights: Qwen3-VL's our own (qwen3_params.py) unless `reference`,
     the rotary frequencies set (float32)."""
-    if _model_type(vision_config) == "qwen3_vl" and not reference:
+    if _our_tree(vision_config, reference):
         from .qwen3_params import Qwen3VisionParams
 
         model = Qwen3VisionParams.random(vision_config, dtype, device)
@@ -88,7 +93,7 @@ def load_vision_model(path: str | Path, dtype: torch.dtype, device: str | torch.
     config = AutoConfig.from_pretrained(path)
     if random_weights:
         return vision_params(config.vision_config, dtype, device, reference)
-    if _model_type(config.vision_config) == "qwen3_vl" and not reference:
+    if _our_tree(config.vision_config, reference):
         from .qwen3_params import Qwen3VisionParams
 
         model = Qwen3VisionParams.empty(config.vision_config, dtype, device)

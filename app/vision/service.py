@@ -30,7 +30,7 @@ def tune_cache_for(cfg: AppConfig, checkpoint: str, device, dtype, settings: Gra
     """The auto-tune table's place for this GPU model, checkpoint config, dtype, graph settings, tower
     (its class, tensor-parallel ranks, dense attention), tower code and libraries (app/vision/tune_cache.py),
     under `cache_dir`."""
-    from ..checkpoints.model_builder import DEFAULT_CACHE
+    from ..checkpoints.model_builder import cache_root
 
     config = Path(checkpoint) / "config.json"
     parts = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "dtype": str(dtype),
@@ -40,7 +40,7 @@ def tune_cache_for(cfg: AppConfig, checkpoint: str, device, dtype, settings: Gra
              "uint8": settings.uint8_pixels, "pinned": settings.pinned_staging, "flash4": tower.flash4,
              "tower": type(tower).__name__, "ranks": getattr(getattr(tower, "tp", None), "size", 1),
              "code": source_digest(), **library_versions()}
-    return TuneCache(Path(cfg.cache_dir or DEFAULT_CACHE) / "vision-tune", parts)
+    return TuneCache(cache_root(cfg.cache_dir) / "vision-tune", parts)
 
 
 def _to_cpu(o) -> EncodedItem:
