@@ -25,7 +25,8 @@
 #   COLD_FIRST (req/s)       the first deploy is itself the cold start at this rate (about half the expected
 #                            goodput; its fraction of the measured goodput is reported), then only 0.9 is
 #                            redeployed: one deploy less (60-100 s on the 2B preset)
-#   PROBE_IMPORTS            set: first time the serving imports in two fresh processes ($OUT/imports.txt)
+#   PROBE_IMPORTS            set: benchmarks/replica_imports.py, a replica's imports and settings readers in fresh
+#                            processes, ours against transformers' ($OUT/imports.txt, imports.json)
 #   LOAD_ONE [2] LOAD_ALL [2 per GPU]   load processes (one process tops out at a few hundred streamed req/s)
 #   BUDGET [570]             seconds this script may take in all; each stage gets a deadline from it and starts
 #   ALL_RESERVE [200]        no point it could not finish; `one` leaves ALL_RESERVE seconds to `all`
@@ -56,12 +57,8 @@ if [ -n "${PROBE_IMPORTS:-}" ]; then  # how long the serving imports take on thi
   { python3 -c "import sys, os, transformers; d = os.path.dirname(transformers.__file__)
 print('dont_write_bytecode', sys.dont_write_bytecode, os.environ.get('PYTHONDONTWRITEBYTECODE'), 'transformers at', d,
       'writable', os.access(d, os.W_OK), 'has __pycache__', os.path.isdir(d + '/__pycache__'))"
-    for i in 1 2; do python3 -c "import time; t = time.time(); import torch; t1 = time.time()
-from transformers import AutoConfig; t2 = time.time()
-from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel; t3 = time.time()
-import deployments.llm; t4 = time.time()
-print(f'import torch {t1 - t:.2f} s, AutoConfig {t2 - t1:.2f} s, modeling_qwen3_vl {t3 - t2:.2f} s, deployments.llm {t4 - t3:.2f} s')"
-    done; } > "$OUT/imports.txt" 2>&1
+    python3 benchmarks/replica_imports.py --runs 2 --out "$OUT/imports.json"  # our settings readers against transformers'
+    } > "$OUT/imports.txt" 2>&1
   cat "$OUT/imports.txt"
 fi
 

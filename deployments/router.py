@@ -30,6 +30,7 @@ from app.api.shared_port import SCOPE_KEY as SHARED_PORT_SCOPE
 from app.api.shared_port import SharedPortServer, bind_shared, unless_client_leaves
 from app.api.tokenize import TokenizeService
 from app.checkpoints.model_builder import resolve_model
+from app.checkpoints.tokenizer_loader import load_tokenizer
 from app.config import AppConfig
 from app.errors import ClientError
 from app.media.adaptive import AdaptiveMedia, CountingPool
@@ -181,8 +182,6 @@ class Router:
                        fused: bool = False):
         """`fused`: the placement runs the tower inside the LLM replicas (no VisionEncoder replicas).
         Async so that the shared-port HTTP server (`router_http_port`) starts on this replica's loop."""
-        from transformers import AutoTokenizer
-
         route_app_logs()
         self.cfg = AppConfig(**config)
         app_name = serve.get_replica_context().app_name
@@ -203,7 +202,7 @@ class Router:
             source = AdaptiveMedia(source, MediaPipeline(self.cfg.media, source.spec, self.media_pool),
                                    self.cfg.media.router_local_below, self.cfg.media.router_local_bytes,
                                    on_choice=self.metrics.media_where)
-        self.chat = ChatService(self.cfg, AutoTokenizer.from_pretrained(ckpt), source, RayBackend(encoder, llm, fused),
+        self.chat = ChatService(self.cfg, load_tokenizer(ckpt), source, RayBackend(encoder, llm, fused),
                                 observer=self.metrics.observe, on_unknown=self.metrics.unknown_parameter,
                                 checkpoint=str(ckpt))
         # /v1/completions, /v1/responses, /tokenize and /detokenize: the chat path underneath

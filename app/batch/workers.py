@@ -83,15 +83,14 @@ def _checkpoint(cfg: AppConfig) -> str:
 
 class MediaWorker:
     def __init__(self, config: dict, file_root: str | None = None):
-        from transformers import AutoTokenizer
-
+        from ..checkpoints.tokenizer_loader import load_tokenizer
         from .media import BatchMediaPipeline
 
         cfg = AppConfig(**config)
         ckpt = _checkpoint(cfg)
         pool = ThreadPoolExecutor(max_workers=cfg.media.worker_threads, thread_name_prefix="media")
         media = BatchMediaPipeline(cfg.media, patch_spec_for(ckpt), pool, root=file_root)
-        self.chat = ChatService(cfg, AutoTokenizer.from_pretrained(ckpt), media, backend=None)
+        self.chat = ChatService(cfg, load_tokenizer(ckpt), media, backend=None)
 
     def ready(self) -> bool:
         return True

@@ -38,11 +38,11 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype, device: torch.device, 
                     tp: TensorParallel = SINGLE, load_format: LoadFormat = "auto") -> LoadedModel:
     """The text model of a checkpoint folder, this rank's share; `dummy`: random weights made on the
     device, the folder's safetensors never read (config and tokenizer only)."""
-    from transformers import AutoTokenizer
+    from ..checkpoints.tokenizer_loader import load_tokenizer
 
     config = json.loads((Path(path) / "config.json").read_text())
     model = TextModel(TextSpec.from_config(config), dtype, device, rope_rows(config, max_model_len), tp)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     if load_format == "dummy":
         init_random(model, spoken=len(tokenizer))
     else:

@@ -124,13 +124,12 @@ def run_off_loop(coro_fn, timeout_s: float = 600):
 def warm_llm_replica(cfg, checkpoint: str, backend, media: bool) -> WarmupReport:
     """An LLM replica's warm-up: a local chat service (the Router's parsing and prompts, this process's
     own media preparation) over the replica's own backend."""
-    from transformers import AutoTokenizer
-
     from ..api.chat import ChatService
+    from ..checkpoints.tokenizer_loader import load_tokenizer
     from ..media.pipeline import MediaPipeline
     from ..media.spec import patch_spec_for
 
-    chat = ChatService(cfg, AutoTokenizer.from_pretrained(checkpoint),
+    chat = ChatService(cfg, load_tokenizer(checkpoint),
                        MediaPipeline(cfg.media, patch_spec_for(checkpoint)), backend)
     bodies = warmup_bodies(cfg.llm.max_num_batched_tokens, media)
     report = run_off_loop(lambda: warm_chat(chat, bodies))

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .qwen3_config import FAMILIES as QWEN3_FAMILIES
+from .qwen3_config import Qwen3VisionConfig
 from .tensors import checkpoint_files, read_tensors  # noqa: F401 - read_tensors re-exported
 
 _PREFIXES = ("model.visual.", "visual.")
@@ -86,19 +88,22 @@ def load_vision_model(path: str | Path, dtype: torch.dtype, device: str | torch.
     `model.visual.*` weights, or (`random_weights`, `load_format: dummy`) random ones made on the device:
     a config-only folder serves. `phases` (a list) gets (name, start, end) of its steps, wall clock: the
     replica's start-up timeline. `reference`: transformers' module, with its forward."""
-    from transformers import AutoConfig
-
     t = time.time()
     path = Path(path)
-    config = AutoConfig.from_pretrained(path)
+    if checkpoint_family(path) in QWEN3_FAMILIES and not reference:  # our tree, from config.json alone
+        vision_config = Qwen3VisionConfig.from_checkpoint(path)
+    else:  # transformers' module: its config class
+        from transformers import AutoConfig
+
+        vision_config = AutoConfig.from_pretrained(path).vision_config
     if random_weights:
-        return vision_params(config.vision_config, dtype, device, reference)
-    if _our_tree(config.vision_config, reference):
+        return vision_params(vision_config, dtype, device, reference)
+    if _our_tree(vision_config, reference):
         from .qwen3_params import Qwen3VisionParams
 
-        model = Qwen3VisionParams.empty(config.vision_config, dtype, device)
+        model = Qwen3VisionParams.empty(vision_config, dtype, device)
     else:
-        model = vision_model_from_config(config.vision_config, dtype, "meta")
+        model = vision_model_from_config(vision_config, dtype, "meta")
     t = _mark(phases, "module and config", t)
     state = read_tensors(path, _PREFIXES)
     if not state:
@@ -110,7 +115,7 @@ def load_vision_model(path: str | Path, dtype: torch.dtype, device: str | torch.
     if unexpected or [k for k in missing if "inv_freq" not in k]:
         raise ValueError(f"vision weights in {path} do not match the config: missing {missing}, unexpected {unexpected}")
     model = model.to(dtype).eval()
-    _set_inv_freq(model, config.vision_config)
+    _set_inv_freq(model, vision_config)
     _mark(phases, "to the device", t)
     return model
 
