@@ -2,9 +2,9 @@
 
 `VisionTower` (tower.py) computes the tower itself and needs from its module only the parameters and a
 few small sub-modules (layer norms, the MLPs, the patch mergers). transformers' `Qwen3VLVisionModel`
-brings them along with `modeling_utils`, `activations` and the generation stack: most of the 4.7-6.2 s
-"module and config" phase of an LLM replica's start on a 16-core GPU host (2026-12-01), on the path to
-ready, and 4-5 s of the tower's build on the CPU machine (2026-12-02).
+brings them along with `modeling_utils`, `activations` and the generation stack: 4-5 s of the tower's
+build on the CPU machine (2026-12-02). On the GPU host the phase's time was mostly
+`AutoConfig.from_pretrained` instead, which qwen3_config.py replaces.
 `Qwen3VisionParams` holds the same parameters under the same names and shapes (one checkpoint loads
 into either; tests/test_qwen3_params.py compares them with transformers' module), and the same
 sub-module calls, op for op. It has no forward of its own: the tower is the only caller.
