@@ -45,7 +45,10 @@ One invocation, one app (`--start`: Ray and the application started here, as ben
 4. `--scale-up 0.5`: the app deployed again with `--scale-up-from` LLM replicas and room for one more,
    a low `target_ongoing_requests`, and load at 0.5 x goodput for `--scale-up-s` from ready: the
    autoscaler adds a replica under load. The LLM replicas are watched each 0.5 s (when the new one was
-   ready and took its first request); per second TTFT p99 over the warm app's at the same rate.
+   ready and took its first request); per second TTFT p99 over the warm app's at the same rate, and the
+   host beside it (benchmarks/monitor.py's HostTimeline: cores by process group, new processes, host and
+   GPU busy), read out at the worst second. `--scale-up-baseline` then runs the same deploy and load with
+   no room for a replica: a second slow there too is the starting replicas' own tail, not the new start.
 5. `--crosscheck guidellm`: our point and GuideLLM's Poisson profile at the goodput (or
    `--crosscheck-rate`), same request shape, GuideLLM's per-request timings read through `analyse`.
 Everything goes to `--out-dir`: goodput.json (rewritten after every point: a run cut short keeps what it
@@ -847,12 +850,13 @@ def app_status(name: str = "vlm") -> str:
 
 
 # ---------------------------------------------------------------------------- scale-up under load
-def scale_up_options(start: int, target_requests: float, upscale_delay_s: float) -> dict[str, dict]:
+def scale_up_options(start: int, target_requests: float, upscale_delay_s: float, room: int = 1) -> dict[str, dict]:
     """The LLM deployment's autoscaling for the scale-up run (deep-merged into the config file's `LLM`
-    entry): `start` replicas and room for one more, the project's policy at `target_requests` in flight
-    per replica, so that the load asks for the extra replica by itself."""
+    entry): `start` replicas and room for `room` more, the project's policy at `target_requests` in
+    flight per replica, so that the load asks for the extra replica by itself (`room=0`: the baseline,
+    the same app and load with nothing to add)."""
     return {"LLM": {"autoscaling_config": {
-        "min_replicas": start, "initial_replicas": start, "max_replicas": start + 1,
+        "min_replicas": start, "initial_replicas": start, "max_replicas": start + room,
         "target_ongoing_requests": target_requests, "upscale_delay_s": upscale_delay_s, "downscale_delay_s": 600,
         "policy": {"policy_function": "app.serving.autoscaling:LLMAutoscalingPolicy"}}}}
 
@@ -907,7 +911,20 @@ async def watch_replicas(url: str, t0: float, until_s: float, every_s: float = 0
     return samples
 
 
-def scale_up_summary(rows: list[dict], samples: list[dict], warm_p99_ms: float, around_s: float = 10.0) -> dict:
+def host_during(host: list[dict], second: int, top: int = 3) -> dict | None:
+    """The host timeline's view of one second of the load (`HostTimeline` rows, their `t` on the load's
+    clock): the row whose interval ends first after the second's middle: host busy, GPU busy, the
+    `top` groups by cores, and the processes that appeared."""
+    after = [r for r in host if r["t"] >= second + 0.5]
+    if not after:
+        return None
+    r = after[0]
+    return {"t": round(r["t"], 2), "host_busy": round(r["host_busy"], 3), "gpu_busy": r["gpu_busy"],
+            "cores": {g: round(c, 2) for g, c in list(r["cores"].items())[:top]}, "new": r["new"]}
+
+
+def scale_up_summary(rows: list[dict], samples: list[dict], warm_p99_ms: float, around_s: float = 10.0,
+                     host: list[dict] | None = None) -> dict:
     """When the added replica appeared, became ready and took its first request (seconds from the load's
     start); each second's TTFT p99 over the warm app's at the same rate (`cold_summary`'s ratios), the
     worst of them from `around_s` before the new replica was ready to `around_s` after, and the issue's
@@ -932,7 +949,21 @@ def scale_up_summary(rows: list[dict], samples: list[dict], warm_p99_ms: float, 
         out["startup_phases"] = [{**p, "p99_ratio_max": _worst_during(rows, p["start_s"], p["end_s"])}
                                  for p in latest.get("startup") or []]
     out["within_2x_no_errors"] = base["errors"] == 0 and base["p99_ratio_max"] <= 2.0
+    worst = max((r for r in rows if not math.isnan(r["p99_ratio"])), key=lambda r: r["p99_ratio"], default=None)
+    if worst is not None:
+        out["worst_second"] = worst["second"]
+        if host:
+            out["host_at_worst"] = host_during(host, worst["second"])
     return out
+
+
+def host_text(h: dict | None) -> str:
+    if not h:
+        return "no host sample"
+    gpu = f", GPU {'/'.join(f'{u:.0f}' for u in h['gpu_busy'])}% busy" if h["gpu_busy"] else ""
+    cores = ", ".join(f"{g} {c:.2f}" for g, c in h["cores"].items())
+    new = f"; new processes: {', '.join(f'{n} {g}' for g, n in h['new'].items())}" if h["new"] else ""
+    return f"host {100 * h['host_busy']:.0f}% busy{gpu}; cores: {cores}{new}"
 
 
 def _worst_during(rows: list[dict], start_s: float | None, end_s: float | None) -> float:
@@ -949,20 +980,54 @@ def scale_up_run(bench: Bench, a, wl, rate: float, deploy: Callable[[], None]) -
     is ready, the LLM replicas watched throughout; then the same rate on the scaled app for the warm
     reference. The load is a cold start's (`Bench.cold`) with the replicas watched beside it."""
     samples: list[dict] = []
-
-    async def watch(t0: float) -> dict:
-        samples.extend(await watch_replicas(bench.url, t0, a.scale_up_s + 5))
-        return {}
-
-    out = bench.cold(wl, rate, deploy, a.scale_up_s, a.ready_timeout_s, watch=watch)
+    out = _watched_load(bench, a, wl, rate, deploy, samples)
     out["llm_status_at_end"] = deployment_status("LLM")  # why no replica was added, if none was
     warm = bench.point(wl, rate, a.ramp_s, a.cold_warm_window_s)
     out.update(replica_samples=samples, warm=warm)
-    out["summary"] = scale_up_summary(out["per_second"], samples, warm["ttft_ms"]["p99"] if warm else float("nan"))
+    warm_p99 = warm["ttft_ms"]["p99"] if warm else float("nan")
+    out["summary"] = scale_up_summary(out["per_second"], samples, warm_p99, host=out["host_timeline"])
     s = out["summary"]
     print(f"scale-up at {rate:g} req/s from {s['replicas_at_start']} LLM replica(s): {joined_text(s['added'])}; "
-          f"errors {s['errors']}; TTFT p99 max {s['p99_ratio_max']:.2f}x warm ({s['warm_ttft_p99_ms']:.0f} ms)",
-          flush=True)
+          f"errors {s['errors']}; TTFT p99 max {s['p99_ratio_max']:.2f}x warm ({s['warm_ttft_p99_ms']:.0f} ms) at "
+          f"second {s.get('worst_second')}: {host_text(s.get('host_at_worst'))}", flush=True)
+    return out
+
+
+def _watched_load(bench: Bench, a, wl, rate: float, deploy: Callable[[], None], samples: list[dict]) -> dict:
+    """`Bench.cold` for `--scale-up-s` with the LLM replicas (into `samples`) and the host (the result's
+    `host_timeline`: benchmarks/monitor.py's HostTimeline, one row a second) watched beside the load."""
+    from benchmarks.monitor import HostTimeline
+
+    host: list[dict] = []
+
+    async def watch(t0: float) -> dict:
+        with HostTimeline(t0=t0, gpus=not a.no_monitor) as tl:
+            samples.extend(await watch_replicas(bench.url, t0, a.scale_up_s + 5))
+        host.extend(tl.rows)
+        return {}
+
+    out = bench.cold(wl, rate, deploy, a.scale_up_s, a.ready_timeout_s, watch=watch)
+    out["host_timeline"] = host
+    return out
+
+
+def scale_up_baseline(bench: Bench, a, wl, rate: float, deploy: Callable[[], None], warm_p99_ms: float) -> dict:
+    """The scale-up's control: the same app, start and load with no room for another replica, each
+    second against the same warm reference. A second that is slow here too is the starting replicas'
+    own tail at this rate, not the added replica's start."""
+    samples: list[dict] = []
+    out = _watched_load(bench, a, wl, rate, deploy, samples)
+    base = cold_summary(out["per_second"], warm_p99_ms)
+    worst = max((r for r in out["per_second"] if not math.isnan(r["p99_ratio"])), key=lambda r: r["p99_ratio"],
+                default=None)
+    out["summary"] = {"errors": base["errors"], "p99_ratio_max": base["p99_ratio_max"], "warm_ttft_p99_ms": warm_p99_ms,
+                      "worst_second": worst["second"] if worst else None,
+                      "host_at_worst": host_during(out["host_timeline"], worst["second"]) if worst else None,
+                      "replicas": len(samples[-1]["replicas"]) if samples else None}
+    s = out["summary"]
+    print(f"scale-up baseline at {rate:g} req/s, no replica to add: errors {s['errors']}; TTFT p99 max "
+          f"{s['p99_ratio_max']:.2f}x the same warm reference at second {s['worst_second']}: "
+          f"{host_text(s['host_at_worst'])}", flush=True)
     return out
 
 
@@ -1178,12 +1243,18 @@ def summary_lines(results: dict) -> list[str]:
                      f"{joined_text(s['added'])}; "
                      f"errors {s['errors']}, TTFT p99 max {s['p99_ratio_max']:.2f}x warm "
                      f"({s['warm_ttft_p99_ms']:.0f} ms), around the join "
-                     f"{s.get('p99_ratio_max_around_join', float('nan')):.2f}x")
+                     f"{s.get('p99_ratio_max_around_join', float('nan')):.2f}x; the worst second "
+                     f"({s.get('worst_second')}): {host_text(s.get('host_at_worst'))}")
         if s.get("startup_phases"):
             lines.append("the added replica's start, per phase: seconds from the load's start, and the worst "
                          "second's TTFT p99 / warm meanwhile: " + "; ".join(
                              f"{p['name']} {p['start_s']:.1f}-{p['end_s']:.1f} s, {p['p99_ratio_max']:.2f}x"
                              for p in s["startup_phases"]))
+        b = (up.get("baseline") or {}).get("summary")
+        if b:
+            lines.append(f"scale-up baseline (the same app and load, no replica to add): errors {b['errors']}, TTFT "
+                         f"p99 max {b['p99_ratio_max']:.2f}x the same warm reference at second {b['worst_second']}: "
+                         f"{host_text(b.get('host_at_worst'))}")
     return lines
 
 
@@ -1315,6 +1386,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--scale-up-target", type=float, default=2.0,
                    help="the LLM's target_ongoing_requests during the scale-up (low: the load asks for a replica)")
     p.add_argument("--scale-up-delay-s", type=float, default=2.0, help="the LLM's upscale_delay_s then")
+    p.add_argument("--scale-up-baseline", action="store_true",
+                   help="then the same deploy and load with no room for another replica (`scale_up.baseline`): "
+                        "which slow seconds are the starting replicas' own")
     p.add_argument("--ready-timeout-s", type=float, default=480.0)
     p.add_argument("--load-processes", type=int, default=1)
     p.add_argument("--no-monitor", action="store_true")
@@ -1474,6 +1548,8 @@ def main(argv: list[str] | None = None) -> dict:
         if scale_rate and not (a.start and a.serve_config):
             raise SystemExit("--scale-up needs --start and --serve-config (the app is deployed again)")
         needed_s = a.scale_up_s + a.cold_warm_window_s + 90  # the load, the warm reference, a redeploy
+        if a.scale_up_baseline:
+            needed_s += a.scale_up_s + 60  # its own redeploy and load
         if scale_rate and deadline is not None and deadline - time.perf_counter() < needed_s:
             print(f"scale-up at {scale_rate:g} req/s: no time left", flush=True)
             results["scale_up"] = {"rate": scale_rate, "skipped": "deadline"}
@@ -1484,6 +1560,14 @@ def main(argv: list[str] | None = None) -> dict:
                                                                     a.scale_up_delay_s))
             results["scale_up"] = scale_up_run(bench, a, workloads[0], scale_rate, scaled)
             save()
+            if a.scale_up_baseline:
+                stop_app()
+                fixed = functools.partial(start_app, app_args, proxy_port, a.serve_config, a.num_gpus, wait=False,
+                                          deployments=scale_up_options(a.scale_up_from, a.scale_up_target,
+                                                                       a.scale_up_delay_s, room=0))
+                warm_p99 = results["scale_up"]["summary"]["warm_ttft_p99_ms"]
+                results["scale_up"]["baseline"] = scale_up_baseline(bench, a, workloads[0], scale_rate, fixed, warm_p99)
+                save()
     finally:
         results["meta"]["seconds"] = time.perf_counter() - t_begin
         save()

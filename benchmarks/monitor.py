@@ -145,6 +145,88 @@ class ProcessSampler:
         return sorted(out, key=lambda p: -p["cores"])
 
 
+class HostTimeline:
+    """Per interval (`interval_s`, in a background thread): the host's busy fraction, each GPU's busy %,
+    and the cores each process group used in it, a process that appeared since the last tick counting
+    all of its CPU time so far. For the seconds of a scale-up or a cold start, beside their TTFT: a
+    replica starting on the host (a Ray worker importing torch, compiling kernels) shows as new
+    processes of its group and as host time, which whole-run averages hide.
+    `with HostTimeline(t0=...) as tl: ...`; then `tl.rows`, each {"t": seconds from t0 at the
+    interval's end, "host_busy", "gpu_busy", "cores": {group: cores}, "new": {group: processes}}."""
+
+    def __init__(self, interval_s: float = 1.0, t0: float | None = None, gpus: bool = True):
+        import psutil
+
+        self.interval_s, self.psutil = interval_s, psutil
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.gpus = GpuSampler() if gpus else None
+        self.rows: list[dict] = []
+        self._seen: dict[int, tuple[str, object, float]] = {}  # pid -> (group, process, CPU seconds at last tick)
+        self._stop = threading.Event()
+
+    def _cpu(self, proc) -> float:
+        t = proc.cpu_times()
+        return t.user + t.system
+
+    def _scan(self, first: bool) -> tuple[dict[str, float], dict[str, int]]:
+        """CPU seconds per group since the last scan, and the processes new to each group."""
+        used: dict[str, float] = {}
+        new: dict[str, int] = {}
+        for p in self.psutil.process_iter(["pid", "cmdline", "ppid"]):
+            if p.pid in self._seen:
+                continue
+            try:
+                group = process_group(" ".join(p.info["cmdline"] or []), p.pid, p.info["ppid"])
+                if group is None:
+                    continue
+                cpu = self._cpu(p)
+            except (self.psutil.Error, OSError):
+                continue
+            self._seen[p.pid] = (group, p, cpu)
+            if not first:  # started since the last scan: everything it used falls in this interval
+                used[group] = used.get(group, 0.0) + cpu
+                new[group] = new.get(group, 0) + 1
+        for pid, (group, proc, before) in list(self._seen.items()):
+            try:
+                cpu = self._cpu(proc)
+            except (self.psutil.Error, OSError):
+                del self._seen[pid]
+                continue
+            if cpu > before:
+                used[group] = used.get(group, 0.0) + cpu - before
+            self._seen[pid] = (group, proc, cpu)
+        return used, new
+
+    def __enter__(self) -> HostTimeline:
+        self._scan(first=True)
+        self._host = self.psutil.cpu_times()
+        self._last = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="host-timeline")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(max(0.0, self._last + self.interval_s - time.perf_counter())):
+            self.tick()
+
+    def tick(self) -> dict:
+        used, new = self._scan(first=False)
+        now, host = time.perf_counter(), self.psutil.cpu_times()
+        wall = max(now - self._last, 1e-9)
+        busy = lambda t: sum(t) - t.idle - getattr(t, "iowait", 0)  # noqa: E731
+        total = sum(host) - sum(self._host)
+        row = {"t": now - self.t0, "host_busy": (busy(host) - busy(self._host)) / total if total > 0 else 0.0,
+               "gpu_busy": self.gpus.sample() if self.gpus is not None else [],
+               "cores": {g: c / wall for g, c in sorted(used.items(), key=lambda kv: -kv[1])}, "new": new}
+        self._host, self._last = host, now
+        self.rows.append(row)
+        return row
+
+
 # ---------------------------------------------------------------------------- the monitor
 @dataclass
 class MonitorSummary:

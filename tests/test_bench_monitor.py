@@ -119,3 +119,31 @@ def test_bodies_built_in_a_pool_equal_those_built_one_by_one():
     """A long run's bodies come from a process pool (256 or more); each seed's body is the same either way."""
     w = Workload("image", image_size=32)
     assert build_bodies(w, 7, 300) == [_body_bytes(w, 7 + i) for i in range(300)]
+
+
+def _burn(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_the_host_timeline_counts_a_process_that_starts_mid_run_from_its_first_interval():
+    """A spawned child (the load generator's group) that burns one core for 1.5 s, started after the
+    timeline's baseline: its CPU shows in the intervals it ran in, flagged as new in the first, and the
+    host's busy share is a fraction."""
+    from benchmarks.monitor import HostTimeline
+
+    with HostTimeline(interval_s=0.5, gpus=False) as tl:
+        time.sleep(0.6)
+        child = multiprocessing.get_context("spawn").Process(target=_burn, args=(1.5,), daemon=True)
+        child.start()
+        child.join()
+        time.sleep(0.6)
+    rows = tl.rows
+    assert len(rows) >= 4 and all(0.0 <= r["host_busy"] <= 1.0 for r in rows)
+    assert all(b["t"] > a["t"] for a, b in zip(rows, rows[1:], strict=False))
+    flagged = [i for i, r in enumerate(rows) if r["new"].get("load generator")]
+    assert flagged, rows  # the child appeared in one interval
+    burnt = sum(r["cores"].get("load generator", 0.0) * 0.5 for r in rows[flagged[0]:])
+    assert 0.8 < burnt < 2.6, rows  # ~1.5 CPU seconds, plus its start-up (spawn imports), on a shared machine
+    assert rows[0]["cores"].get("load generator", 0.0) < 0.5  # before the child, this process sleeps

@@ -27,6 +27,7 @@ from benchmarks.goodput import (
     analyse,
     cold_summary,
     gpu_totals,
+    host_text,
     main,
     per_second,
     replica_balance,
@@ -283,6 +284,17 @@ def test_scale_up_seconds_are_compared_with_the_warm_app_around_the_join():
     assert s["within_2x_no_errors"]
     s = scale_up_summary(rows, samples[:25], warm_p99_ms=80.0)  # nothing added; 2.5x: fails
     assert s["added"] is None and "p99_ratio_max_around_join" not in s and not s["within_2x_no_errors"]
+    # the host at the worst second (11, the first of the three at 2x): the timeline row whose interval ends
+    # first after 11.5 s, the one that covers most of it ([11.2, 12.2])
+    host = [{"t": t + 0.2, "host_busy": 0.1 * (t % 10), "gpu_busy": [50.0], "new": {"LLM": 1} if t == 12 else {},
+             "cores": {"LLM": 1.0 + t / 10, "Router": 0.5, "MediaPreprocessor": 0.2, "raylet": 0.1}}
+            for t in range(30)]
+    s = scale_up_summary(rows, samples, warm_p99_ms=100.0, host=host)
+    assert s["worst_second"] == 11
+    assert s["host_at_worst"] == {"t": 12.2, "host_busy": 0.2, "gpu_busy": [50.0], "new": {"LLM": 1},
+                                  "cores": {"LLM": 2.2, "Router": 0.5, "MediaPreprocessor": 0.2}}
+    assert host_text(s["host_at_worst"]) == ("host 20% busy, GPU 50% busy; cores: LLM 2.20, Router 0.50, "
+                                             "MediaPreprocessor 0.20; new processes: 1 LLM")
 
 
 def test_replica_balance_gives_each_replica_its_share_of_the_engines_gpu_time():
@@ -551,6 +563,21 @@ def test_a_scale_up_watches_the_replicas_from_ready(fake, tmp_path):
     assert tower["start_s"] == pytest.approx(s["added"]["ready_s"] - 1.0, abs=0.01)
     assert warm["end_s"] == pytest.approx(s["added"]["ready_s"], abs=0.01)
     assert len(up["per_second"]) == 4 and up["warm"]["ttft_ms"]["n"] > 0 and len(up["replica_samples"]) >= 4
+    # the host beside the load, a row a second on the load's clock, this process (the load generator) in it
+    assert len(up["host_timeline"]) >= 4 and up["host_timeline"][0]["t"] == pytest.approx(1.0, abs=0.5)
+    assert any("load generator" in r["cores"] for r in up["host_timeline"])
+    assert s["worst_second"] in range(4) and s["host_at_worst"]["t"] >= s["worst_second"] + 0.5
+
+    # the baseline: the same load with nothing to add, against the scale-up's warm reference
+    from benchmarks.goodput import scale_up_baseline
+
+    server.replicas, server.ready_at = [], math.inf
+    base = scale_up_baseline(bench, a, Workload("image", 32), 10.0,
+                             lambda: setattr(server, "ready_at", time.monotonic() + 0.3), warm_p99_ms=5.0)
+    b = base["summary"]
+    assert b["errors"] == 0 and b["warm_ttft_p99_ms"] == 5.0 and len(base["per_second"]) == 4
+    assert b["p99_ratio_max"] > 1.0 and b["worst_second"] in range(4)  # 10 ms TTFTs over a 5 ms reference
+    assert b["host_at_worst"] is not None and len(base["host_timeline"]) >= 4
 
 
 # ---------------------------------------------------------------------------- the real application, CPU
