@@ -1001,8 +1001,12 @@ def _watched_load(bench: Bench, a, wl, rate: float, deploy: Callable[[], None], 
     host: list[dict] = []
 
     async def watch(t0: float) -> dict:
-        with HostTimeline(t0=t0, gpus=not a.no_monitor) as tl:
+        tl = HostTimeline(t0=t0, gpus=not a.no_monitor)
+        await asyncio.to_thread(tl.__enter__)  # its first scan of the host's processes, off the load's loop
+        try:
             samples.extend(await watch_replicas(bench.url, t0, a.scale_up_s + 5))
+        finally:
+            await asyncio.to_thread(tl.__exit__, None, None, None)
         host.extend(tl.rows)
         return {}
 
@@ -1011,24 +1015,55 @@ def _watched_load(bench: Bench, a, wl, rate: float, deploy: Callable[[], None], 
     return out
 
 
-def scale_up_baseline(bench: Bench, a, wl, rate: float, deploy: Callable[[], None], warm_p99_ms: float) -> dict:
+def before_start_s(summary: dict) -> float | None:
+    """When the scale-up's added replica began its start on the load's clock (its first phase), else when
+    it was ready; None when none was added."""
+    phases = summary.get("startup_phases") or []
+    starts = [p["start_s"] for p in phases if p.get("start_s") is not None]
+    if starts:
+        return min(starts)
+    return (summary.get("added") or {}).get("ready_s")
+
+
+def _worst(rows: list[dict], until_s: float | None = None) -> dict | None:
+    kept = [r for r in rows if not math.isnan(r["p99_ratio"]) and (until_s is None or r["second"] + 1 <= until_s)]
+    return max(kept, key=lambda r: r["p99_ratio"], default=None)
+
+
+def scale_up_baseline(bench: Bench, a, wl, rate: float, deploy: Callable[[], None], scale_up: dict) -> dict:
     """The scale-up's control: the same app, start and load with no room for another replica, each
-    second against the same warm reference. A second that is slow here too is the starting replicas'
-    own tail at this rate, not the added replica's start."""
+    second against the scale-up's warm reference. Compared over the seconds before the scale-up's added
+    replica began its start (`before_start_s`), the two runs are alike but for the autoscaler's request and
+    the new replica's worker: a second slow in both is the starting replicas' own tail at this rate."""
+    warm_p99_ms = scale_up["summary"]["warm_ttft_p99_ms"]
     samples: list[dict] = []
     out = _watched_load(bench, a, wl, rate, deploy, samples)
     base = cold_summary(out["per_second"], warm_p99_ms)
-    worst = max((r for r in out["per_second"] if not math.isnan(r["p99_ratio"])), key=lambda r: r["p99_ratio"],
-                default=None)
-    out["summary"] = {"errors": base["errors"], "p99_ratio_max": base["p99_ratio_max"], "warm_ttft_p99_ms": warm_p99_ms,
-                      "worst_second": worst["second"] if worst else None,
-                      "host_at_worst": host_during(out["host_timeline"], worst["second"]) if worst else None,
-                      "replicas": len(samples[-1]["replicas"]) if samples else None}
-    s = out["summary"]
-    print(f"scale-up baseline at {rate:g} req/s, no replica to add: errors {s['errors']}; TTFT p99 max "
-          f"{s['p99_ratio_max']:.2f}x the same warm reference at second {s['worst_second']}: "
-          f"{host_text(s['host_at_worst'])}", flush=True)
+    until = before_start_s(scale_up["summary"])
+    worst, worst_before = _worst(out["per_second"]), _worst(out["per_second"], until)
+    theirs = _worst(scale_up["per_second"], until)
+    out["summary"] = {
+        "errors": base["errors"], "p99_ratio_max": base["p99_ratio_max"], "warm_ttft_p99_ms": warm_p99_ms,
+        "worst_second": worst["second"] if worst else None,
+        "host_at_worst": host_during(out["host_timeline"], worst["second"]) if worst else None,
+        "replicas": len(samples[-1]["replicas"]) if samples else None, "compared_until_s": until,
+        "p99_ratio_max_before": worst_before["p99_ratio"] if worst_before else None,
+        "scale_up_p99_ratio_max_before": theirs["p99_ratio"] if theirs else None,
+        "side_by_side": [{"second": r["second"], "scale_up": r["p99_ratio"], "baseline": b["p99_ratio"]}
+                         for r, b in zip(scale_up["per_second"], out["per_second"], strict=False)]}
+    print(baseline_text(out["summary"], rate), flush=True)
     return out
+
+
+def baseline_text(b: dict, rate: float | None = None) -> str:
+    at = f" at {rate:g} req/s" if rate is not None else ""
+    before = ""
+    if b.get("compared_until_s") is not None and b.get("p99_ratio_max_before") is not None:
+        before = (f"; before the added replica's start ({b['compared_until_s']:.1f} s) {b['p99_ratio_max_before']:.2f}x "
+                  f"against the scale-up's {b['scale_up_p99_ratio_max_before']:.2f}x")
+    return (f"scale-up baseline{at} (the same app and load, no replica to add): errors {b['errors']}, TTFT p99 max "
+            f"{b['p99_ratio_max']:.2f}x the same warm reference at second {b['worst_second']}{before}: "
+            f"{host_text(b.get('host_at_worst'))}")
 
 
 def joined_text(added: dict | None) -> str:
@@ -1250,11 +1285,11 @@ def summary_lines(results: dict) -> list[str]:
                          "second's TTFT p99 / warm meanwhile: " + "; ".join(
                              f"{p['name']} {p['start_s']:.1f}-{p['end_s']:.1f} s, {p['p99_ratio_max']:.2f}x"
                              for p in s["startup_phases"]))
-        b = (up.get("baseline") or {}).get("summary")
-        if b:
-            lines.append(f"scale-up baseline (the same app and load, no replica to add): errors {b['errors']}, TTFT "
-                         f"p99 max {b['p99_ratio_max']:.2f}x the same warm reference at second {b['worst_second']}: "
-                         f"{host_text(b.get('host_at_worst'))}")
+        base = up.get("baseline") or {}
+        if base.get("summary"):
+            lines.append(baseline_text(base["summary"], base.get("rate")))
+        elif base.get("skipped"):
+            lines.append(f"scale-up baseline: skipped ({base['skipped']})")
     return lines
 
 
@@ -1548,8 +1583,6 @@ def main(argv: list[str] | None = None) -> dict:
         if scale_rate and not (a.start and a.serve_config):
             raise SystemExit("--scale-up needs --start and --serve-config (the app is deployed again)")
         needed_s = a.scale_up_s + a.cold_warm_window_s + 90  # the load, the warm reference, a redeploy
-        if a.scale_up_baseline:
-            needed_s += a.scale_up_s + 60  # its own redeploy and load
         if scale_rate and deadline is not None and deadline - time.perf_counter() < needed_s:
             print(f"scale-up at {scale_rate:g} req/s: no time left", flush=True)
             results["scale_up"] = {"rate": scale_rate, "skipped": "deadline"}
@@ -1560,14 +1593,18 @@ def main(argv: list[str] | None = None) -> dict:
                                                                     a.scale_up_delay_s))
             results["scale_up"] = scale_up_run(bench, a, workloads[0], scale_rate, scaled)
             save()
-            if a.scale_up_baseline:
+            if a.scale_up_baseline and deadline is not None and \
+                    deadline - time.perf_counter() < a.scale_up_s + a.drain_s + 90:  # a redeploy, the load, its drain
+                print("scale-up baseline: no time left", flush=True)
+                results["scale_up"]["baseline"] = {"rate": scale_rate, "skipped": "deadline"}
+            elif a.scale_up_baseline:
                 stop_app()
                 fixed = functools.partial(start_app, app_args, proxy_port, a.serve_config, a.num_gpus, wait=False,
                                           deployments=scale_up_options(a.scale_up_from, a.scale_up_target,
                                                                        a.scale_up_delay_s, room=0))
-                warm_p99 = results["scale_up"]["summary"]["warm_ttft_p99_ms"]
-                results["scale_up"]["baseline"] = scale_up_baseline(bench, a, workloads[0], scale_rate, fixed, warm_p99)
-                save()
+                results["scale_up"]["baseline"] = scale_up_baseline(bench, a, workloads[0], scale_rate, fixed,
+                                                                    results["scale_up"])
+            save()
     finally:
         results["meta"]["seconds"] = time.perf_counter() - t_begin
         save()

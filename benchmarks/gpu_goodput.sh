@@ -25,7 +25,7 @@
 #   COLD_FIRST (req/s)       the first deploy is itself the cold start at this rate (about half the expected
 #                            goodput; its fraction of the measured goodput is reported), then only 0.9 is
 #                            redeployed: one deploy less (60-100 s on the 2B preset)
-#   PROBE_IMPORTS            set: benchmarks/replica_imports.py, a replica's imports and settings readers in fresh
+#   PROBE_IMPORTS            set: benchmarks/replica_imports.py (4 fresh processes, about a minute of BUDGET), a replica's imports and settings readers in fresh
 #                            processes, ours against transformers' ($OUT/imports.txt, imports.json)
 #   LOAD_ONE [2] LOAD_ALL [2 per GPU]   load processes (one process tops out at a few hundred streamed req/s)
 #   BUDGET [570]             seconds this script may take in all; each stage gets a deadline from it and starts

@@ -147,12 +147,19 @@ class ProcessSampler:
 
 class HostTimeline:
     """Per interval (`interval_s`, in a background thread): the host's busy fraction, each GPU's busy %,
-    and the cores each process group used in it, a process that appeared since the last tick counting
-    all of its CPU time so far. For the seconds of a scale-up or a cold start, beside their TTFT: a
-    replica starting on the host (a Ray worker importing torch, compiling kernels) shows as new
-    processes of its group and as host time, which whole-run averages hide.
+    and the cores each process group used in it. For the seconds of a scale-up or a cold start, beside
+    their TTFT: a replica starting on the host (a Ray worker importing torch, compiling kernels) shows
+    as a process new to its group and as host time, which whole-run averages hide.
+    - A process's group is read from its title at every tick: a Ray worker is `default_worker.py`,
+      then `ray::IDLE`, then `ray::ServeReplica:<app>:<Deployment>`, and counts in the group it has at
+      the end of each interval.
+    - A process counts as new in the interval it was created or its group changed, and only CPU time
+      used inside the interval counts there: all of it for one created inside the interval, none for
+      one whose title only now matched a group (its earlier time was not followed).
     `with HostTimeline(t0=...) as tl: ...`; then `tl.rows`, each {"t": seconds from t0 at the
-    interval's end, "host_busy", "gpu_busy", "cores": {group: cores}, "new": {group: processes}}."""
+    interval's end, "host_busy", "gpu_busy", "cores": {group: cores}, "new": {group: processes}}. It
+    samples in the process that runs it (the load generator's, where goodput.py runs it): about 0.3 ms
+    of CPU per process on the host, each tick. A tick that fails is counted in `failed_ticks`."""
 
     def __init__(self, interval_s: float = 1.0, t0: float | None = None, gpus: bool = True):
         import psutil
@@ -161,46 +168,57 @@ class HostTimeline:
         self.t0 = time.perf_counter() if t0 is None else t0
         self.gpus = GpuSampler() if gpus else None
         self.rows: list[dict] = []
-        self._seen: dict[int, tuple[str, object, float]] = {}  # pid -> (group, process, CPU seconds at last tick)
+        self.failed_ticks = 0
+        self._seen: dict[int, tuple[str | None, object, float]] = {}  # pid -> (group, process, CPU s at last tick)
+        self._pids: set[int] = set()  # every process on the host at the last scan, counted or not
         self._stop = threading.Event()
 
     def _cpu(self, proc) -> float:
         t = proc.cpu_times()
         return t.user + t.system
 
-    def _scan(self, first: bool) -> tuple[dict[str, float], dict[str, int]]:
-        """CPU seconds per group since the last scan, and the processes new to each group."""
+    def _scan(self, baseline: bool) -> tuple[dict[str, float], dict[str, int]]:
+        """CPU seconds per group since the last scan and the processes new to each group (`baseline`: the
+        first scan, which only records). A process absent from the last scan was created since: all its
+        CPU time counts; one present but not counted then (its title matched no group) counts from now."""
         used: dict[str, float] = {}
         new: dict[str, int] = {}
+        alive, pids = set(), set()
         for p in self.psutil.process_iter(["pid", "cmdline", "ppid"]):
-            if p.pid in self._seen:
-                continue
+            pids.add(p.pid)
             try:
                 group = process_group(" ".join(p.info["cmdline"] or []), p.pid, p.info["ppid"])
-                if group is None:
+                known = self._seen.get(p.pid)
+                if group is None and known is None:
                     continue
                 cpu = self._cpu(p)
             except (self.psutil.Error, OSError):
                 continue
-            self._seen[p.pid] = (group, p, cpu)
-            if not first:  # started since the last scan: everything it used falls in this interval
-                used[group] = used.get(group, 0.0) + cpu
-                new[group] = new.get(group, 0) + 1
-        for pid, (group, proc, before) in list(self._seen.items()):
-            try:
-                cpu = self._cpu(proc)
-            except (self.psutil.Error, OSError):
-                del self._seen[pid]
-                continue
-            if cpu > before:
-                used[group] = used.get(group, 0.0) + cpu - before
-            self._seen[pid] = (group, proc, cpu)
+            alive.add(p.pid)
+            if known is None:
+                before = 0.0 if not baseline and p.pid not in self._pids else cpu
+                proc = p
+            else:
+                _, proc, before = known
+            if not baseline and group is not None:
+                if cpu > before:
+                    used[group] = used.get(group, 0.0) + cpu - before
+                if known is None or known[0] != group:  # created, or its title moved it into this group
+                    new[group] = new.get(group, 0) + 1
+            self._seen[p.pid] = (group, proc, cpu)
+        for pid in set(self._seen) - alive:  # exited (what it used since the last tick is lost)
+            del self._seen[pid]
+        self._pids = pids
         return used, new
 
-    def __enter__(self) -> HostTimeline:
-        self._scan(first=True)
+    def begin(self) -> None:
+        """The baseline: every process seen now counts only from here (`__enter__` calls it)."""
+        self._scan(baseline=True)
         self._host = self.psutil.cpu_times()
         self._last = time.perf_counter()
+
+    def __enter__(self) -> HostTimeline:
+        self.begin()
         self._thread = threading.Thread(target=self._run, daemon=True, name="host-timeline")
         self._thread.start()
         return self
@@ -211,20 +229,33 @@ class HostTimeline:
 
     def _run(self) -> None:
         while not self._stop.wait(max(0.0, self._last + self.interval_s - time.perf_counter())):
-            self.tick()
+            try:
+                self.tick()
+            except Exception:  # an NVML or psutil error: this interval is lost, not the rest
+                self.failed_ticks += 1
+                self._last = time.perf_counter()
 
     def tick(self) -> dict:
-        used, new = self._scan(first=False)
+        used, new = self._scan(baseline=False)
         now, host = time.perf_counter(), self.psutil.cpu_times()
         wall = max(now - self._last, 1e-9)
-        busy = lambda t: sum(t) - t.idle - getattr(t, "iowait", 0)  # noqa: E731
-        total = sum(host) - sum(self._host)
-        row = {"t": now - self.t0, "host_busy": (busy(host) - busy(self._host)) / total if total > 0 else 0.0,
+        total = _total(host) - _total(self._host)
+        row = {"t": now - self.t0, "host_busy": (_busy(host) - _busy(self._host)) / total if total > 0 else 0.0,
                "gpu_busy": self.gpus.sample() if self.gpus is not None else [],
                "cores": {g: c / wall for g, c in sorted(used.items(), key=lambda kv: -kv[1])}, "new": new}
         self._host, self._last = host, now
         self.rows.append(row)
         return row
+
+
+def _total(t) -> float:
+    """All CPU seconds of a `psutil.cpu_times()` (guest time is already in user and nice: once only)."""
+    return sum(t) - getattr(t, "guest", 0) - getattr(t, "guest_nice", 0)
+
+
+def _busy(t) -> float:
+    """Busy CPU seconds: all but idle and iowait."""
+    return _total(t) - t.idle - getattr(t, "iowait", 0)
 
 
 # ---------------------------------------------------------------------------- the monitor

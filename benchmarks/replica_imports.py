@@ -6,6 +6,10 @@ Each variant runs in a fresh process, after the imports a replica makes before i
   the class it declares (app/checkpoints/tokenizer_loader.py), as replicas do since 2026-12-02;
 - `transformers`: `AutoConfig.from_pretrained` and `AutoTokenizer.from_pretrained`, as they did before.
 
+`config_s` is the tower's settings (with transformers, `AutoConfig`'s import and call), `tokenizer_s` the
+tokenizer (its import included), `settings_s` both: the figure to compare. The variants alternate, each
+first in turn.
+
 On the GPU image (transformers 5.17) `AutoConfig.from_pretrained` took 6.9-7.5 s and imported
 `torch._dynamo` and sympy. Prints one line per run and writes them as JSON with --out.
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,9 +40,10 @@ if variant == "ours":
     t2 = time.time()
     tok = load_tokenizer(path)
 else:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
     cfg = AutoConfig.from_pretrained(path).vision_config
     t2 = time.time()
+    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(path)
 t3 = time.time()
 import transformers
@@ -62,12 +68,18 @@ def main() -> None:
         path = tempfile.mkdtemp(prefix="replica-imports-")
         build_checkpoint(path, preset="qwen3-vl-2b", with_weights=False)
     rows = []
-    for _ in range(a.runs):
-        for variant in ("ours", "transformers"):
-            out = subprocess.run([sys.executable, "-c", CHILD, str(path), variant], capture_output=True, text=True,
-                                 cwd=root, check=True, env=None)
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(json.dumps(rows[-1]), flush=True)
+    try:
+        for i in range(a.runs):  # alternating, each side first in turn
+            for variant in (("ours", "transformers") if i % 2 == 0 else ("transformers", "ours")):
+                out = subprocess.run([sys.executable, "-c", CHILD, str(path), variant], capture_output=True,
+                                     text=True, cwd=root)
+                if out.returncode != 0:
+                    raise SystemExit(f"{variant}: exit {out.returncode}\n{out.stderr[-4000:]}")
+                rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        if a.checkpoint is None:
+            shutil.rmtree(path, ignore_errors=True)
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
 

@@ -121,29 +121,85 @@ def test_bodies_built_in_a_pool_equal_those_built_one_by_one():
     assert build_bodies(w, 7, 300) == [_body_bytes(w, 7 + i) for i in range(300)]
 
 
-def _burn(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+def _burn_then_sleep(cpu_s: float, sleep_s: float) -> None:
+    end = time.process_time() + cpu_s
+    while time.process_time() < end:
         pass
+    time.sleep(sleep_s)
 
 
-def test_the_host_timeline_counts_a_process_that_starts_mid_run_from_its_first_interval():
-    """A spawned child (the load generator's group) that burns one core for 1.5 s, started after the
-    timeline's baseline: its CPU shows in the intervals it ran in, flagged as new in the first, and the
-    host's busy share is a fraction."""
-    from benchmarks.monitor import HostTimeline
+def _spawned(target, *args):
+    child = multiprocessing.get_context("spawn").Process(target=target, args=args, daemon=True)
+    child.start()
+    return child
 
-    with HostTimeline(interval_s=0.5, gpus=False) as tl:
-        time.sleep(0.6)
-        child = multiprocessing.get_context("spawn").Process(target=_burn, args=(1.5,), daemon=True)
-        child.start()
+
+def _cpu_seconds(row: dict, group: str, since: float) -> float:
+    return row["cores"].get(group, 0.0) * since
+
+
+def test_the_host_timeline_counts_a_process_from_its_creation_only_inside_each_interval(monkeypatch):
+    """Ticks by hand. A spawned child (in a group of its own here) created after the baseline burns 0.6
+    CPU seconds then sleeps: the first interval holds its CPU, its start included, and marks it new; the
+    next holds almost none and does not. A child that exits between ticks is dropped."""
+    import psutil
+
+    import benchmarks.monitor as monitor
+
+    real = monitor.process_group
+    pids: set[int] = set()
+    monkeypatch.setattr(monitor, "process_group",
+                        lambda title, pid, ppid=None: "child" if pid in pids else real(title, pid, ppid))
+    tl = monitor.HostTimeline(gpus=False)
+    tl.begin()
+    child = _spawned(_burn_then_sleep, 0.6, 30)
+    pids.add(child.pid)
+    try:
+        deadline, last = time.time() + 60, -1.0
+        while time.time() < deadline:  # until it has burnt its share and sleeps (its CPU time stops)
+            cpu = sum(psutil.Process(child.pid).cpu_times()[:2])
+            if cpu >= 0.6 and cpu == last:
+                break
+            last = cpu
+            time.sleep(0.2)
+        since = time.perf_counter() - tl._last
+        first = tl.tick()
+        assert first["new"].get("child") == 1  # (other processes on the host may come and go meanwhile)
+        assert 0.55 < _cpu_seconds(first, "child", since) < 0.6 + 1.5, first  # + its interpreter's start
+        assert 0.0 <= first["host_busy"] <= 1.0
+        time.sleep(0.5)
+        since = time.perf_counter() - tl._last
+        second = tl.tick()
+        assert "child" not in second["new"] and _cpu_seconds(second, "child", since) < 0.05, second
+    finally:
+        child.terminate()
         child.join()
-        time.sleep(0.6)
-    rows = tl.rows
-    assert len(rows) >= 4 and all(0.0 <= r["host_busy"] <= 1.0 for r in rows)
-    assert all(b["t"] > a["t"] for a, b in zip(rows, rows[1:], strict=False))
-    flagged = [i for i, r in enumerate(rows) if r["new"].get("load generator")]
-    assert flagged, rows  # the child appeared in one interval
-    burnt = sum(r["cores"].get("load generator", 0.0) * 0.5 for r in rows[flagged[0]:])
-    assert 0.8 < burnt < 2.6, rows  # ~1.5 CPU seconds, plus its start-up (spawn imports), on a shared machine
-    assert rows[0]["cores"].get("load generator", 0.0) < 0.5  # before the child, this process sleeps
+    third = tl.tick()  # the child is gone: no error, nothing new, no longer followed
+    assert "child" not in third["new"] and "child" not in third["cores"] and child.pid not in tl._seen
+
+
+def test_the_host_timeline_follows_a_process_into_the_group_its_title_gives_it(monkeypatch):
+    """A Ray worker is untitled, then `ray::IDLE`, then a replica: it counts as new in the interval its
+    group changes, with only the CPU of that interval."""
+    import benchmarks.monitor as monitor
+
+    child = _spawned(_burn_then_sleep, 0.0, 30)
+    try:
+        titles = {child.pid: None}
+        real = monitor.process_group
+        monkeypatch.setattr(monitor, "process_group",
+                            lambda title, pid, ppid=None: titles.get(pid, real(title, pid, ppid)) if pid == child.pid
+                            else real(title, pid, ppid))
+        tl = monitor.HostTimeline(gpus=False)
+        tl.begin()
+        titles[child.pid] = "idle worker (test)"
+        row = tl.tick()
+        assert row["new"].get("idle worker (test)") == 1
+        assert "idle worker (test)" not in row["cores"]  # not followed before its title matched: nothing counted
+        titles[child.pid] = "replica (test)"
+        row = tl.tick()
+        assert row["new"].get("replica (test)") == 1 and "idle worker (test)" not in row["new"]
+        assert "replica (test)" not in tl.tick()["new"]
+    finally:
+        child.terminate()
+        child.join()

@@ -295,6 +295,19 @@ def test_scale_up_seconds_are_compared_with_the_warm_app_around_the_join():
                                   "cores": {"LLM": 2.2, "Router": 0.5, "MediaPreprocessor": 0.2}}
     assert host_text(s["host_at_worst"]) == ("host 20% busy, GPU 50% busy; cores: LLM 2.20, Router 0.50, "
                                              "MediaPreprocessor 0.20; new processes: 1 LLM")
+    # the baseline is compared over the seconds before the added replica began (its first phase, 2.0 s)
+    from benchmarks.goodput import _worst, baseline_text, before_start_s
+
+    assert before_start_s(s) == 2.0 and before_start_s({"added": {"ready_s": 5.0}}) == 5.0
+    assert before_start_s({"added": None}) is None
+    assert _worst(rows, 11.0)["p99_ratio"] == pytest.approx(0.8) and _worst(rows)["second"] == 11
+    text = baseline_text({"errors": 0, "p99_ratio_max": 1.5, "worst_second": 40, "compared_until_s": 12.8,
+                          "p99_ratio_max_before": 1.2, "scale_up_p99_ratio_max_before": 3.0, "host_at_worst": None}, 90)
+    assert text == ("scale-up baseline at 90 req/s (the same app and load, no replica to add): errors 0, TTFT p99 "
+                    "max 1.50x the same warm reference at second 40; before the added replica's start (12.8 s) "
+                    "1.20x against the scale-up's 3.00x: no host sample")
+    fixed = scale_up_options(1, 2.0, 3.0, room=0)["LLM"]["autoscaling_config"]
+    assert fixed["min_replicas"] == fixed["max_replicas"] == 1
 
 
 def test_replica_balance_gives_each_replica_its_share_of_the_engines_gpu_time():
@@ -572,12 +585,17 @@ def test_a_scale_up_watches_the_replicas_from_ready(fake, tmp_path):
     from benchmarks.goodput import scale_up_baseline
 
     server.replicas, server.ready_at = [], math.inf
+    up["summary"]["warm_ttft_p99_ms"] = 5.0  # under the fake's 10 ms TTFTs: every second reads slow
     base = scale_up_baseline(bench, a, Workload("image", 32), 10.0,
-                             lambda: setattr(server, "ready_at", time.monotonic() + 0.3), warm_p99_ms=5.0)
+                             lambda: setattr(server, "ready_at", time.monotonic() + 0.3), up)
     b = base["summary"]
     assert b["errors"] == 0 and b["warm_ttft_p99_ms"] == 5.0 and len(base["per_second"]) == 4
-    assert b["p99_ratio_max"] > 1.0 and b["worst_second"] in range(4)  # 10 ms TTFTs over a 5 ms reference
+    assert b["p99_ratio_max"] > 1.0 and b["worst_second"] in range(4)
     assert b["host_at_worst"] is not None and len(base["host_timeline"]) >= 4
+    # compared with the scale-up up to when its added replica began (its tower phase, 1 s before ready)
+    assert b["compared_until_s"] == pytest.approx(s["added"]["ready_s"] - 1.0, abs=0.01)
+    assert [r["second"] for r in b["side_by_side"]] == [0, 1, 2, 3]
+    assert [r["baseline"] for r in b["side_by_side"]] == [r["p99_ratio"] for r in base["per_second"]]
 
 
 # ---------------------------------------------------------------------------- the real application, CPU

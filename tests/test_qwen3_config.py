@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
 
-from app.vision.qwen3_config import Qwen3VisionConfig
+from app.vision.qwen3_config import ALIASES, Qwen3VisionConfig
 
 QWEN3_PRESETS = ["tiny", "tiny-qwen3-vl-moe", "qwen3-vl-2b", "qwen3-vl-8b", "qwen3-vl-32b", "qwen3-vl-30b-a3b",
                  "qwen3-vl-235b-a22b"]
@@ -89,3 +90,34 @@ def test_a_checkpoint_loads_through_our_config_and_the_reference_through_transfo
     assert type(ref.config).__name__ == "Qwen3VLVisionConfig"
     a, b = ours.state_dict(), ref.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("vision", [{"num_attention_heads": 2, "num_hidden_layers": 3},  # transformers' aliases
+                                    {"rope_theta": 5000.0},  # the older flat key for the rotary base
+                                    {"rope_parameters": {"rope_type": "axial", "rope_theta": 20.0}}])
+def test_other_spellings_read_as_transformers_reads_them(tiny_checkpoint, tmp_path, vision):
+    from transformers import AutoConfig
+
+    from app.vision.loading import _axial_inv_freq
+
+    shutil.copytree(tiny_checkpoint, tmp_path / "ckpt")
+    top = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    top["vision_config"] = {k: v for k, v in top["vision_config"].items()
+                            if k not in ("num_heads", "depth", "rope_parameters", "rope_theta")} | vision
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(top))
+    ref = AutoConfig.from_pretrained(tmp_path / "ckpt").vision_config
+    ours = Qwen3VisionConfig.from_checkpoint(tmp_path / "ckpt")
+    want = {n: _theirs(ref, n) for n in FIELDS}
+    # an alias means what it names (transformers 5.24 reads both; 5.17, the GPU image's, ignores
+    # num_hidden_layers and would then expect 27 layers the file does not hold)
+    want |= {ALIASES[k]: v for k, v in vision.items() if k in ALIASES}
+    assert {n: getattr(ours, n) for n in FIELDS} == want
+    assert torch.equal(_axial_inv_freq(ours), _axial_inv_freq(ref))
+
+
+def test_a_value_of_the_wrong_type_is_a_clear_error():
+    for bad in ({"depth": "24"}, {"hidden_size": 64.0}, {"num_heads": True}):
+        with pytest.raises(ValueError, match="expected int"):
+            Qwen3VisionConfig.from_dict(bad)
+    assert Qwen3VisionConfig.from_dict({"initializer_range": 1}).initializer_range == 1  # an int is a float
+    hash(Qwen3VisionConfig(rope_parameters={"rope_theta": 1.0}))  # frozen, and hashable with its dict

@@ -48,11 +48,16 @@ def test_each_direct_class_loads_as_autotokenizer_does(tiny_checkpoint, tmp_path
     _same(load_tokenizer(path), AutoTokenizer.from_pretrained(path))
 
 
-def test_the_embedded_checkpoint_is_a_direct_case(tiny_checkpoint):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-vl-moe", "tiny-qwen2.5-vl"])
+def test_each_familys_embedded_checkpoint_is_a_direct_case(model_cache, preset):
+    """Every model type loaded directly (FAMILIES), through the checkpoint the project builds for it."""
     from transformers import AutoTokenizer
 
-    assert direct_class(tiny_checkpoint) is not None
-    _same(load_tokenizer(tiny_checkpoint), AutoTokenizer.from_pretrained(tiny_checkpoint))
+    from app.checkpoints.model_builder import ensure_embedded
+
+    path = ensure_embedded(preset, model_cache)
+    assert direct_class(path) is not None
+    _same(load_tokenizer(path), AutoTokenizer.from_pretrained(path))
 
 
 def test_other_cases_go_through_autotokenizer(tiny_checkpoint, tmp_path):
@@ -65,17 +70,20 @@ def test_other_cases_go_through_autotokenizer(tiny_checkpoint, tmp_path):
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     assert direct_class(other) is None
+    bare = _declaring(tiny_checkpoint, tmp_path / "no-json", "TokenizersBackend")
+    (bare / "tokenizer.json").unlink()  # the class would build its tokenizer from other files: AutoTokenizer's call
+    assert direct_class(bare) is None
 
 
 def test_a_replica_loads_its_tokenizer_without_the_auto_classes(tiny_checkpoint):
-    """In a fresh process: the auto classes' factory (and, in transformers 5.17, torch._dynamo with it)
-    stays unimported."""
+    """In a fresh process: the auto classes' factory (and, in transformers 5.17, torch._dynamo and sympy
+    with it) stays unimported."""
     code = (
         "import sys\n"
         "from app.checkpoints.tokenizer_loader import load_tokenizer\n"
         f"tok = load_tokenizer({str(tiny_checkpoint)!r})\n"
         "print(type(tok).__name__, sorted(m for m in sys.modules if m in ('transformers.models.auto.auto_factory',"
-        " 'torch._dynamo', 'transformers.masking_utils')))\n"
+        " 'torch._dynamo', 'transformers.masking_utils', 'sympy')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.split("\n")[0] == "TokenizersBackend []", out.stdout + out.stderr

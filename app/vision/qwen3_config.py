@@ -2,7 +2,7 @@
 
 Why: on the 16-core GPU hosts (transformers 5.17), `AutoConfig.from_pretrained` took 6.9-7.5 s in a
 fresh process, with or without `HF_HUB_OFFLINE`, and imported `torch._dynamo` and sympy on the way
-(4,656 modules loaded against 2,590 without it). That was the "module and config" phase of every LLM
+(4,656 modules loaded by the end). That was the "module and config" phase of every LLM
 replica's start, on the path to ready (2026-12-02, probe in
 benchmarks/results/2026-12-02-vision-config-without-autoconfig-h200.md). The tower needs a dozen numbers
 from the file: this reads them.
@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
+# transformers' `attribute_map` for this config: a file may use either name
+ALIASES = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}
 
 
 @dataclass(frozen=True)
@@ -40,15 +42,17 @@ class Qwen3VisionConfig:
     num_position_embeddings: int = 2304
     deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
     initializer_range: float = 0.02
-    rope_parameters: dict | None = None
+    rope_parameters: dict | None = field(default=None, hash=False)
     model_type: str = "qwen3_vl_vision"
 
     @classmethod
     def from_dict(cls, values: dict) -> Qwen3VisionConfig:
         """The tower's fields from a `vision_config` dict; other keys (transformers' bookkeeping) are
         ignored, as the tower does not read them."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        kept = {k: v for k, v in values.items() if k in names}
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kept = {ALIASES.get(k, k): v for k, v in values.items() if ALIASES.get(k, k) in fields}
+        if "rope_parameters" not in kept and "rope_theta" in values:  # the older flat key, as transformers reads it
+            kept["rope_parameters"] = {"rope_type": "axial", "rope_theta": values["rope_theta"]}
         if "deepstack_visual_indexes" in kept:
             kept["deepstack_visual_indexes"] = tuple(kept["deepstack_visual_indexes"])
         for name in ("patch_size", "temporal_patch_size"):  # transformers allows a pair; the tower one size
@@ -57,6 +61,11 @@ class Qwen3VisionConfig:
                 if len(sizes) != 1:
                     raise ValueError(f"vision_config.{name} {kept[name]}: the tower takes one size")
                 kept[name] = sizes.pop()
+        for name, value in kept.items():  # transformers' config checks types too: a wrong one fails here, not later
+            want = int if fields[name].type == "int" else float if fields[name].type == "float" else None
+            if want is not None and not (isinstance(value, (int, float) if want is float else int)
+                                         and not isinstance(value, bool)):
+                raise ValueError(f"vision_config.{name} = {value!r}: expected {want.__name__}")
         return cls(**kept)
 
     @classmethod
