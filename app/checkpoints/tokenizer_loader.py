@@ -2,15 +2,14 @@
 
 Why: `transformers.AutoTokenizer` imports the auto classes' factory, which in transformers 5.17 (the
 GPU image's) imports the generation stack and `transformers.masking_utils`, and with it `torch._dynamo`
-and sympy: `from transformers import AutoTokenizer` took 5.1 s in a fresh process on the CPU machine
-against 2.2 s for `PreTrainedTokenizerFast`. Every LLM replica loads a tokenizer (the engine's eos ids
-and detokenization, the warm-up's chat service) on the path to ready, and so does every Router.
+and sympy: its import took 5.1 s in a fresh process on the CPU machine against 2.2 s for
+`PreTrainedTokenizerFast`. Every LLM replica and Router loads a tokenizer on the path to ready.
 
 For a Qwen-family checkpoint whose `tokenizer_config.json` names one of `DIRECT`'s classes and no
 `auto_map`, `AutoTokenizer` ends at that class's `from_pretrained` (transformers 5.x,
-`tokenization_auto.py`), so this calls it directly. Anything else (other families, remote code, other
-classes) still goes through `AutoTokenizer`. tests/test_tokenizer_loader.py holds each direct case
-against `AutoTokenizer`'s result: the same class, encodings, decodings and chat template.
+`tokenization_auto.py`), so this calls it directly; anything else still goes through `AutoTokenizer`.
+tests/test_tokenizer_loader.py holds each direct case against `AutoTokenizer`'s result: the same
+class, encodings, decodings and chat template.
 """
 
 from __future__ import annotations

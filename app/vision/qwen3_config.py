@@ -1,11 +1,10 @@
 """The Qwen3-VL vision tower's settings, read from a checkpoint's `config.json` without transformers.
 
 Why: on the 16-core GPU hosts (transformers 5.17), `AutoConfig.from_pretrained` took 6.9-7.5 s in a
-fresh process, with or without `HF_HUB_OFFLINE`, and imported `torch._dynamo` and sympy on the way
-(4,656 modules loaded by the end). That was the "module and config" phase of every LLM
-replica's start, on the path to ready (2026-12-02, probe in
-benchmarks/results/2026-12-02-vision-config-without-autoconfig-h200.md). The tower needs a dozen numbers
-from the file: this reads them.
+fresh process, with or without `HF_HUB_OFFLINE`, and imported `torch._dynamo` and sympy on the way: the
+"module and config" phase of every LLM replica's start, on the path to ready (2026-12-02,
+benchmarks/results/2026-12-02-vision-config-without-autoconfig-h200.md). The tower needs a dozen
+numbers from the file: this reads them.
 
 The defaults are transformers' `Qwen3VLVisionConfig` defaults, for keys a `config.json` leaves out
 (transformers writes only the values that differ from them); tests/test_qwen3_config.py holds both the
