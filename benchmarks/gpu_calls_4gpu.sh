@@ -8,7 +8,8 @@
 #   bash benchmarks/gpu_calls_4gpu.sh two        on a 2-GPU host (issue 41's H100 rows): 32B TP=2 (NCCL, then the
 #                                                symmetric-memory all-reduce), the TP tests, the tower's 8 x 448² case at TP=2
 #   bash benchmarks/gpu_calls_4gpu.sh suite      on a 2-GPU host: the whole GPU suite, the kernel tests on GPU 1, the rest on GPU 0
-#                                                (one GPU: SUITE_PART=a, then SUITE_PART=b in another call)
+#                                                (one GPU: SUITE_PART=a, then SUITE_PART=b in another call; SUITE_PDL=1:
+#                                                with llm.pdl on by default, in the device's copy of the tree)
 #   bash benchmarks/gpu_calls_4gpu.sh long       the key split at a LONG_PROMPT-token context (16384), 30B-A3B and 8B
 #   bash benchmarks/gpu_calls_4gpu.sh tp4        235B-A22B TP=4 decode (every layer where the cards hold it,
 #                                                else LAYERS_235B), then the cluster stage
@@ -63,6 +64,12 @@ case ${1:-decode} in
           # two halves do not fit one call: SUITE_PART=a (every file but test_llm_kernels.py) in one call,
           # SUITE_PART=b (test_llm_kernels.py) in the next; the two-GPU tests skip
     two_gpu="tests/test_tensor_parallel.py tests/test_tower_tp.py"
+    if [ -n "${SUITE_PDL:-}" ]; then  # the suite as it would run with llm.pdl on by default (this copy of the tree only)
+      sed -i 's/    pdl: bool = Field(False,/    pdl: bool = Field(True,/' app/config.py
+      python3 -c "from app.config import LLMConfig, AppConfig; assert LLMConfig().pdl and AppConfig().llm.pdl" \
+        || { say "SUITE_PDL: could not turn llm.pdl on"; exit 1; }
+      say "SUITE_PDL: llm.pdl on by default for this run"
+    fi
     files=$(python3 -m pytest --collect-only -q -m gpu tests/ -p no:cacheprovider 2>/dev/null | grep '::' \
       | cut -d: -f1 | sort -u | grep -v -e test_tensor_parallel.py -e test_tower_tp.py)
     if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
