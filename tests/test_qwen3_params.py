@@ -8,6 +8,7 @@ code imported (the point of the tree: seconds of every replica's start).
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -72,7 +73,11 @@ def test_the_rebuilt_rotary_table_equals_transformers_own():
 
     for preset in QWEN3_PRESETS:
         cfg = _vision_config(preset)
-        assert torch.equal(_axial_inv_freq(cfg), _reference(cfg).rotary_pos_emb.inv_freq), preset
+        # the table depends on the width and heads only: the reference tower built one block deep (the
+        # full-size towers took 40 s of CI to build on the CPU)
+        shallow = copy.deepcopy(cfg)
+        shallow.depth, shallow.deepstack_visual_indexes = 1, []
+        assert torch.equal(_axial_inv_freq(cfg), _reference(shallow).rotary_pos_emb.inv_freq), preset
 
 
 @pytest.mark.parametrize("name", ["gelu_pytorch_tanh", "gelu", "silu", "quick_gelu"])
