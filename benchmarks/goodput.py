@@ -949,7 +949,7 @@ def scale_up_summary(rows: list[dict], samples: list[dict], warm_p99_ms: float, 
         out["startup_phases"] = [{**p, "p99_ratio_max": _worst_during(rows, p["start_s"], p["end_s"])}
                                  for p in latest.get("startup") or []]
     out["within_2x_no_errors"] = base["errors"] == 0 and base["p99_ratio_max"] <= 2.0
-    worst = max((r for r in rows if not math.isnan(r["p99_ratio"])), key=lambda r: r["p99_ratio"], default=None)
+    worst = _worst(rows)
     if worst is not None:
         out["worst_second"] = worst["second"]
         if host:
@@ -1587,11 +1587,13 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"scale-up at {scale_rate:g} req/s: no time left", flush=True)
             results["scale_up"] = {"rate": scale_rate, "skipped": "deadline"}
         elif scale_rate:
+            def deploy_with_room(room: int) -> Callable[[], None]:  # the scale-up's app, `room` replicas to add
+                return functools.partial(start_app, app_args, proxy_port, a.serve_config, a.num_gpus, wait=False,
+                                         deployments=scale_up_options(a.scale_up_from, a.scale_up_target,
+                                                                      a.scale_up_delay_s, room=room))
+
             stop_app()
-            scaled = functools.partial(start_app, app_args, proxy_port, a.serve_config, a.num_gpus, wait=False,
-                                       deployments=scale_up_options(a.scale_up_from, a.scale_up_target,
-                                                                    a.scale_up_delay_s))
-            results["scale_up"] = scale_up_run(bench, a, workloads[0], scale_rate, scaled)
+            results["scale_up"] = scale_up_run(bench, a, workloads[0], scale_rate, deploy_with_room(1))
             save()
             if a.scale_up_baseline and deadline is not None and \
                     deadline - time.perf_counter() < a.scale_up_s + a.drain_s + 90:  # a redeploy, the load, its drain
@@ -1599,11 +1601,8 @@ def main(argv: list[str] | None = None) -> dict:
                 results["scale_up"]["baseline"] = {"rate": scale_rate, "skipped": "deadline"}
             elif a.scale_up_baseline:
                 stop_app()
-                fixed = functools.partial(start_app, app_args, proxy_port, a.serve_config, a.num_gpus, wait=False,
-                                          deployments=scale_up_options(a.scale_up_from, a.scale_up_target,
-                                                                       a.scale_up_delay_s, room=0))
-                results["scale_up"]["baseline"] = scale_up_baseline(bench, a, workloads[0], scale_rate, fixed,
-                                                                    results["scale_up"])
+                results["scale_up"]["baseline"] = scale_up_baseline(bench, a, workloads[0], scale_rate,
+                                                                    deploy_with_room(0), results["scale_up"])
             save()
     finally:
         results["meta"]["seconds"] = time.perf_counter() - t_begin

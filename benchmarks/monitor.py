@@ -301,9 +301,8 @@ class Monitor:
         self._tick()
         self._end = time.perf_counter()
         t0, t1 = self._host_t0, self.psutil.cpu_times()
-        busy = (sum(t1) - t1.idle - getattr(t1, "iowait", 0)) - (sum(t0) - t0.idle - getattr(t0, "iowait", 0))
-        total = sum(t1) - sum(t0)
-        self._host_busy = busy / total if total > 0 else 0.0
+        total = _total(t1) - _total(t0)
+        self._host_busy = (_busy(t1) - _busy(t0)) / total if total > 0 else 0.0
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
