@@ -201,12 +201,12 @@ class LLMConfig(_Strict):
                                     "(K divided among several programs per column tile, the parts summed in the "
                                     "same launch); 1.05x single-stream on 30B-A3B in one H200 run "
                                     "(decode.py --gemv-split, 2026-12-02)")
-    pdl: bool = Field(False, description="on Hopper and later: the engine's Triton kernels are launched with "
+    pdl: bool = Field(True, description="on Hopper and later: the engine's Triton kernels are launched with "
                       "programmatic dependent launch, so that each may start while the one before it finishes (its "
                       "blocks wait on the device for that one's writes); aimed at single-stream decode, whose ~600 "
                       "kernels a token left the GPU idle 13% of the time on an H200 (app/llm/pdl.py): 1.10-1.12x "
-                      "single-stream on 30B-A3B on one H200 (decode.py --pdl, 2026-12-02). Off by default until the "
-                      "GPU suite has passed with it on")
+                      "single-stream on 30B-A3B on one H200 (decode.py against --no-pdl, 2026-12-02); the whole GPU "
+                      "suite passed with it on. Ignored on older GPUs and on the CPU; false launches as before")
     overlap_steps: bool | None = Field(None, description="plan and launch step N+1 while step N runs on the "
                                        "device (its sampled tokens fed back on the device), so the GPU does not "
                                        "wait for the host between steps; None: on with CUDA, off on the CPU "

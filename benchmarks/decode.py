@@ -212,8 +212,9 @@ def main() -> None:
                    help="cuBLAS for every projection (llm.decode_gemv false), for the A/B of app/llm/gemv.py")
     p.add_argument("--gemv-split", action="store_true",
                    help="split-K tiles among the matrix-vector candidates (llm.decode_gemv_split), for their A/B")
-    p.add_argument("--pdl", action="store_true",
-                   help="programmatic dependent launch for the engine's Triton kernels (llm.pdl), for its A/B")
+    p.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
+                   help="programmatic dependent launch for the engine's Triton kernels (llm.pdl, on by default "
+                        "since 2026-12-02); --no-pdl for its A/B")
     p.add_argument("--no-kv-split", action="store_true",
                    help="decode attention with one program per sequence and KV head, the keys never split (the path "
                         "before decode_kv_splits): an A/B in one device call")

@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_calls_4gpu.sh two        on a 2-GPU host (issue 41's H100 rows): 32B TP=2 (NCCL, then the
 #                                                symmetric-memory all-reduce), the TP tests, the tower's 8 x 448² case at TP=2
 #   bash benchmarks/gpu_calls_4gpu.sh suite      on a 2-GPU host: the whole GPU suite, the kernel tests on GPU 1, the rest on GPU 0
-#                                                (one GPU: SUITE_PART=a, then SUITE_PART=b in another call; SUITE_PDL=1:
+#                                                (one GPU: SUITE_PART=a, then SUITE_PART=b in another call, or ab: both at once; SUITE_PDL=1:
 #                                                with llm.pdl on by default, in the device's copy of the tree)
 #   bash benchmarks/gpu_calls_4gpu.sh long       the key split at a LONG_PROMPT-token context (16384), 30B-A3B and 8B
 #   bash benchmarks/gpu_calls_4gpu.sh tp4        235B-A22B TP=4 decode (every layer where the cards hold it,
@@ -73,10 +73,16 @@ case ${1:-decode} in
     files=$(python3 -m pytest --collect-only -q -m gpu tests/ -p no:cacheprovider 2>/dev/null | grep '::' \
       | cut -d: -f1 | sort -u | grep -v -e test_tensor_parallel.py -e test_tower_tp.py)
     if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
-      part=$(echo "$files" | if [ "${SUITE_PART:-a}" = b ]; then grep test_llm_kernels.py; else grep -v test_llm_kernels.py; fi)
-      timeout "${SUITE_S:-540}" python3 -m pytest -q -rs -m gpu -p no:cacheprovider --durations=10 $part \
-        > "$W/gpu_suite_1gpu_${SUITE_PART:-a}.log" 2>&1
-      say "gpu suite, one GPU, part ${SUITE_PART:-a}: rc=$? $(tail -1 "$W/gpu_suite_1gpu_${SUITE_PART:-a}.log")"
+      # SUITE_PART=ab: both halves at once on the one GPU, two pytest processes (part b is mostly Triton
+      # compiles on the host's cores, part a mostly GPU work: 260 s and 319 s one after the other, 2026-12-02)
+      parts=${SUITE_PART:-a}; [ "$parts" = ab ] && parts="a b"
+      for p in $parts; do
+        ( part=$(echo "$files" | if [ "$p" = b ]; then grep test_llm_kernels.py; else grep -v test_llm_kernels.py; fi)
+          timeout "${SUITE_S:-540}" python3 -m pytest -q -rs -m gpu -p no:cacheprovider --durations=10 $part \
+            > "$W/gpu_suite_1gpu_$p.log" 2>&1
+          say "gpu suite, one GPU, part $p: rc=$? $(tail -1 "$W/gpu_suite_1gpu_$p.log")" ) &
+      done
+      wait
       tar -C "$W" -czf "$OUT/all.tgz" . ; cp "$W/summary.txt" "$OUT/"; exit 0
     fi
     # test_llm_kernels.py compiles Triton kernels for many shapes on a fresh machine (past 244 s of one

@@ -39,9 +39,9 @@ for s in $STAGES; do case $s in
   pdl_ab) run pdl_tests timeout 240 python3 -m pytest -q -rs -m gpu tests/test_pdl.py -p no:cacheprovider
           run moe30b_pdl timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --pdl --profile 1 \
             --out "$OUT/moe30b_pdl.json"
-          run moe30b_nopdl timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --out "$OUT/moe30b_nopdl.json"
+          run moe30b_nopdl timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --no-pdl --out "$OUT/moe30b_nopdl.json"
           run dense8b_pdl timeout 150 python3 benchmarks/decode.py --preset qwen3-vl-8b --new 128 --pdl --out "$OUT/dense8b_pdl.json"
-          run dense8b_nopdl timeout 150 python3 benchmarks/decode.py --preset qwen3-vl-8b --new 128 --out "$OUT/dense8b_nopdl.json" ;;
+          run dense8b_nopdl timeout 150 python3 benchmarks/decode.py --preset qwen3-vl-8b --new 128 --no-pdl --out "$OUT/dense8b_nopdl.json" ;;
   sweep64) run sweep64 timeout ${SWEEP_S:-200} python3 benchmarks/moe_kernel.py --tokens 64 --sweep --bandwidth 4.8 \
              --out "$OUT/moe_kernel_sweep64.json" ;;
   kernel) run kernel timeout 200 python3 benchmarks/moe_kernel.py --out "$OUT/moe_kernel.json" ;;

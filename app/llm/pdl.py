@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (Hopper and later) for the engine's own Triton kernels: opt-in, `llm.pdl`.
+"""Programmatic dependent launch (Hopper and later) for the engine's own Triton kernels: `llm.pdl`, on by default.
 
 A single-stream decode step of 30B-A3B is about 600 kernels of a few microseconds, and the GPU sat idle
 13% of the step between them (one H200, 2026-12-01). Launched with the attribute after one of these
