@@ -863,7 +863,8 @@ def scale_up_options(start: int, target_requests: float, upscale_delay_s: float,
 
 def startup_durations(load: dict) -> dict[str, dict]:
     """Per LLM replica of a `/v1/llm/load` answer: the seconds from its constructor's start (its startup
-    timeline, app/serving/startup.py) to ready, and each phase in seconds, to say where a slow start went."""
+    timeline, app/serving/startup.py) to ready, and each phase in seconds, to say where a slow start went;
+    and how it shares its GPU (app/gpu/sharing.py: MPS or time slices)."""
     out = {}
     for r in load.get("replicas", []):
         st = r.get("startup") or {}
@@ -873,7 +874,7 @@ def startup_durations(load: dict) -> dict[str, dict]:
         out[str(r.get("replica"))] = {
             "to_ready_s": None if t0 is None or ready is None else round(ready - t0, 2),
             "code_to_constructor_s": None if loaded is None or t0 is None else round(t0 - loaded, 2),
-            "code_loaded_at": loaded, "ready_at": ready,
+            "code_loaded_at": loaded, "ready_at": ready, "gpu_sharing": r.get("gpu_sharing"),
             "phases_s": {p["name"]: round(p["end"] - p["start"], 2) for p in st.get("phases", [])}}
     return out
 
@@ -1502,7 +1503,8 @@ def main(argv: list[str] | None = None) -> dict:
                     around = (f" (deploy to its worker loading the code {st['deploy_to_code_s']} s, the imports "
                               f"{st['code_to_constructor_s']} s, its ready to the app's "
                               f"{st['replica_ready_to_app_ready_s']} s)")
-                print(f"LLM replica {rid}: ready {st['to_ready_s']} s after its start{around}; longest phases: "
+                shared = f", its GPU shared by {st['gpu_sharing']['mode']}" if st.get("gpu_sharing") else ""
+                print(f"LLM replica {rid}: ready {st['to_ready_s']} s after its start{around}{shared}; longest phases: "
                       + ", ".join(f"{k} {v:.1f} s" for k, v in top), flush=True)
             if first.get("deploy_wall_at"):  # the part before the replicas' code: Ray Serve's own steps
                 results["meta"]["deploy_timeline"] = deploy_timeline(serve_log_dir(), first["deploy_wall_at"])

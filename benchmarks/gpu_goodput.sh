@@ -10,6 +10,7 @@
 #   ab         an A/B against `one`: a fresh 1-GPU app with AB_ARGS (JSON deep-merged into the config's args, e.g.
 #              '{"encoder": {"pinned_copy_min_rows": 0}}') at AB_RATES (default RATES_ONE, which `one` then
 #              searches from, so that both sides hold points at the same rates), no search, no closed loop
+#              (AB_CLOSED="C N": one); AB_MPS=1: the B side under CUDA MPS (nvidia-cuda-mps-control -d, quit after)
 #   crosscheck GuideLLM against a fresh 1-GPU app at the goodput that `one` found (or CROSSCHECK_RATE), beside
 #              our own point of the same shape, when guidellm is importable here, GUIDELLM names its command,
 #              or .gpu-guidellm is carried (benchmarks/bundle_guidellm.sh; it does not fit beside .gpu-deps,
@@ -98,12 +99,25 @@ for s in $ALL_STAGES; do
         ${RATES_ALL:+--rates $RATES_ALL} "$@" ;;
     ab)
       rates=${AB_RATES:-${RATES_ONE:-}}
-      if [ -z "$rates" ] || [ -z "${AB_ARGS:-}" ]; then
-        echo "=== ab: skipped, it needs AB_ARGS and AB_RATES (or RATES_ONE)" | tee -a "$OUT/summary.md"; continue
+      if [ -z "$rates" ] || { [ -z "${AB_ARGS:-}" ] && [ -z "${AB_MPS:-}" ]; }; then
+        echo "=== ab: skipped, it needs AB_ARGS (or AB_MPS) and AB_RATES (or RATES_ONE)" | tee -a "$OUT/summary.md"; continue
+      fi
+      # AB_MPS=1: the B side runs under CUDA's Multi-Process Service, so that the kernels of the two LLM
+      # replicas sharing the GPU may run at once instead of in time slices; the daemon is stopped after it
+      mps=no
+      if [ -n "${AB_MPS:-}" ]; then
+        if nvidia-cuda-mps-control -d 2>"$OUT/mps.txt"; then mps=yes; else echo "ab: MPS did not start" | tee -a "$OUT/summary.md"; continue; fi
+        ( sleep 120; nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv > "$OUT/mps_clients.txt" 2>&1 ) &
       fi
       # shellcheck disable=SC2086
-      stage ab "$OUT/goodput_1gpu_ab" 1 $(( $(left) - 20 )) --rates $rates --no-search --closed-loop 0 0 \
-        --load-processes "${LOAD_ONE:-2}" --app-args "$AB_ARGS" "$@" ;;
+      stage ab "$OUT/goodput_1gpu_ab" 1 $(( $(left) - 20 )) --rates $rates --no-search --closed-loop ${AB_CLOSED:-0 0} \
+        --load-processes "${LOAD_ONE:-2}" --app-args "${AB_ARGS:-{\}}" "$@"
+      if [ $mps = yes ]; then
+        { echo "MPS servers while the stage ran (their clients: nvidia-smi's processes then):"; cat "$OUT/mps_clients.txt" 2>/dev/null
+          echo get_server_list | nvidia-cuda-mps-control; } >> "$OUT/mps.txt" 2>&1
+        echo quit | nvidia-cuda-mps-control
+        echo "ab: under MPS ($(grep -c . "$OUT/mps.txt") lines in mps.txt)" >> "$OUT/summary.md"
+      fi ;;
     crosscheck)
       g=${CROSSCHECK_RATE:-$(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(next(iter(r['workloads'].values()))['search']['goodput'])" \
           "$OUT/goodput_1gpu/goodput.json" 2>/dev/null)}

@@ -9,6 +9,7 @@ itself, the embeddings staying on the GPU (app/serving/fused.py): the Router cal
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from dataclasses import asdict
@@ -17,6 +18,7 @@ from ray import serve
 
 from app.checkpoints.model_builder import resolve_model
 from app.config import AppConfig
+from app.gpu import sharing
 from app.gpu.kernel_cache import use_kernel_cache
 from app.llm.sequence import GenerationRequest
 from app.serving.fused import build_generation
@@ -28,6 +30,20 @@ from app.serving.startup import StartupTimeline
 from .logs import route_app_logs
 from .metrics import EncoderMetrics, LLMMetrics
 from .payload import resolve_payload
+
+
+def gpu_sharing(device_type: str) -> dict | None:
+    """How this replica shares its GPU (app/gpu/sharing.py), from the share of a GPU Ray gave it; it warns
+    once when that is by time slices. None on the CPU."""
+    if device_type != "cuda":
+        return None
+    import ray
+
+    share = ray.get_runtime_context().get_assigned_resources().get("GPU", 1.0)
+    found = sharing.describe(shares_gpu=share < 1.0)
+    if (warning := sharing.time_slice_warning(found)) is not None:
+        logging.getLogger(__name__).warning(warning)
+    return found
 
 
 class TextOnly:
@@ -58,6 +74,7 @@ class LLM:
             with self.startup.phase("tensor-parallel group"):
                 engine_kw, self.followers = start_group(cfg, checkpoint)
         self.fused, self.streams = build_generation(cfg, checkpoint, fused, self.startup, **engine_kw)
+        self.gpu_sharing = gpu_sharing(self.streams.engine.device.type)  # its CUDA context exists by now
         self.warmup, self.first_request_at = None, None
         # the builder resolves None from the cluster's GPUs; a replica built elsewhere decides by its device
         warm = cfg.warmup if cfg.warmup is not None else self.streams.engine.device.type == "cuda"
@@ -147,12 +164,13 @@ class LLM:
         (`engine_gpu_ms_total`, `engine_timed_steps`: app/gpu/timing.py), whether it warmed up, when it
         became ready and when its first request came, the phases of its start (wall clock) and its garbage
         collector's pauses (app/serving/gc_pauses.py) and where its Triton kernels are kept
-        (app/gpu/kernel_cache.py): `/v1/llm/load` merges every replica's."""
+        (app/gpu/kernel_cache.py) and how it shares its GPU (app/gpu/sharing.py): `/v1/llm/load` merges every
+        replica's."""
         return {"replica": serve.get_replica_context().replica_id.unique_id,
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **self._load(),
                 **self.engine.gpu_time(), "ready_at": self.ready_at, "first_request_at": self.first_request_at,
                 "warmed": self.warmup is not None, "startup": self.startup.as_dict(), "gc": self.gc.snapshot(),
-                "kernel_cache": self.kernel_cache}
+                "kernel_cache": self.kernel_cache, "gpu_sharing": self.gpu_sharing}
 
     def record_routing_stats(self) -> dict:
         """Ray Serve calls this every `request_routing_stats_period_s`; the routers' LeastLoadedRouter

@@ -667,13 +667,14 @@ def test_a_replicas_start_is_told_in_seconds_per_phase():
     st = StartupTimeline(started_at=1000.0, code_loaded_at=993.5)
     st.add("model", 1000.5, 1012.0)
     st.extend("engine", [("graphs", 1012.0, 1030.25)])
-    load = {"replicas": [{"replica": "a", "ready_at": 1041.0, "startup": st.as_dict()},
+    mps = {"mode": "mps", "evidence": "nvml"}
+    load = {"replicas": [{"replica": "a", "ready_at": 1041.0, "startup": st.as_dict(), "gpu_sharing": mps},
                          {"replica": "b", "ready_at": None, "startup": None}]}
     assert startup_durations(load) == {
         "a": {"to_ready_s": 41.0, "code_to_constructor_s": 6.5, "code_loaded_at": 993.5, "ready_at": 1041.0,
-              "phases_s": {"model": 11.5, "engine: graphs": 18.25}},
+              "gpu_sharing": mps, "phases_s": {"model": 11.5, "engine: graphs": 18.25}},
         "b": {"to_ready_s": None, "code_to_constructor_s": None, "code_loaded_at": None, "ready_at": None,
-              "phases_s": {}}}
+              "gpu_sharing": None, "phases_s": {}}}
 
 
 def test_a_timeline_knows_when_its_process_loaded_the_serving_code():

@@ -103,6 +103,7 @@ def test_the_llm_replicas_keep_their_triton_kernels_under_cache_dir(server, mode
     replicas = server.get("/v1/llm/load").json()["replicas"]
     assert replicas and all(r["kernel_cache"] == want for r in replicas)
     assert Path(want).is_dir()
+    assert all(r["gpu_sharing"] is None for r in replicas)  # on the CPU there is no GPU to share (app/gpu/sharing.py)
 
 
 def test_the_replicas_heaps_are_frozen_and_their_collections_counted(server):

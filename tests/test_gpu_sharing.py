@@ -1,0 +1,72 @@
+"""How a replica that shares its GPU says it shares it (app/gpu/sharing.py): NVML's list of MPS clients
+first, the MPS daemon's pipe where NVML cannot tell, time slices otherwise; a warning only for time slices."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from app.gpu import sharing
+
+
+class FakeNVML:
+    """The four NVML calls sharing.py makes, over `clients` (one list of pids per GPU)."""
+
+    def __init__(self, clients: list[list[int]], fail: bool = False):
+        self.clients, self.fail, self.calls = clients, fail, []
+
+    def nvmlInit(self):
+        self.calls.append("init")
+        if self.fail:
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    def nvmlShutdown(self):
+        self.calls.append("shutdown")
+
+    def nvmlDeviceGetCount(self):
+        return len(self.clients)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle):
+        return [SimpleNamespace(pid=p, usedGpuMemory=1 << 30) for p in self.clients[handle]]
+
+
+def test_nvml_lists_the_mps_clients_of_every_gpu_and_is_shut_down():
+    nvml = FakeNVML([[11, 12], [], [40]])
+    assert sharing.mps_clients(nvml) == {11, 12, 40}
+    assert nvml.calls == ["init", "shutdown"]
+    assert sharing.mps_clients(FakeNVML([], fail=True)) is None
+
+
+def test_a_listed_client_shares_by_mps(tmp_path):
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}  # no daemon pipe there: NVML alone decides
+    assert sharing.describe(True, pid=12, nvml=FakeNVML([[11, 12]]), env=env) == {"mode": "mps", "evidence": "nvml"}
+    assert sharing.describe(True, pid=13, nvml=FakeNVML([[11, 12]]), env=env) == {"mode": "time slices",
+                                                                                  "evidence": None}
+
+
+def test_the_daemons_pipe_decides_where_nvml_cannot(tmp_path):
+    """A container's pid namespace hides the pid from NVML, or NVML is missing: CUDA joins any daemon
+    whose pipe it finds, so the pipe says MPS."""
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
+    assert sharing.describe(True, pid=5, nvml=FakeNVML([], fail=True), env=env)["mode"] == "time slices"
+    (tmp_path / "control").touch()
+    assert sharing.describe(True, pid=5, nvml=FakeNVML([], fail=True), env=env) == {"mode": "mps",
+                                                                                    "evidence": "pipe"}
+    assert sharing.describe(True, pid=5, nvml=FakeNVML([[999]]), env=env) == {"mode": "mps", "evidence": "pipe"}
+
+
+def test_cuda_looks_for_the_daemon_in_its_default_directory_unless_told():
+    assert str(sharing.pipe_dir({})) == "/tmp/nvidia-mps" == sharing.DEFAULT_PIPE_DIR
+    assert str(sharing.pipe_dir({"CUDA_MPS_PIPE_DIRECTORY": "/run/mps"})) == "/run/mps"
+
+
+def test_a_whole_gpu_is_alone_and_only_time_slices_warn(tmp_path):
+    nvml = FakeNVML([[1]])
+    alone = sharing.describe(False, pid=1, nvml=nvml)
+    assert alone == {"mode": "alone", "evidence": None} and nvml.calls == []  # not even asked
+    assert sharing.time_slice_warning(alone) is None
+    assert sharing.time_slice_warning({"mode": "mps", "evidence": "nvml"}) is None
+    warning = sharing.time_slice_warning({"mode": "time slices", "evidence": None})
+    assert "nvidia-cuda-mps-control -d" in warning and "docs/guides/single-gpu.md" in warning
