@@ -277,6 +277,7 @@ def test_scale_up_seconds_are_compared_with_the_warm_app_around_the_join():
     assert s["replicas_at_start"] == 1 and s["errors"] == 0
     assert s["added"] == {"replica": "b", "seen_s": 12.5, "ready_s": 12.4, "first_request_s": 12.6}
     assert s["p99_ratio_max"] == pytest.approx(2.0) and s["p99_ratio_max_around_join"] == pytest.approx(2.0)
+    assert s["p99_ratio_max_settled"] == pytest.approx(0.8)  # seconds 23-29: 10 s after the first request, warm
     # each phase with the worst second that overlaps it: the tower's were warm (0.8x), the graphs' reach
     # second 11 (2x), the warm-up's seconds 11-12
     worst = {p["name"]: p["p99_ratio_max"] for p in s["startup_phases"]}
