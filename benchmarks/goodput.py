@@ -83,6 +83,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.serving.autoscaling import AUTOSCALING_METRICS_INTERVAL_S  # noqa: E402
 from benchmarks.serve import (  # noqa: E402
     READY_TIMEOUT_S,
     Result,
@@ -854,10 +855,13 @@ def scale_up_options(start: int, target_requests: float, upscale_delay_s: float,
     """The LLM deployment's autoscaling for the scale-up run (deep-merged into the config file's `LLM`
     entry): `start` replicas and room for `room` more, the project's policy at `target_requests` in
     flight per replica, so that the load asks for the extra replica by itself (`room=0`: the baseline,
-    the same app and load with nothing to add)."""
+    the same app and load with nothing to add); load pushed to the autoscaler every second, as the
+    builder's own autoscalers do (the runs before 2026-12-02 pushed every 10 s, Ray's default: the
+    decision came about 12 s into the load)."""
     return {"LLM": {"autoscaling_config": {
         "min_replicas": start, "initial_replicas": start, "max_replicas": start + room,
         "target_ongoing_requests": target_requests, "upscale_delay_s": upscale_delay_s, "downscale_delay_s": 600,
+        "metrics_interval_s": AUTOSCALING_METRICS_INTERVAL_S,  # the builder's for its own autoscalers
         "policy": {"policy_function": "app.serving.autoscaling:LLMAutoscalingPolicy"}}}}
 
 

@@ -30,6 +30,7 @@ from ray.serve.config import RequestRouterConfig
 
 from app.checkpoints.model_builder import resolve_model
 from app.config import AppConfig
+from app.serving.autoscaling import AUTOSCALING_METRICS_INTERVAL_S
 from app.serving.cluster import NodeResources, live_nodes, media_ceiling
 from app.serving.cluster import replica_floor as nodes_replica_floor
 from app.serving.placement import Plan, llm_memory_share, plan
@@ -97,6 +98,7 @@ def deployment_options(cfg: AppConfig, gpus: int, cpus: float, per_node: list[in
         "Router": {"max_ongoing_requests": ongoing, "ray_actor_options": {"num_cpus": p.router_num_cpus},
                    "autoscaling_config": {"min_replicas": routers, "max_replicas": max(4, 2 * routers),
                                           "target_ongoing_requests": 64,
+                                          "metrics_interval_s": AUTOSCALING_METRICS_INTERVAL_S,
                                           "upscale_delay_s": 5, "downscale_delay_s": 60,
                                           "policy": {"policy_function": ROUTER_AUTOSCALING_POLICY}}},
         # 64, not fewer: a caller whose replicas are all at max_ongoing_requests retries with a backoff
@@ -105,6 +107,7 @@ def deployment_options(cfg: AppConfig, gpus: int, cpus: float, per_node: list[in
         "MediaPreprocessor": {"max_ongoing_requests": 64, "ray_actor_options": {"num_cpus": p.media_num_cpus},
                               "autoscaling_config": {"min_replicas": media, "max_replicas": media_max,
                                                      "target_ongoing_requests": 2, "look_back_period_s": 15,
+                                                     "metrics_interval_s": AUTOSCALING_METRICS_INTERVAL_S,
                                                      "upscale_delay_s": 3,
                                                      "downscale_delay_s": 120 if gpus > 0 else 60}},
         "VisionEncoder": {"num_replicas": pl.encoder_replicas, "max_ongoing_requests": ongoing,

@@ -75,13 +75,15 @@ def media_autoscaling(placement: dict, gpus: int, cpus: float) -> dict:
 def test_media_floor_follows_the_gpus():
     # without GPUs as before: 1 to half the cores, a minute before scaling down
     assert media_autoscaling({}, 0, 2) == {"min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 2,
-                                           "look_back_period_s": 15, "upscale_delay_s": 3, "downscale_delay_s": 60}
+                                           "look_back_period_s": 15, "metrics_interval_s": 1.0, "upscale_delay_s": 3,
+                                           "downscale_delay_s": 60}
     assert media_autoscaling({"media_replicas_per_gpu": 4}, 0, 16)["min_replicas"] == 1
     assert media_autoscaling({}, 0, 16)["max_replicas"] == 8
     # 4 per GPU (a fixed 4 on four H200s served 500.76 req/s, 12 replicas 764.88), within a quarter of
     # the cores, up to half the cores
     assert media_autoscaling({}, 4, 64) == {"min_replicas": 16, "max_replicas": 32, "target_ongoing_requests": 2,
-                                            "look_back_period_s": 15, "upscale_delay_s": 3, "downscale_delay_s": 120}
+                                            "look_back_period_s": 15, "metrics_interval_s": 1.0, "upscale_delay_s": 3,
+                                            "downscale_delay_s": 120}
     assert media_autoscaling({"media_replicas_per_gpu": 2}, 2, 64)["min_replicas"] == 4
     assert media_autoscaling({}, 1, 16)["min_replicas"] == 4
     assert media_autoscaling({}, 5, 64)["min_replicas"] == 16  # a quarter of the cores

@@ -252,6 +252,7 @@ def test_the_scale_up_options_reach_the_llm_deployment_of_the_config_file():
     auto = llm["autoscaling_config"]
     assert (auto["min_replicas"], auto["initial_replicas"], auto["max_replicas"]) == (1, 1, 2)
     assert auto["target_ongoing_requests"] == 2.0 and auto["upscale_delay_s"] == 3.0
+    assert auto["metrics_interval_s"] == 1.0  # load pushed every second, as the builder's own autoscalers
     assert auto["policy"]["policy_function"] == "app.serving.autoscaling:LLMAutoscalingPolicy"
     assert deps["Router"] == {d["name"]: d for d in conf["applications"][0]["deployments"]}["Router"]
     assert out["http_options"]["port"] == 8123 and out["applications"][0]["args"]["warmup"] is True

@@ -13,6 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+# How often handles and replicas push their requests in flight to the controller, as every autoscaling_config's
+# `metrics_interval_s` (Ray 2.60 still reads that field, marked deprecated; default 10 s). The first decision
+# waits for a push: a second LLM replica was asked for 9.6-10.2 s after load arrived at 10 s, 1.0-1.1 s at
+# 1 s and 2.0-2.1 s at 2 s, whatever `look_back_period_s` (benchmarks/autoscale_reaction.py, CPU machine,
+# 2026-12-02). The builder's autoscalers use it; set it in a config file's LLM autoscaling_config too.
+AUTOSCALING_METRICS_INTERVAL_S = 1.0
+
 
 def desired_replicas(total_requests: float, target_requests: float, kv_usages: Iterable[float],
                      target_kv_usage: float) -> float:
