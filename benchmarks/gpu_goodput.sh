@@ -26,6 +26,7 @@
 #   COLD_FIRST (req/s)       the first deploy is itself the cold start at this rate (about half the expected
 #                            goodput; its fraction of the measured goodput is reported), then only 0.9 is
 #                            redeployed: one deploy less (60-100 s on the 2B preset)
+#   MPS                      set: every stage runs under CUDA MPS (the daemon started first, quit at the end)
 #   PROBE_IMPORTS            set: benchmarks/replica_imports.py (4 fresh processes, about a minute of BUDGET), a replica's imports and settings readers in fresh
 #                            processes, ours against transformers' ($OUT/imports.txt, imports.json)
 #   LOAD_ONE [2] LOAD_ALL [2 per GPU]   load processes (one process tops out at a few hundred streamed req/s)
@@ -76,6 +77,10 @@ stage() {  # NAME DIR GPUS DEADLINE_S [goodput.py args ...]
   ray stop --force >/dev/null 2>&1
 }
 
+if [ -n "${MPS:-}" ]; then  # MPS=1: every stage under CUDA MPS (docs/guides/single-gpu.md), the daemon quit at the end
+  nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT \
+    && echo "all stages under MPS" | tee -a "$OUT/summary.md" || { echo "MPS did not start" | tee -a "$OUT/summary.md"; exit 1; }
+fi
 ALL_STAGES=" ${STAGES:-one all crosscheck} "
 if [ "$NG" -lt 2 ] && [[ "$ALL_STAGES" == *" all "* ]]; then  # `all` would repeat `one`
   echo "=== all: skipped, this host has $NG GPU" | tee -a "$OUT/summary.md"; ALL_STAGES=${ALL_STAGES/ all / }
