@@ -84,6 +84,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.serving.autoscaling import AUTOSCALING_METRICS_INTERVAL_S  # noqa: E402
+from benchmarks import pyspy_sampler  # noqa: E402
 from benchmarks.serve import (  # noqa: E402
     READY_TIMEOUT_S,
     Result,
@@ -1447,6 +1448,10 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--crosscheck-rate", type=float, default=None)
     p.add_argument("--crosscheck-exe", default=None,
                    help="the guidellm command (default: `python -m guidellm` when importable, else `guidellm`)")
+    p.add_argument("--pyspy", default=None, metavar="EXE", help="py-spy's path: sample every serving process "
+                   "(all threads, and the GIL holder) inside the window of each --pyspy-rate point")
+    p.add_argument("--pyspy-rate", type=float, nargs="*", default=[])
+    p.add_argument("--pyspy-s", type=float, default=8.0)
     p.add_argument("--start", action="store_true", help="start Ray and the application here")
     p.add_argument("--serve-config", default=None)
     p.add_argument("--num-gpus", type=int, default=None)
@@ -1546,7 +1551,17 @@ def main(argv: list[str] | None = None) -> dict:
                 # the answers seen so far (warm-up, earlier points) set this point's ramp
                 seen = [entry.get("warmup"), *entry.get("search", {}).get("points", [])]
                 ramp = workload_ramp_s(a.ramp_s, seen, a.max_ramp_s)
-                p = bench.point(wl, rate, ramp, window_for(a.window_s, rate, a.min_window_arrivals, a.max_window_s))
+                window = window_for(a.window_s, rate, a.min_window_arrivals, a.max_window_s)
+                samplers = []
+                if a.pyspy and rate in a.pyspy_rate:  # stacks of every serving process inside the window
+                    d = out_dir / "pyspy" / f"{wl.label}_{rate:g}"
+                    length = min(a.pyspy_s, max(1.0, window - 1.0))
+                    samplers = [*pyspy_sampler.start(a.pyspy, d, ramp + 1.0, length),
+                                *pyspy_sampler.start(a.pyspy, d, ramp + 1.0, length, gil=True)]
+                p = bench.point(wl, rate, ramp, window)
+                if samplers:
+                    print(f"{wl.label}: py-spy at {rate:g} req/s: {pyspy_sampler.wait(samplers)} of "
+                          f"{len(samplers)} samplers wrote stacks", flush=True)
                 if p is None:
                     print(f"{wl.label}: no time left for {rate:g} req/s", flush=True)
                     return None

@@ -1,0 +1,59 @@
+"""Sample every Ray Serve replica process on this host with py-spy while one load point runs.
+
+Why: a goodput point's tail is queueing somewhere on the host path (benchmarks/RESULTS.md), and which
+process's Python holds it only shows in stacks taken under that load, not under a closed loop.
+`benchmarks/goodput.py --pyspy EXE --pyspy-rate R` starts the samplers `delay_s` into the point at
+rate R (after its ramp), each for `duration_s`, and waits for them after the point; the raw stacks
+(`py-spy record --format raw --threads`, one file per process) go to `out_dir`, and
+`benchmarks/pyspy_summary.py out_dir` sums them. `--gil` samples only the thread holding the GIL,
+which is what says whether a process's threads wait on one another.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+TITLE = re.compile(r"^ray::(ServeReplica:[^:]+:)?(?P<name>\S+)")
+
+
+def serve_processes(ps_text: str | None = None) -> list[tuple[int, str]]:
+    """(pid, short name) of this host's replica and proxy processes, from the titles that Ray sets
+    (`ray::ServeReplica:<app>:<Deployment>`, `ray::ProxyActor`) in `ps -eo pid=,args=`' output."""
+    out = ps_text if ps_text is not None else subprocess.run(
+        ["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=False).stdout
+    found = []
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if not args.startswith(("ray::ServeReplica:", "ray::ProxyActor")):
+            continue
+        m = TITLE.match(args)
+        found.append((int(pid), re.sub(r"[^A-Za-z0-9_.-]+", "_", m["name"] if m else args)))
+    return found
+
+
+def start(exe: str, out_dir: Path, delay_s: float, duration_s: float, gil: bool = False,
+          processes: list[tuple[int, str]] | None = None) -> list[subprocess.Popen]:
+    """One py-spy per serving process (`processes`, default this host's), each waiting `delay_s` first;
+    returns at once."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for pid, name in serve_processes() if processes is None else processes:
+        stem = out_dir / f"{name}.{pid}{'.gil' if gil else ''}"
+        cmd = (f"sleep {delay_s:.2f}; exec {exe} record --pid {pid} --rate 100 --duration {max(1, round(duration_s))} "
+               f"--nonblocking --threads {'--gil ' if gil else ''}--format raw --output {stem}.txt")
+        procs.append(subprocess.Popen(["bash", "-c", cmd], stdout=open(f"{stem}.log", "w"),
+                                      stderr=subprocess.STDOUT))
+    return procs
+
+
+def wait(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> int:
+    """Wait for the samplers (killing any still running after `timeout_s`); how many wrote stacks."""
+    ok = 0
+    for p in procs:
+        try:
+            ok += p.wait(timeout=timeout_s) == 0
+        except subprocess.TimeoutExpired:
+            p.kill()
+    return ok

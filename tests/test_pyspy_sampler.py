@@ -1,0 +1,36 @@
+"""benchmarks/pyspy_sampler.py: which processes a goodput point samples, and the py-spy commands it runs."""
+
+from __future__ import annotations
+
+import stat
+
+from benchmarks import pyspy_sampler
+
+PS = """\
+    1 /sbin/init
+  812 ray::ServeReplica:vlm:LLM
+  813 ray::ServeReplica:vlm:Router
+  900 ray::ProxyActor
+  901 ray::ServeController
+  950 python benchmarks/goodput.py --start
+  977 ray::IDLE
+"""
+
+
+def test_serve_processes_are_the_replicas_and_the_proxy():
+    assert pyspy_sampler.serve_processes(PS) == [(812, "LLM"), (813, "Router"), (900, "ProxyActor")]
+
+
+def test_start_runs_one_sampler_per_process_after_the_delay(tmp_path):
+    exe = tmp_path / "fake-py-spy"  # writes its arguments where py-spy would write its stacks
+    exe.write_text('#!/bin/bash\nargs="$*"; while [ $# -gt 0 ]; do [ "$1" = --output ] && out=$2; shift; done\n'
+                   'echo "$args" > "$out"\n')
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    procs = [*pyspy_sampler.start(str(exe), tmp_path / "s", 0.1, 3.4, processes=[(812, "LLM"), (813, "Router")]),
+             *pyspy_sampler.start(str(exe), tmp_path / "s", 0.1, 3.4, gil=True, processes=[(812, "LLM")])]
+    assert pyspy_sampler.wait(procs, timeout_s=20) == 3
+    llm = (tmp_path / "s" / "LLM.812.txt").read_text().split()
+    assert llm[:3] == ["record", "--pid", "812"] and "--duration" in llm and llm[llm.index("--duration") + 1] == "3"
+    assert "--gil" not in llm and "--nonblocking" in llm and "--threads" in llm
+    assert "--gil" in (tmp_path / "s" / "LLM.812.gil.txt").read_text().split()
+    assert (tmp_path / "s" / "Router.813.txt").read_text().split()[2] == "813"
