@@ -72,6 +72,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import sys
 import time
 from collections import Counter
@@ -1554,7 +1555,7 @@ def main(argv: list[str] | None = None) -> dict:
                 window = window_for(a.window_s, rate, a.min_window_arrivals, a.max_window_s)
                 samplers = []
                 if a.pyspy and rate in a.pyspy_rate:  # stacks of every serving process inside the window
-                    d = out_dir / "pyspy" / f"{wl.label}_{rate:g}"
+                    d = out_dir / "pyspy" / re.sub(r"[^A-Za-z0-9_.@-]+", "_", f"{wl.label}_{rate:g}")
                     length = min(a.pyspy_s, max(1.0, window - 1.0))
                     samplers = [*pyspy_sampler.start(a.pyspy, d, ramp + 1.0, length),
                                 *pyspy_sampler.start(a.pyspy, d, ramp + 1.0, length, gil=True)]

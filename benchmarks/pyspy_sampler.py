@@ -12,6 +12,7 @@ which is what says whether a process's threads wait on one another.
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -41,8 +42,9 @@ def start(exe: str, out_dir: Path, delay_s: float, duration_s: float, gil: bool 
     procs = []
     for pid, name in serve_processes() if processes is None else processes:
         stem = out_dir / f"{name}.{pid}{'.gil' if gil else ''}"
-        cmd = (f"sleep {delay_s:.2f}; exec {exe} record --pid {pid} --rate 100 --duration {max(1, round(duration_s))} "
-               f"--nonblocking --threads {'--gil ' if gil else ''}--format raw --output {stem}.txt")
+        cmd = (f"sleep {delay_s:.2f}; exec {shlex.quote(exe)} record --pid {pid} --rate 100 "
+               f"--duration {max(1, round(duration_s))} --nonblocking --threads {'--gil ' if gil else ''}"
+               f"--format raw --output {shlex.quote(f'{stem}.txt')}")
         procs.append(subprocess.Popen(["bash", "-c", cmd], stdout=open(f"{stem}.log", "w"),
                                       stderr=subprocess.STDOUT))
     return procs

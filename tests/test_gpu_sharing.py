@@ -1,5 +1,6 @@
 """How a replica that shares its GPU says it shares it (app/gpu/sharing.py): NVML's list of MPS clients
-first, the MPS daemon's pipe where NVML cannot tell, time slices otherwise; a warning only for time slices."""
+first (an empty one means no MPS), the MPS daemon's pipe where NVML cannot tell, time slices otherwise; a
+warning only for time slices."""
 
 from __future__ import annotations
 
@@ -44,6 +45,16 @@ def test_a_listed_client_shares_by_mps(tmp_path):
     assert sharing.describe(True, pid=12, nvml=FakeNVML([[11, 12]]), env=env) == {"mode": "mps", "evidence": "nvml"}
     assert sharing.describe(True, pid=13, nvml=FakeNVML([[11, 12]]), env=env) == {"mode": "time slices",
                                                                                   "evidence": None}
+
+
+def test_nvml_listing_no_client_at_all_overrides_a_pipe_left_behind(tmp_path):
+    """Seen on the device: the pipe of a daemon that had quit, and NVML listing no MPS client."""
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
+    (tmp_path / "control").touch()
+    assert sharing.describe(True, pid=5, nvml=FakeNVML([[], []]), env=env) == {"mode": "time slices",
+                                                                               "evidence": "nvml"}
+    warning = sharing.time_slice_warning(sharing.describe(True, pid=5, nvml=FakeNVML([[]]), env=env))
+    assert warning is not None and "nvidia-cuda-mps-control -d" in warning
 
 
 def test_the_daemons_pipe_decides_where_nvml_cannot(tmp_path):

@@ -22,15 +22,16 @@ def test_serve_processes_are_the_replicas_and_the_proxy():
 
 
 def test_start_runs_one_sampler_per_process_after_the_delay(tmp_path):
+    """Each process its own output file, also where the folder's name has spaces (a workload's label)."""
     exe = tmp_path / "fake-py-spy"  # writes its arguments where py-spy would write its stacks
     exe.write_text('#!/bin/bash\nargs="$*"; while [ $# -gt 0 ]; do [ "$1" = --output ] && out=$2; shift; done\n'
                    'echo "$args" > "$out"\n')
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
-    procs = [*pyspy_sampler.start(str(exe), tmp_path / "s", 0.1, 3.4, processes=[(812, "LLM"), (813, "Router")]),
-             *pyspy_sampler.start(str(exe), tmp_path / "s", 0.1, 3.4, gil=True, processes=[(812, "LLM")])]
+    procs = [*pyspy_sampler.start(str(exe), tmp_path / "a dir^", 0.1, 3.4, processes=[(812, "LLM"), (813, "Router")]),
+             *pyspy_sampler.start(str(exe), tmp_path / "a dir^", 0.1, 3.4, gil=True, processes=[(812, "LLM")])]
     assert pyspy_sampler.wait(procs, timeout_s=20) == 3
-    llm = (tmp_path / "s" / "LLM.812.txt").read_text().split()
+    llm = (tmp_path / "a dir^" / "LLM.812.txt").read_text().split()
     assert llm[:3] == ["record", "--pid", "812"] and "--duration" in llm and llm[llm.index("--duration") + 1] == "3"
     assert "--gil" not in llm and "--nonblocking" in llm and "--threads" in llm
-    assert "--gil" in (tmp_path / "s" / "LLM.812.gil.txt").read_text().split()
-    assert (tmp_path / "s" / "Router.813.txt").read_text().split()[2] == "813"
+    assert "--gil" in (tmp_path / "a dir^" / "LLM.812.gil.txt").read_text().split()
+    assert (tmp_path / "a dir^" / "Router.813.txt").read_text().split()[2] == "813"

@@ -24,8 +24,8 @@ def pipe_dir(env: dict | None = None) -> Path:
 
 
 def daemon_listening(env: dict | None = None) -> bool:
-    """Whether an MPS control daemon's pipe exists where this process's CUDA would look for it. A daemon
-    that died without cleaning up leaves it behind, so this is the fallback when NVML cannot tell."""
+    """Whether an MPS control daemon's pipe exists where this process's CUDA would look for it. The pipe
+    can outlive its daemon, so this is the fallback when NVML cannot tell."""
     return (pipe_dir(env) / "control").exists()
 
 
@@ -50,14 +50,19 @@ def mps_clients(nvml=None) -> set[int] | None:
 
 def describe(shares_gpu: bool, pid: int | None = None, nvml=None, env: dict | None = None) -> dict:
     """How this process shares its GPU, to be called once its CUDA context exists.
-    -> {"mode": "alone" | "mps" | "time slices", "evidence": "nvml" | "pipe" | None (how MPS was seen)}."""
+    -> {"mode": "alone" | "mps" | "time slices", "evidence": "nvml" | "pipe" | None (what decided it)}."""
     if not shares_gpu:
         return {"mode": "alone", "evidence": None}
-    clients = mps_clients(nvml) or set()
-    if (os.getpid() if pid is None else pid) in clients:
+    clients = mps_clients(nvml)
+    if clients is not None and (os.getpid() if pid is None else pid) in clients:
         return {"mode": "mps", "evidence": "nvml"}
-    # CUDA joins the daemon whenever it finds its pipe; NVML may list the host's process ids instead of a
-    # container's, or nothing
+    # An MPS client that has its CUDA context is on NVML's list, under some pid: an empty list means no
+    # process of the node is one, whatever the pipe says. The control daemon's pipe outlived the daemon on
+    # the device (a call after one that had quit MPS found it, with NVML listing nobody: 2026-12-02).
+    if clients == set():
+        return {"mode": "time slices", "evidence": "nvml"}
+    # CUDA joins the daemon whenever it finds its pipe; NVML may list the host's process ids instead of
+    # a container's (a list without ours), or be missing
     if daemon_listening(env):
         return {"mode": "mps", "evidence": "pipe"}
     return {"mode": "time slices", "evidence": None}
