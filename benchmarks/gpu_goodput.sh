@@ -32,7 +32,11 @@
 #   LOAD_ONE [2] LOAD_ALL [2 per GPU]   load processes (one process tops out at a few hundred streamed req/s)
 #   BUDGET [570]             seconds this script may take in all; each stage gets a deadline from it and starts
 #   ALL_RESERVE [200]        no point it could not finish; `one` leaves ALL_RESERVE seconds to `all`
-#   AB_RESERVE [150]         and AB_RESERVE to `ab`
+#   AB_RESERVE [150]         and AB_RESERVE to `ab`; ONE_RESERVE [200]: what `ab` leaves to a `one` after it
+#                            (STAGES="ab one")
+# goodput.py's --pyspy EXE --pyspy-rate R (in the args) samples every serving process inside the window of
+# the point at R: carry py-spy (benchmarks/gpu_profile_serving.sh says how to make .gpu-tools/py-spy.xz);
+# beside .gpu-deps it passes the carry limit unless the tree's PNG files stay behind for that call.
 # What fits: with the defaults (image only) about 550 s on the 2B preset if an app deploys in about 60 s;
 # what does not fit is skipped and said so, a stage's last steps first (the 0.9 cold start, then the 0.5).
 # The mix on both sides does not fit beside it: run STAGES=one WORKLOADS="image mix" in one call and
@@ -85,9 +89,11 @@ ALL_STAGES=" ${STAGES:-one all crosscheck} "
 if [ "$NG" -lt 2 ] && [[ "$ALL_STAGES" == *" all "* ]]; then  # `all` would repeat `one`
   echo "=== all: skipped, this host has $NG GPU" | tee -a "$OUT/summary.md"; ALL_STAGES=${ALL_STAGES/ all / }
 fi
+ran_one=no
 for s in $ALL_STAGES; do
   case $s in
     one)
+      ran_one=yes
       reserve=0; [[ "$ALL_STAGES" == *" all "* ]] && reserve=${ALL_RESERVE:-200}
       [[ "$ALL_STAGES" == *" ab "* ]] && reserve=$(( reserve + ${AB_RESERVE:-150} ))
       cold=(--cold-start 0.5 0.9)
@@ -114,8 +120,10 @@ for s in $ALL_STAGES; do
         if nvidia-cuda-mps-control -d 2>"$OUT/mps.txt"; then mps=yes; else echo "ab: MPS did not start" | tee -a "$OUT/summary.md"; continue; fi
         ( sleep 120; nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv > "$OUT/mps_clients.txt" 2>&1 ) &
       fi
+      # `one` still to come (STAGES="ab one"): leave it ONE_RESERVE seconds, as `one` leaves AB_RESERVE to `ab`
+      later=0; [ "$ran_one" = no ] && [[ "$ALL_STAGES" == *" one "* ]] && later=${ONE_RESERVE:-200}
       # shellcheck disable=SC2086
-      stage ab "$OUT/goodput_1gpu_ab" 1 $(( $(left) - 20 )) --rates $rates --no-search --closed-loop ${AB_CLOSED:-0 0} \
+      stage ab "$OUT/goodput_1gpu_ab" 1 $(( $(left) - later - 20 )) --rates $rates --no-search --closed-loop ${AB_CLOSED:-0 0} \
         --load-processes "${LOAD_ONE:-2}" --app-args "${AB_ARGS:-{\}}" "$@"
       if [ $mps = yes ]; then
         { echo "MPS servers while the stage ran (their clients: nvidia-smi's processes then):"; cat "$OUT/mps_clients.txt" 2>/dev/null
