@@ -1,6 +1,6 @@
-"""How a replica that shares its GPU says it shares it (app/gpu/sharing.py): NVML's list of MPS clients
-first (an empty one means no MPS), the MPS daemon's pipe where NVML cannot tell, time slices otherwise; a
-warning only for time slices."""
+"""How a replica that shares its GPU says it shares it (app/gpu/sharing.py): NVML's lists first (an MPS
+client, or a plain compute process), the MPS daemon's pipe where NVML cannot tell, time slices otherwise;
+a warning only for time slices."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ from app.gpu import sharing
 
 
 class FakeNVML:
-    """The four NVML calls sharing.py makes, over `clients` (one list of pids per GPU)."""
+    """The five NVML calls sharing.py makes, over `clients` (MPS clients, one list of pids per GPU) and
+    `compute` (ordinary compute processes, the same way; none unless given)."""
 
-    def __init__(self, clients: list[list[int]], fail: bool = False):
+    def __init__(self, clients: list[list[int]], fail: bool = False, compute: list[list[int]] | None = None):
         self.clients, self.fail, self.calls = clients, fail, []
+        self.compute = compute or [[] for _ in clients]
 
     def nvmlInit(self):
         self.calls.append("init")
@@ -32,12 +34,15 @@ class FakeNVML:
     def nvmlDeviceGetMPSComputeRunningProcesses(self, handle):
         return [SimpleNamespace(pid=p, usedGpuMemory=1 << 30) for p in self.clients[handle]]
 
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        return [SimpleNamespace(pid=p, usedGpuMemory=1 << 30) for p in self.compute[handle]]
 
-def test_nvml_lists_the_mps_clients_of_every_gpu_and_is_shut_down():
-    nvml = FakeNVML([[11, 12], [], [40]])
-    assert sharing.mps_clients(nvml) == {11, 12, 40}
+
+def test_nvml_lists_the_processes_of_every_gpu_and_is_shut_down():
+    nvml = FakeNVML([[11, 12], [], [40]], compute=[[7], [8, 9], []])
+    assert sharing.nvml_pids(nvml) == ({11, 12, 40}, {7, 8, 9})
     assert nvml.calls == ["init", "shutdown"]
-    assert sharing.mps_clients(FakeNVML([], fail=True)) is None
+    assert sharing.nvml_pids(FakeNVML([], fail=True)) is None
 
 
 def test_a_listed_client_shares_by_mps(tmp_path):
@@ -47,14 +52,17 @@ def test_a_listed_client_shares_by_mps(tmp_path):
                                                                                   "evidence": None}
 
 
-def test_nvml_listing_no_client_at_all_overrides_a_pipe_left_behind(tmp_path):
-    """Seen on the device: the pipe of a daemon that had quit, and NVML listing no MPS client."""
+def test_nvml_seeing_a_plain_compute_process_overrides_a_pipe_left_behind(tmp_path):
+    """Seen on the device: the pipe of a daemon that had quit, and the replicas not on NVML's MPS list.
+    Only where NVML lists this process at all: a container's NVML may list nothing, and the pipe decides."""
     env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
     (tmp_path / "control").touch()
-    assert sharing.describe(True, pid=5, nvml=FakeNVML([[], []]), env=env) == {"mode": "time slices",
-                                                                               "evidence": "nvml"}
-    warning = sharing.time_slice_warning(sharing.describe(True, pid=5, nvml=FakeNVML([[]]), env=env))
-    assert warning is not None and "nvidia-cuda-mps-control -d" in warning
+    plain = sharing.describe(True, pid=5, nvml=FakeNVML([[], []], compute=[[], [5, 6]]), env=env)
+    assert plain == {"mode": "time slices", "evidence": "nvml"}
+    assert "nvidia-cuda-mps-control -d" in sharing.time_slice_warning(plain)
+    assert sharing.describe(True, pid=5, nvml=FakeNVML([[]]), env=env) == {"mode": "mps", "evidence": "pipe"}
+    assert sharing.describe(True, pid=5, nvml=FakeNVML([[5]], compute=[[5]]), env=env) == {"mode": "mps",
+                                                                                           "evidence": "nvml"}
 
 
 def test_the_daemons_pipe_decides_where_nvml_cannot(tmp_path):

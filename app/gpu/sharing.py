@@ -29,19 +29,21 @@ def daemon_listening(env: dict | None = None) -> bool:
     return (pipe_dir(env) / "control").exists()
 
 
-def mps_clients(nvml=None) -> set[int] | None:
-    """The process ids that NVML lists as MPS clients, over every GPU; None where NVML cannot say (no
-    nvidia-ml-py, no driver, or a driver without the query)."""
+def nvml_pids(nvml=None) -> tuple[set[int], set[int]] | None:
+    """(MPS clients, compute processes): the process ids NVML lists on every GPU, as MPS clients and as
+    ordinary compute processes; None where NVML cannot say (no nvidia-ml-py, no driver, or a driver
+    without the queries)."""
     try:
         if nvml is None:
             import pynvml as nvml
         nvml.nvmlInit()
         try:
-            pids = set()
+            mps, compute = set(), set()
             for i in range(nvml.nvmlDeviceGetCount()):
                 handle = nvml.nvmlDeviceGetHandleByIndex(i)
-                pids.update(p.pid for p in nvml.nvmlDeviceGetMPSComputeRunningProcesses(handle))
-            return pids
+                mps.update(p.pid for p in nvml.nvmlDeviceGetMPSComputeRunningProcesses(handle))
+                compute.update(p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle))
+            return mps, compute
         finally:
             nvml.nvmlShutdown()
     except Exception:  # noqa: BLE001 - any failure of an optional probe means "cannot tell"
@@ -53,16 +55,17 @@ def describe(shares_gpu: bool, pid: int | None = None, nvml=None, env: dict | No
     -> {"mode": "alone" | "mps" | "time slices", "evidence": "nvml" | "pipe" | None (what decided it)}."""
     if not shares_gpu:
         return {"mode": "alone", "evidence": None}
-    clients = mps_clients(nvml)
-    if clients is not None and (os.getpid() if pid is None else pid) in clients:
+    pid = os.getpid() if pid is None else pid
+    listed = nvml_pids(nvml)
+    if listed is not None and pid in listed[0]:
         return {"mode": "mps", "evidence": "nvml"}
-    # An MPS client that has its CUDA context is on NVML's list, under some pid: an empty list means no
-    # process of the node is one, whatever the pipe says. The control daemon's pipe outlived the daemon on
-    # the device (a call after one that had quit MPS found it, with NVML listing nobody: 2026-12-02).
-    if clients == set():
+    # NVML sees this process (its pid namespace is ours) as a compute process but not as an MPS client:
+    # no MPS, whatever pipe is left. The control daemon's pipe outlived the daemon on the device (a call
+    # after one that had quit MPS found it, and its replicas were not on NVML's list: 2026-12-02).
+    if listed is not None and pid in listed[1]:
         return {"mode": "time slices", "evidence": "nvml"}
     # CUDA joins the daemon whenever it finds its pipe; NVML may list the host's process ids instead of
-    # a container's (a list without ours), or be missing
+    # a container's, or nothing, or be missing
     if daemon_listening(env):
         return {"mode": "mps", "evidence": "pipe"}
     return {"mode": "time slices", "evidence": None}
