@@ -7,15 +7,26 @@
 #   cryptography: Ray imports it only to make self-signed TLS certificates (ray/_common/tls_utils.py, lazily);
 #   distlib and python_discovery: virtualenv's, which bundle-deps already drops.
 # It fails if the result and the tracked tree together still pass the limit.
+# PROFILE=1: py-spy in the bundle's bin/ (on PATH after `activate`) in place of llguidance, for a serving
+# call that profiles (goodput.py --pyspy py-spy --pyspy-rate R): both do not fit beside the tree, and only
+# the structured-output GPU test needs llguidance.
 set -euo pipefail
 OUT=${1:-.gpu-deps}
-../shared/gpu/bundle-deps "$OUT" nvidia-ml-py orjson llguidance
+PKGS=(nvidia-ml-py orjson); [ -z "${PROFILE:-}" ] && PKGS+=(llguidance)
+../shared/gpu/bundle-deps "$OUT" "${PKGS[@]}"
 W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
 tar -xJf "$OUT/site.tar.xz" -C "$W"
 rm -rf "$W"/cryptography "$W"/cryptography-*.dist-info "$W"/distlib "$W"/distlib-*.dist-info \
   "$W"/python_discovery "$W"/python_discovery-*.dist-info
-python3 -c "import sys; sys.path.insert(0, sys.argv[1]); import llguidance" "$W" 2>/dev/null \
-  || ls -d "$W"/llguidance >/dev/null  # built for 3.12: importable only on the device; it must at least be there
+if [ -n "${PROFILE:-}" ]; then  # py-spy's static binary from its wheel
+  python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 -d "$W/.whl" py-spy
+  python3 -m zipfile -e "$W"/.whl/py_spy-*.whl "$W/.whl/x"
+  mkdir -p "$W/bin" && cp "$W"/.whl/x/py_spy-*.data/scripts/py-spy "$W/bin/py-spy" && chmod +x "$W/bin/py-spy"
+  rm -rf "$W/.whl"
+else
+  python3 -c "import sys; sys.path.insert(0, sys.argv[1]); import llguidance" "$W" 2>/dev/null \
+    || ls -d "$W"/llguidance >/dev/null  # built for 3.12: importable only on the device; it must at least be there
+fi
 tar -C "$W" -cf - . | xz -T0 -9 > "$OUT/site.tar.xz"
 bundle=$(stat -c %s "$OUT/site.tar.xz")
 tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')

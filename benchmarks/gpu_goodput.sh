@@ -35,8 +35,8 @@
 #   AB_RESERVE [150]         and AB_RESERVE to `ab`; ONE_RESERVE [200]: what `ab` leaves to a `one` after it
 #                            (STAGES="ab one")
 # goodput.py's --pyspy EXE --pyspy-rate R (in the args) samples every serving process inside the window of
-# the point at R: carry py-spy (benchmarks/gpu_profile_serving.sh says how to make .gpu-tools/py-spy.xz);
-# beside .gpu-deps it passes the carry limit unless the tree's PNG files stay behind for that call.
+# the point at R: carry a bundle built with `PROFILE=1 bash benchmarks/bundle_gpu_deps.sh` (py-spy on its
+# PATH in place of llguidance, which only the structured-output GPU test needs) and pass --pyspy py-spy.
 # What fits: with the defaults (image only) about 550 s on the 2B preset if an app deploys in about 60 s;
 # what does not fit is skipped and said so, a stage's last steps first (the 0.9 cold start, then the 0.5).
 # The mix on both sides does not fit beside it: run STAGES=one WORKLOADS="image mix" in one call and
