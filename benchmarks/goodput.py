@@ -48,7 +48,8 @@ One invocation, one app (`--start`: Ray and the application started here, as ben
    ready and took its first request); per second TTFT p99 over the warm app's at the same rate, and the
    host beside it (benchmarks/monitor.py's HostTimeline: cores by process group, new processes, host and
    GPU busy), read out at the worst second. `--scale-up-baseline` then runs the same deploy and load with
-   no room for a replica: a second slow there too is the starting replicas' own tail, not the new start.
+   no room for a replica: a second slow there too is the starting replicas' own tail, not the new start
+   (`--scale-up-baseline-first`: the baseline before the scale-up, so that an order effect shows).
 5. `--crosscheck guidellm`: our point and GuideLLM's Poisson profile at the goodput (or
    `--crosscheck-rate`), same request shape, GuideLLM's per-request timings read through `analyse`.
 Everything goes to `--out-dir`: goodput.json (rewritten after every point: a run cut short keeps what it
@@ -1049,23 +1050,64 @@ def scale_up_baseline(bench: Bench, a, wl, rate: float, deploy: Callable[[], Non
     second against the scale-up's warm reference. Compared over the seconds before the scale-up's added
     replica began its start (`before_start_s`), the two runs are alike but for the autoscaler's request and
     the new replica's worker: a second slow in both is the starting replicas' own tail at this rate."""
-    warm_p99_ms = scale_up["summary"]["warm_ttft_p99_ms"]
+    out = baseline_load(bench, a, wl, rate, deploy)
+    out["summary"] = baseline_summary(out, scale_up)
+    print(baseline_text(out["summary"], rate), flush=True)
+    return out
+
+
+def baseline_load(bench: Bench, a, wl, rate: float, deploy: Callable[[], None]) -> dict:
+    """The baseline's deploy and load alone (`_watched_load`), for `baseline_summary` once the scale-up
+    has run: `--scale-up-baseline-first` runs it before the scale-up, so that an order effect shows."""
     samples: list[dict] = []
     out = _watched_load(bench, a, wl, rate, deploy, samples)
+    out["replicas_seen"] = len(samples[-1]["replicas"]) if samples else None
+    return out
+
+
+def baseline_summary(out: dict, scale_up: dict) -> dict:
+    """The baseline's seconds against the scale-up's warm reference, up to when its added replica began."""
+    warm_p99_ms = scale_up["summary"]["warm_ttft_p99_ms"]
     base = cold_summary(out["per_second"], warm_p99_ms)
     until = before_start_s(scale_up["summary"])
     worst, worst_before = _worst(out["per_second"]), _worst(out["per_second"], until)
     theirs = _worst(scale_up["per_second"], until)
-    out["summary"] = {
+    return {
         "errors": base["errors"], "p99_ratio_max": base["p99_ratio_max"], "warm_ttft_p99_ms": warm_p99_ms,
         "worst_second": worst["second"] if worst else None,
         "host_at_worst": host_during(out["host_timeline"], worst["second"]) if worst else None,
-        "replicas": len(samples[-1]["replicas"]) if samples else None, "compared_until_s": until,
+        "replicas": out.get("replicas_seen"), "compared_until_s": until,
         "p99_ratio_max_before": worst_before["p99_ratio"] if worst_before else None,
         "scale_up_p99_ratio_max_before": theirs["p99_ratio"] if theirs else None,
         "side_by_side": [{"second": r["second"], "scale_up": r["p99_ratio"], "baseline": b["p99_ratio"]}
                          for r, b in zip(scale_up["per_second"], out["per_second"], strict=False)]}
-    print(baseline_text(out["summary"], rate), flush=True)
+
+
+def scale_up_stage(bench: Bench, a, wl, rate: float, deploy_with_room: Callable[[int], Callable[[], None]],
+                   stop: Callable[[], None], deadline: float | None, needed_s: float) -> dict:
+    """The scale-up (`scale_up_run`) and, with `--scale-up-baseline`, its baseline after it, or before it
+    with `--scale-up-baseline-first`; `deploy_with_room(n)` deploys the app with room for n more LLM
+    replicas, `stop()` deletes it. A baseline that would end after `deadline` is skipped."""
+    def left() -> float:
+        return math.inf if deadline is None else deadline - time.perf_counter()
+
+    baseline_s = a.scale_up_s + a.drain_s + 90  # a redeploy, the load, its drain
+    first = None
+    if a.scale_up_baseline_first and left() >= needed_s + baseline_s:
+        stop()
+        first = baseline_load(bench, a, wl, rate, deploy_with_room(0))
+    stop()
+    out = scale_up_run(bench, a, wl, rate, deploy_with_room(1))
+    if first is not None:
+        first["summary"], first["ran"] = baseline_summary(first, out), "first"
+        out["baseline"] = first
+        print(baseline_text(first["summary"], rate) + " (run first)", flush=True)
+    elif (a.scale_up_baseline or a.scale_up_baseline_first) and left() < baseline_s:
+        print("scale-up baseline: no time left", flush=True)
+        out["baseline"] = {"rate": rate, "skipped": "deadline"}
+    elif a.scale_up_baseline or a.scale_up_baseline_first:
+        stop()
+        out["baseline"] = scale_up_baseline(bench, a, wl, rate, deploy_with_room(0), out)
     return out
 
 
@@ -1439,6 +1481,8 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--scale-up-baseline", action="store_true",
                    help="then the same deploy and load with no room for another replica (`scale_up.baseline`): "
                         "which slow seconds are the starting replicas' own")
+    p.add_argument("--scale-up-baseline-first", action="store_true",
+                   help="the baseline's load before the scale-up's instead of after it (an order effect shows)")
     p.add_argument("--ready-timeout-s", type=float, default=480.0)
     p.add_argument("--load-processes", type=int, default=1)
     p.add_argument("--no-monitor", action="store_true")
@@ -1622,17 +1666,8 @@ def main(argv: list[str] | None = None) -> dict:
                                          deployments=scale_up_options(a.scale_up_from, a.scale_up_target,
                                                                       a.scale_up_delay_s, room=room))
 
-            stop_app()
-            results["scale_up"] = scale_up_run(bench, a, workloads[0], scale_rate, deploy_with_room(1))
-            save()
-            if a.scale_up_baseline and deadline is not None and \
-                    deadline - time.perf_counter() < a.scale_up_s + a.drain_s + 90:  # a redeploy, the load, its drain
-                print("scale-up baseline: no time left", flush=True)
-                results["scale_up"]["baseline"] = {"rate": scale_rate, "skipped": "deadline"}
-            elif a.scale_up_baseline:
-                stop_app()
-                results["scale_up"]["baseline"] = scale_up_baseline(bench, a, workloads[0], scale_rate,
-                                                                    deploy_with_room(0), results["scale_up"])
+            results["scale_up"] = scale_up_stage(bench, a, workloads[0], scale_rate, deploy_with_room, stop_app,
+                                                 deadline, needed_s)
             save()
     finally:
         results["meta"]["seconds"] = time.perf_counter() - t_begin

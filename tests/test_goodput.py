@@ -600,6 +600,51 @@ def test_a_scale_up_watches_the_replicas_from_ready(fake, tmp_path):
     assert [r["baseline"] for r in b["side_by_side"]] == [r["p99_ratio"] for r in base["per_second"]]
 
 
+def test_the_baseline_can_run_before_the_scale_up(fake):
+    """`--scale-up-baseline-first`: the app deleted and deployed with no room, loaded; then deleted and
+    deployed with room for a replica that the fake adds 1.5 s in; the baseline's seconds are then read
+    against the scale-up's warm reference, up to when its added replica began."""
+    import threading
+
+    from benchmarks.goodput import Bench, parse_args, scale_up_stage
+    from benchmarks.serve import Workload
+
+    server, url = fake
+    a = parse_args(["--url", url, "--no-monitor", "--drain-s", "5", "--scale-up-s", "3", "--ramp-s", "0.5",
+                    "--cold-warm-window-s", "1", "--scale-up-baseline-first"])
+    bench, calls = Bench(url, a, None), []
+    server.ready_at = math.inf
+
+    def deploy_with_room(room: int):
+        def deploy():
+            calls.append(f"deploy {room}")
+            now = time.time()
+            server.replicas = [{"replica": "a", "ready_at": now, "first_request_at": now + 0.5}]
+            server.ready_at = time.monotonic() + 0.3
+            if room:
+                def add():
+                    t = time.time()
+                    server.replicas = server.replicas + [{"replica": "b", "ready_at": t, "first_request_at": t + 0.1,
+                                                          "startup": {"started_at": t - 1.0, "phases": [
+                                                              {"name": "tower", "start": t - 1.0, "end": t}]}}]
+                threading.Timer(1.5, add).start()
+        return deploy
+
+    def stop():
+        calls.append("stop")
+        server.ready_at, server.replicas = math.inf, []
+
+    out = scale_up_stage(bench, a, Workload("image", 32), 10.0, deploy_with_room, stop, None, needed_s=0)
+    assert calls == ["stop", "deploy 0", "stop", "deploy 1"]  # the baseline first, then the scale-up
+    assert out["summary"]["added"]["replica"] == "b"
+    base = out["baseline"]
+    assert base["ran"] == "first" and base["replicas_seen"] == 1 and len(base["per_second"]) == 3
+    b = base["summary"]
+    assert b["warm_ttft_p99_ms"] == out["summary"]["warm_ttft_p99_ms"] and b["errors"] == 0
+    assert b["compared_until_s"] == pytest.approx(out["summary"]["added"]["ready_s"] - 1.0, abs=0.01)
+    assert [r["baseline"] for r in b["side_by_side"]] == [r["p99_ratio"] for r in base["per_second"]]
+
+
 # ---------------------------------------------------------------------------- the real application, CPU
 def _free_port() -> int:
     with socket.socket() as s:
