@@ -1092,6 +1092,7 @@ def scale_up_stage(bench: Bench, a, wl, rate: float, deploy_with_room: Callable[
         return math.inf if deadline is None else deadline - time.perf_counter()
 
     baseline_s = a.scale_up_s + a.drain_s + 90  # a redeploy, the load, its drain
+    wanted = a.scale_up_baseline or a.scale_up_baseline_first
     first = None
     if a.scale_up_baseline_first and left() >= needed_s + baseline_s:
         stop()
@@ -1102,10 +1103,10 @@ def scale_up_stage(bench: Bench, a, wl, rate: float, deploy_with_room: Callable[
         first["summary"], first["ran"] = baseline_summary(first, out), "first"
         out["baseline"] = first
         print(baseline_text(first["summary"], rate) + " (run first)", flush=True)
-    elif (a.scale_up_baseline or a.scale_up_baseline_first) and left() < baseline_s:
+    elif wanted and left() < baseline_s:
         print("scale-up baseline: no time left", flush=True)
         out["baseline"] = {"rate": rate, "skipped": "deadline"}
-    elif a.scale_up_baseline or a.scale_up_baseline_first:
+    elif wanted:
         stop()
         out["baseline"] = scale_up_baseline(bench, a, wl, rate, deploy_with_room(0), out)
     return out

@@ -11,26 +11,24 @@ which is what says whether a process's threads wait on one another.
 
 from __future__ import annotations
 
-import re
 import shlex
 import subprocess
 from pathlib import Path
 
-TITLE = re.compile(r"^ray::(ServeReplica:[^:]+:)?(?P<name>\S+)")
+from benchmarks.monitor import process_group
 
 
 def serve_processes(ps_text: str | None = None) -> list[tuple[int, str]]:
-    """(pid, short name) of this host's replica and proxy processes, from the titles that Ray sets
-    (`ray::ServeReplica:<app>:<Deployment>`, `ray::ProxyActor`) in `ps -eo pid=,args=`' output."""
+    """(pid, deployment) of this host's replica and proxy processes, from the titles that Ray sets
+    (`ray::ServeReplica:<app>:<Deployment>[.<method>]`, `ray::ProxyActor`) in `ps -eo pid=,args=`' output,
+    named as benchmarks/monitor.py groups them."""
     out = ps_text if ps_text is not None else subprocess.run(
         ["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=False).stdout
     found = []
     for line in out.splitlines():
-        pid, _, args = line.strip().partition(" ")
-        if not args.startswith(("ray::ServeReplica:", "ray::ProxyActor")):
-            continue
-        m = TITLE.match(args)
-        found.append((int(pid), re.sub(r"[^A-Za-z0-9_.-]+", "_", m["name"] if m else args)))
+        pid, _, title = line.strip().partition(" ")
+        if title.startswith(("ray::ServeReplica:", "ray::ProxyActor")):
+            found.append((int(pid), process_group(title, int(pid))))
     return found
 
 
@@ -45,8 +43,8 @@ def start(exe: str, out_dir: Path, delay_s: float, duration_s: float, gil: bool 
         cmd = (f"sleep {delay_s:.2f}; exec {shlex.quote(exe)} record --pid {pid} --rate 100 "
                f"--duration {max(1, round(duration_s))} --nonblocking --threads {'--gil ' if gil else ''}"
                f"--format raw --output {shlex.quote(f'{stem}.txt')}")
-        procs.append(subprocess.Popen(["bash", "-c", cmd], stdout=open(f"{stem}.log", "w"),
-                                      stderr=subprocess.STDOUT))
+        with open(f"{stem}.log", "w") as log:  # the child keeps its own copy of the file
+            procs.append(subprocess.Popen(["bash", "-c", cmd], stdout=log, stderr=subprocess.STDOUT))
     return procs
 
 

@@ -10,6 +10,7 @@ PS = """\
     1 /sbin/init
   812 ray::ServeReplica:vlm:LLM
   813 ray::ServeReplica:vlm:Router
+  814 ray::ServeReplica:vlm:LLM.generate_from_media
   900 ray::ProxyActor
   901 ray::ServeController
   950 python benchmarks/goodput.py --start
@@ -18,7 +19,8 @@ PS = """\
 
 
 def test_serve_processes_are_the_replicas_and_the_proxy():
-    assert pyspy_sampler.serve_processes(PS) == [(812, "LLM"), (813, "Router"), (900, "ProxyActor")]
+    assert pyspy_sampler.serve_processes(PS) == [(812, "LLM"), (813, "Router"), (814, "LLM"),  # busy: its method
+                                                 (900, "ProxyActor")]
 
 
 def test_start_runs_one_sampler_per_process_after_the_delay(tmp_path):
