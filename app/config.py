@@ -197,10 +197,10 @@ class LLMConfig(_Strict):
                               "of one- and two-token steps (qkv, o, the MoE router, the dense MLP) as a Triton "
                               "matrix-vector product against cuBLAS, and uses the kernel where it is faster "
                               "(app/llm/gemv.py; a few seconds of start-up); false keeps cuBLAS throughout")
-    decode_gemv_split: bool = Field(False, description="with decode_gemv: split-K tiles among the candidates "
+    decode_gemv_split: bool = Field(True, description="with decode_gemv: split-K tiles among the candidates "
                                     "(K divided among several programs per column tile, the parts summed in the "
-                                    "same launch); 1.05x single-stream on 30B-A3B in one H200 run "
-                                    "(decode.py --gemv-split, 2026-12-02)")
+                                    "same launch); single-stream 30B-A3B 1.05x on an H200 without PDL, 1.02x on "
+                                    "an H100 with it (decode.py --gemv-split / --no-gemv-split, 2026-12-02)")
     pdl: bool = Field(True, description="on Hopper and later: the engine's Triton kernels are launched with "
                       "programmatic dependent launch, so that each may start while the one before it finishes (its "
                       "blocks wait on the device for that one's writes); aimed at single-stream decode, whose ~600 "

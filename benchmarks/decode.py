@@ -210,8 +210,9 @@ def main() -> None:
                         "always sorted by expert): an A/B against today's in one device call")
     p.add_argument("--no-gemv", action="store_true",
                    help="cuBLAS for every projection (llm.decode_gemv false), for the A/B of app/llm/gemv.py")
-    p.add_argument("--gemv-split", action="store_true",
-                   help="split-K tiles among the matrix-vector candidates (llm.decode_gemv_split), for their A/B")
+    p.add_argument("--gemv-split", action=argparse.BooleanOptionalAction, default=True,
+                   help="split-K tiles among the matrix-vector candidates (llm.decode_gemv_split, on by default); "
+                        "--no-gemv-split for their A/B")
     p.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
                    help="programmatic dependent launch for the engine's Triton kernels (llm.pdl, on by default "
                         "since 2026-12-02); --no-pdl for its A/B")

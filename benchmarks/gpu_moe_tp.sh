@@ -8,7 +8,10 @@
 # serve_8b, serve_moe30b, serve_moe30b_tp2 (run 2026-11-27), serve_moe235b_tp4 (not yet). The matrix-vector
 # projections (app/llm/gemv.py): gemv_tests, gemv_ab (30B-A3B with a profile, and 8B, each with the kernel where
 # the start-up timing keeps it and with cuBLAS throughout), sweep64 (the sorted MoE path's tiles at 64 tokens).
-# Programmatic dependent launch (app/llm/pdl.py): pdl_ab (its GPU tests, then 30B-A3B and 8B with and without).
+# Programmatic dependent launch (app/llm/pdl.py): pdl_ab (its GPU tests, then 30B-A3B and 8B with and without);
+# pdl_split (30B-A3B with PDL, the split-K tiles off and on, A B A B); direct_sweep (the 1-2 token MoE kernels swept
+# one at a time, BW: the card's TB/s for the floor); profile_nopdl (30B-A3B's kernels without PDL, each its own time);
+# tiles_ab (the few-token MoE path's tiles against the earlier ones, A B twice).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source .gpu-deps/activate
@@ -27,7 +30,7 @@ for s in $STAGES; do case $s in
   tptest) run tptest timeout 200 python3 -m pytest -q -rs -m gpu tests/test_tensor_parallel.py -p no:cacheprovider ;;
   gemv_tests) run gemv_tests timeout 300 python3 -m pytest -q -rs -m gpu tests/test_gemv.py tests/test_fused_moe.py \
                 tests/test_llm_moe.py -p no:cacheprovider ;;
-  gemv_ab) run moe30b_gemv timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --profile 1 \
+  gemv_ab) run moe30b_gemv timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --no-gemv-split --profile 1 \
              --out "$OUT/moe30b_gemv.json"
            run moe30b_cublas timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --no-gemv \
              --out "$OUT/moe30b_cublas.json"
@@ -42,6 +45,27 @@ for s in $STAGES; do case $s in
           run moe30b_nopdl timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --no-pdl --out "$OUT/moe30b_nopdl.json"
           run dense8b_pdl timeout 150 python3 benchmarks/decode.py --preset qwen3-vl-8b --new 128 --pdl --out "$OUT/dense8b_pdl.json"
           run dense8b_nopdl timeout 150 python3 benchmarks/decode.py --preset qwen3-vl-8b --new 128 --no-pdl --out "$OUT/dense8b_nopdl.json" ;;
+  pdl_split) # PDL with and without the split-K matrix-vector tiles, alternated (A B A B), with kernel profiles of 1 and of 64 streams
+             run moe30b_pdl_a timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --no-gemv-split --profile 1 \
+               --out "$OUT/moe30b_pdl_a.json"
+             run moe30b_pdl_split_a timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --gemv-split \
+               --out "$OUT/moe30b_pdl_split_a.json"
+             run moe30b_pdl_b timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --no-gemv-split --profile 64 \
+               --out "$OUT/moe30b_pdl_b.json"
+             run moe30b_pdl_split_b timeout 200 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --gemv-split \
+               --out "$OUT/moe30b_pdl_split_b.json" ;;
+  direct_sweep) run direct_sweep timeout ${SWEEP_S:-200} python3 benchmarks/moe_kernel.py --tokens 1 2 --direct-sweep --pdl \
+                  --bandwidth "${BW:-3.35}" --out "$OUT/moe_kernel_direct.json" ;;
+  profile_nopdl) # every kernel's own duration (with PDL a kernel's span includes its wait for the one before)
+                 run moe30b_nopdl_profile timeout 120 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 \
+                   --no-pdl --profile 1 --out "$OUT/moe30b_nopdl_profile.json" ;;
+  tiles_ab) # the few-token MoE path's tiles (moe_config) against those before 2026-12-02
+            # (benchmarks/variants/moe_direct_tiles_2026-11-27.json), alternated twice
+            for r in a b; do
+              run moe30b_tiles_$r timeout 120 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 --out "$OUT/moe30b_tiles_$r.json"
+              run moe30b_oldtiles_$r timeout 120 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 \
+                --direct-config benchmarks/variants/moe_direct_tiles_2026-11-27.json --out "$OUT/moe30b_oldtiles_$r.json"
+            done ;;
   sweep64) run sweep64 timeout ${SWEEP_S:-200} python3 benchmarks/moe_kernel.py --tokens 64 --sweep --bandwidth 4.8 \
              --out "$OUT/moe_kernel_sweep64.json" ;;
   kernel) run kernel timeout 200 python3 benchmarks/moe_kernel.py --out "$OUT/moe_kernel.json" ;;

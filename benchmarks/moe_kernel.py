@@ -11,6 +11,7 @@ Shapes: 30b (Qwen3-VL-30B-A3B: H 2048, I 768, 128 experts, top-8), 235b-tp4 (235
 split four ways: H 4096, I 384), 235b (unsplit, I 1536). `--smoke` runs tiny shapes on the CPU.
 
     python3 benchmarks/moe_kernel.py [--shape 30b] [--tokens 1 8 64 512 2048] [--sweep] [--out $OUT/moe_kernel.json]
+    python3 benchmarks/moe_kernel.py --tokens 1 2 --direct-sweep --pdl    # the single-stream path, kernel by kernel
 """
 
 from __future__ import annotations
@@ -96,7 +97,46 @@ def sweep_configs(tokens: int):
                "num_warps": warps, "num_stages": stages}
 
 
-def measure(x, wgu, wd, ids, weights, bandwidth: float, cuda: bool, sweep: bool) -> dict:
+def direct_sweep(x, wgu, wd, ids, weights, floor: float) -> dict:
+    """The few-token (DIRECT, VEC) path swept wider than `sweep_configs`, one kernel at a time, as the model
+    calls it (the k rows left unsummed: `sum_k=False`): first the gate/up kernel's tile, warps and stages
+    with the down kernel at `moe_config`'s, then the down kernel's with the best gate/up. Then the best and
+    `moe_config`'s pick timed again in alternation (A B A B), so that the gain is read in one process."""
+    t, hidden = x.shape
+    base = moe_config(t, ids.shape[1], wgu.shape[0], hidden, wd.shape[2])
+
+    def time_cfg(c):
+        return graph_ms(lambda: fused_moe(x, wgu, wd, ids, weights, config=c, sum_k=False))
+
+    def phase(candidates):
+        rows = []
+        for c in candidates:
+            try:
+                rows.append({"config": c, "ms": time_cfg(c)})
+            except Exception as e:  # a tile the GPU cannot hold
+                print(f"  skip {c}: {type(e).__name__}")
+        return sorted(rows, key=lambda r: r["ms"])
+
+    gate_up = phase({**base, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st,
+                     "DOWN_STAGES": base.get("DOWN_STAGES", base["num_stages"])}
+                    for bn, bk, w, st in itertools.product((2, 4, 8), (256, 512, 1024), (2, 4, 8), (1, 3)))
+    best = gate_up[0]["config"]
+    down = phase({**best, "DOWN_BLOCK_N": bn, "DOWN_BLOCK_K": bk, "DOWN_WARPS": w, "DOWN_STAGES": st}
+                 for bn, bk, w, st in itertools.product((2, 4, 8, 16), (256, 512, 1024), (2, 4, 8), (1, 3)))
+    best = down[0]["config"]
+    again = {"base": [], "best": []}
+    for _ in range(2):
+        again["base"].append(time_cfg(base))
+        again["best"].append(time_cfg(best))
+    out = {"base": base, "best": best, "base_ms": statistics.median(again["base"]),
+           "best_ms": statistics.median(again["best"]), "alternated_ms": again, "floor_ms": floor,
+           "gate_up_phase": gate_up[:8], "down_phase": down[:8]}
+    out["speedup"] = out["base_ms"] / out["best_ms"]
+    out["best_of_floor"] = floor / out["best_ms"]
+    return out
+
+
+def measure(x, wgu, wd, ids, weights, bandwidth: float, cuda: bool, sweep: bool, wide: bool = False) -> dict:
     """One token count: the loop and the fused call timed, the fused output against the float32 loop."""
     t, hidden = x.shape
     experts, inter, k = wgu.shape[0], wd.shape[2], ids.shape[1]
@@ -125,6 +165,8 @@ def measure(x, wgu, wd, ids, weights, bandwidth: float, cuda: bool, sweep: bool)
             except Exception as e:  # a config the GPU cannot hold (shared memory)
                 print(f"  skip {c}: {type(e).__name__}")
         row["sweep"] = sorted(swept, key=lambda s: s["ms"])
+    if wide and cuda and t <= DIRECT_MAX_TOKENS:
+        row["direct_sweep"] = direct_sweep(x, wgu, wd, ids, weights, row["floor_ms"])
     return row
 
 
@@ -134,11 +176,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048])
     ap.add_argument("--bandwidth", type=float, default=3.3, help="TB/s for the bytes-moved floor")
     ap.add_argument("--sweep", action="store_true", help="time a grid of tile configs per token count")
+    ap.add_argument("--direct-sweep", action="store_true",
+                    help="for 1-2 tokens: the matrix-vector path's kernels swept one at a time, wider than --sweep")
+    ap.add_argument("--pdl", action="store_true", help="programmatic dependent launch on, as the engine runs it")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks that this runs)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not a.smoke
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    if a.pdl:
+        from app.llm import pdl
+
+        print("programmatic dependent launch:", pdl.enable(True, torch.device(device)))
     shape = "smoke" if a.smoke else a.shape
     hidden, inter, experts, k = SHAPES[shape]
     tokens = [1, 8, 64] if a.smoke else a.tokens
@@ -151,7 +200,7 @@ def main(argv=None) -> dict:
     rows = []
     for t in tokens:
         x, ids, weights = routed(hidden, experts, k, t, dtype, device, seed=t)
-        row = measure(x, wgu, wd, ids, weights, a.bandwidth, cuda, a.sweep)
+        row = measure(x, wgu, wd, ids, weights, a.bandwidth, cuda, a.sweep, a.direct_sweep)
         rows.append(row)
         graph = f"{row['graph_ms']:>10.3f}" if row["graph_ms"] is not None else f"{'-':>10}"
         print(f"{t:>7}{row['experts_hit']:>12}{row['loop_ms']:>10.3f}{row['fused_ms']:>10.3f}{row['speedup']:>8.1f}x"
@@ -159,6 +208,13 @@ def main(argv=None) -> dict:
               + " ".join(f"{key}={v}" for key, v in row["config"].items()))
         for s in row.get("sweep", [])[:5]:
             print(f"{'':>17}sweep {s['ms']:.3f} ms  " + " ".join(f"{key}={v}" for key, v in s["config"].items()))
+        if "direct_sweep" in row:
+            d = row["direct_sweep"]
+            print(f"{'':>17}direct sweep: best {d['best_ms']:.4f} ms against {d['base_ms']:.4f} ({d['speedup']:.3f}x, "
+                  f"{d['best_of_floor']:.0%} of floor)  " + " ".join(f"{key}={v}" for key, v in d["best"].items()))
+            for name in ("gate_up_phase", "down_phase"):
+                for r in d[name][:3]:
+                    print(f"{'':>19}{name} {r['ms']:.4f} ms  " + " ".join(f"{key}={v}" for key, v in r["config"].items()))
     result = {"device": name, "shape": shape, "dims": {"hidden": hidden, "inter": inter, "experts": experts, "k": k},
               "dtype": str(dtype), "bandwidth_tb_s": a.bandwidth, "rows": rows}
     out = Path(a.out or Path(os.environ.get("OUT", ".")) / "moe_kernel.json")

@@ -122,14 +122,18 @@ def moe_config(tokens: int, k: int, experts: int, hidden: int, inter: int) -> di
     share an expert, so nothing is read twice that sorting would have read once.
     There VEC runs gate/up as matrix-vector products instead of 16-row tiles; the down projection runs
     per assignment, then a k-sum kernel (one kernel looping over a token's experts had too few programs:
-    benchmarks/results/2026-11-27-models-beyond-one-gpu.md); DOWN_BLOCK_N, DOWN_BLOCK_K and DOWN_WARPS
-    shape it.
+    benchmarks/results/2026-11-27-models-beyond-one-gpu.md); DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS and
+    DOWN_STAGES (default num_stages) shape it.
     The sweep in benchmarks/moe_kernel.py covers these choices."""
     rows = tokens * k / max(experts, 1)
     if tokens <= DIRECT_MAX_TOKENS:
-        # swept on an H100 at the 30B shape (benchmarks/moe_kernel.py --tokens 1 --sweep)
-        cfg = {"BLOCK_M": 16, "BLOCK_N": 4, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
-               "DIRECT": True, "VEC": True, "DOWN_BLOCK_N": 4, "DOWN_BLOCK_K": 256, "DOWN_WARPS": 4}
+        # swept on an H100 at the 30B shape, one kernel at a time (benchmarks/moe_kernel.py --tokens 1 2
+        # --direct-sweep --pdl, 2026-12-02): the layer 1.06x (1 token) and 1.04x (2 tokens) the earlier pick
+        # (BLOCK_N 4, BLOCK_K 256, 4 down warps, from --sweep's narrower grid, 2026-11-27); single-stream
+        # decode 288.8-289.6 against 287.0-287.6 tok/s, alternated twice in one call
+        cfg = {"BLOCK_M": 16, "BLOCK_N": 2, "BLOCK_K": 1024, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
+               "DIRECT": True, "VEC": True, "DOWN_BLOCK_N": 4, "DOWN_BLOCK_K": 256, "DOWN_WARPS": 2,
+               "DOWN_STAGES": 3}
     elif rows <= 4:
         cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
     elif rows <= 16:
@@ -417,7 +421,8 @@ def _fused_moe_direct(x, w_gate_up, w_down, topk_ids, topk_weights, cfg, precisi
     _down_vec_kernel[(n * triton.cdiv(hidden, dbn),)](
         h, w_down, y, weights, ids, hidden, inter, num_experts,
         h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0),
-        BLOCK_N=dbn, BLOCK_K=dbk, num_warps=cfg.get("DOWN_WARPS", 4), num_stages=cfg["num_stages"], **pdl.args())
+        BLOCK_N=dbn, BLOCK_K=dbk, num_warps=cfg.get("DOWN_WARPS", 4),
+        num_stages=cfg.get("DOWN_STAGES", cfg["num_stages"]), **pdl.args())
     return sum_over_k(y.view(t, k, hidden)) if sum_k else y.view(t, k, hidden)
 
 

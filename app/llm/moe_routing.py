@@ -3,12 +3,11 @@ softmax over every expert, the k largest (the first index on ties), renormalised
 says so, rounded to the model's dtype.
 
 `route_topk_torch` is the CPU's path and the reference; `route_topk` runs softmax and top-k in one
-Triton kernel after the logits (cuBLAS's GEMM, or for one or two tokens the matrix-vector kernel of
-gemv.py where it was faster; torch's ops were eight launches a layer). A fused logits+top-k
-kernel for one or two tokens (single-stream decode) was tried and measured slower on an H100 (13.2 us
-against 7.3 us a layer, 2026-11-27), so the router is a GEMM then the routing kernel at every token
-count; the matrix-vector kernel took the router's GEMM from 4.85 to 2.84 us at one token on an H200
-(2026-12-01).
+Triton kernel after the logits (cuBLAS's GEMM, or for one or two tokens gemv.py's matrix-vector kernel
+where faster: 4.85 to 2.84 us on an H200; torch's ops were eight launches a layer). Two fusions for
+single-stream decode were measured slower on an H100 and dropped: logits+top-k in one kernel (13.2 us
+against 7.3 a layer, 2026-11-27), and top-k inside the experts' gate/up kernel, the same bits with one
+launch less a layer (250 against 289 tok/s, 2026-12-02: every program's loads waited on its routing).
 """
 
 from __future__ import annotations
