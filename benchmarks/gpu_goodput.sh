@@ -10,7 +10,9 @@
 #   ab         an A/B against `one`: a fresh 1-GPU app with AB_ARGS (JSON deep-merged into the config's args, e.g.
 #              '{"encoder": {"pinned_copy_min_rows": 0}}') at AB_RATES (default RATES_ONE, which `one` then
 #              searches from, so that both sides hold points at the same rates), no search, no closed loop
-#              (AB_CLOSED="C N": one); AB_MPS=1: the B side under CUDA MPS (nvidia-cuda-mps-control -d, quit after)
+#              (AB_CLOSED="C N": one); AB_MPS=1: the B side under CUDA MPS (nvidia-cuda-mps-control -d, quit after);
+#              AB_ENV="VAR=value ...": the B side's process (and the Ray it starts) with these variables, e.g.
+#              AB_ENV=RAY_max_direct_call_object_size=524288 (deployments/ray_env.py lets a set variable win)
 #   crosscheck GuideLLM against a fresh 1-GPU app at the goodput that `one` found (or CROSSCHECK_RATE), beside
 #              our own point of the same shape, when guidellm is importable here, GUIDELLM names its command,
 #              or .gpu-guidellm is carried (benchmarks/bundle_guidellm.sh; it does not fit beside .gpu-deps,
@@ -74,7 +76,8 @@ stage() {  # NAME DIR GPUS DEADLINE_S [goodput.py args ...]
   if [ "$deadline" -lt 60 ]; then echo "=== $name: skipped, ${deadline} s left" | tee -a "$OUT/summary.md"; return; fi
   echo "=== $name: $gpus GPU(s), deadline ${deadline} s"
   ray stop --force >/dev/null 2>&1
-  timeout $(( deadline + 40 )) python3 benchmarks/goodput.py --start --num-gpus "$gpus" "${COMMON[@]}" \
+  # shellcheck disable=SC2086
+  env ${STAGE_ENV:-} timeout $(( deadline + 40 )) python3 benchmarks/goodput.py --start --num-gpus "$gpus" "${COMMON[@]}" \
     --deadline-s "$deadline" --out-dir "$dir" "$@" 2>&1 | grep -v "Warning\|warn(" | tee "$dir/goodput.log" \
     | grep -E "ready in|closed loop|warm-up|req/s offered|goodput|cold start|cross-check|no time|Error|error:"
   { echo "## $name: $gpus GPU(s), $(head -1 "$OUT/env.txt")"; cat "$dir/goodput.md" 2>/dev/null; echo; } >> "$OUT/summary.md"
@@ -110,8 +113,8 @@ for s in $ALL_STAGES; do
         ${RATES_ALL:+--rates $RATES_ALL} "$@" ;;
     ab)
       rates=${AB_RATES:-${RATES_ONE:-}}
-      if [ -z "$rates" ] || { [ -z "${AB_ARGS:-}" ] && [ -z "${AB_MPS:-}" ]; }; then
-        echo "=== ab: skipped, it needs AB_ARGS (or AB_MPS) and AB_RATES (or RATES_ONE)" | tee -a "$OUT/summary.md"; continue
+      if [ -z "$rates" ] || { [ -z "${AB_ARGS:-}" ] && [ -z "${AB_MPS:-}" ] && [ -z "${AB_ENV:-}" ]; }; then
+        echo "=== ab: skipped, it needs AB_ARGS (or AB_MPS or AB_ENV) and AB_RATES (or RATES_ONE)" | tee -a "$OUT/summary.md"; continue
       fi
       # AB_MPS=1: the B side runs under CUDA's Multi-Process Service, so that the kernels of the two LLM
       # replicas sharing the GPU may run at once instead of in time slices; the daemon is stopped after it
@@ -123,7 +126,8 @@ for s in $ALL_STAGES; do
       # `one` still to come (STAGES="ab one"): leave it ONE_RESERVE seconds, as `one` leaves AB_RESERVE to `ab`
       later=0; [ "$ran_one" = no ] && [[ "$ALL_STAGES" == *" one "* ]] && later=${ONE_RESERVE:-200}
       # shellcheck disable=SC2086
-      stage ab "$OUT/goodput_1gpu_ab" 1 $(( $(left) - later - 20 )) --rates $rates --no-search --closed-loop ${AB_CLOSED:-0 0} \
+      [ -n "${AB_ENV:-}" ] && echo "ab: with $AB_ENV" | tee -a "$OUT/summary.md"
+      STAGE_ENV=${AB_ENV:-} stage ab "$OUT/goodput_1gpu_ab" 1 $(( $(left) - later - 20 )) --rates $rates --no-search --closed-loop ${AB_CLOSED:-0 0} \
         --load-processes "${LOAD_ONE:-2}" --app-args "${AB_ARGS:-{\}}" "$@"
       if [ $mps = yes ]; then
         { echo "MPS servers while the stage ran (their clients: nvidia-smi's processes then):"; cat "$OUT/mps_clients.txt" 2>/dev/null

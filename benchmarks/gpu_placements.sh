@@ -23,7 +23,7 @@ for placement in ${PLACEMENTS:-fused colocate}; do
   extra=(); [ "$policy" != "$spec" ] && extra=(--llm-replicas "${spec#*:}")
   dir="$OUT/${spec/:/x}"; [ $opt = 0 ] && dir="${dir}_plain"; mkdir -p "$dir"
   echo "=== $placement"
-  inline=2097152; [ $opt = 0 ] && inline=102400  # the project's (deployments/ray_env.py), or Ray's
+  inline=524288; [ $opt = 0 ] && inline=102400  # the project's (deployments/ray_env.py), or Ray's
   RAY_SERVE_THROUGHPUT_OPTIMIZED=$opt RAY_max_direct_call_object_size=$inline RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1 \
   timeout "${SERVE_TIMEOUT:-300}" python3 benchmarks/serve.py --start --serve-config "$CONFIG" --no-progress \
     --placement "$policy" "${extra[@]}" --out-dir "$dir" "$@" 2>&1 | grep -v "Warning\|warn(" \

@@ -13,14 +13,14 @@ must be in the environment of whatever starts Ray: `make serve` and the benchmar
   HTTP proxy on the head node only, expects an external load balancer in front of the Router replicas'
   own ports, and holds every stopping Router replica open for 30 s. Off, a proxy runs on every node as
   `proxy_location` says, and it was not slower on the CPU machine (RESULTS.md).
-- `RAY_max_direct_call_object_size=2097152`: call arguments and results up to 2 MB travel inside the
-  call instead of through the shared-memory object store (Ray's default: 100 KB), whose puts and gets go
-  through the node's raylet. A 448^2 image's prepared rows (1.2 MB, from the Router or a media replica to
-  the LLM replica) are one such argument: on the CPU machine its hop (dispatch and start) took 8.5-9.4 ms
-  inline against 12.3-15.4 ms through the store, and the served app at concurrency 4 ran 20.1-21.2
-  against 19.0-19.7 req/s (benchmarks/results/2026-12-02-replicas-routers-scale-up-h200.md). 512 KB (which
-  only a data URL fitted) had served 10% more than 100 KB on an H200 (2026-11-23). The embeddings and a
-  1024^2 image's rows (6 MB) still go through the store.
+- `RAY_max_direct_call_object_size=524288`: call arguments and results up to 512 KB travel inside the
+  call instead of through the shared-memory object store (Ray's default: 100 KB). A 448^2 JPEG's data URL
+  (240 KB in the benchmark) goes from the Router to a media replica as one such argument; inline, the
+  hop cost it 0.5-1.2 ms more than a 1 KB body, against 3.3-4.8 ms through the store (benchmarks/ray_hops.py
+  on the CPU machine). The prepared rows (1.2 MB) and the embeddings still go through the store: 2 MB,
+  which takes the rows inline too, was faster on the CPU machine and not on one H100, where the LLM
+  replicas then held the GIL 23% more (deserialising the rows out of each call) and the serving processes
+  used more CPU at most Poisson rates, for the same goodput (benchmarks/results/2026-12-02-h100-decode-and-goodput.md).
 
 A variable already set in the environment wins, so `RAY_SERVE_THROUGHPUT_OPTIMIZED=0` turns the mode off.
 """
@@ -33,7 +33,7 @@ SERVE_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_max_direct_call_object_size": str(2 * 1024 * 1024),
+    "RAY_max_direct_call_object_size": str(512 * 1024),
 }
 
 

@@ -130,7 +130,7 @@ def test_the_cluster_runs_ray_serve_in_its_low_overhead_mode(server):
                 c.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, c.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP,
                 os.environ.get("RAY_max_direct_call_object_size"))  # read by Ray's core when a worker starts
 
-    assert ray.get(mode.remote()) == (True, False, False, False, str(2 * 1024 * 1024))
+    assert ray.get(mode.remote()) == (True, False, False, False, str(512 * 1024))
 
 
 def test_text_only(server):
