@@ -35,3 +35,20 @@ def test_watch_installs_one_counter_per_process():
     before = first.collections[2]
     gc.collect(2)
     assert first.collections[2] == before + 1
+
+
+def test_the_frozen_objects_are_counted_until_some_are_then_kept(monkeypatch):
+    """The count walks every frozen object with the GIL held: asked every second by the benchmarks, it is
+    taken while it reads 0 (before Ray Serve's freeze, and free then) and kept once it finds some."""
+    counts = iter([0, 0, 1234, 99999])
+    calls = []
+
+    def freeze_count():
+        calls.append(1)
+        return next(counts)
+
+    monkeypatch.setattr(gc, "get_freeze_count", freeze_count)
+    pauses = GcPauses()
+    assert [pauses.snapshot()["frozen_objects"] for _ in range(2)] == [0, 0]
+    assert [pauses.snapshot()["frozen_objects"] for _ in range(3)] == [1234, 1234, 1234]
+    assert len(calls) == 3
