@@ -39,9 +39,10 @@ MIN_GAIN = 0.95  # the kernel is used where it takes at most this share of cuBLA
 # a shape on an H200 (2026-12-01)
 TILES = ((4, 512, 4, 3, 1), (8, 256, 4, 3, 1), (8, 512, 8, 3, 1))
 # Split-K candidates (`llm.decode_gemv_split`, on since the engine's GPU tests passed with them, one H100,
-# 2026-12-02): K divided among SPLIT programs per column tile, as cuBLAS's split-K plan for the o-projection does, the float32 parts summed in the same
-# launch by the tile's last program, in split order. Meant for layers with few column tiles: 2048 x 4096
-# has 512 of 4 rows, and there the unsplit kernel's 9.12 us against cuBLAS's 9.53 missed MIN_GAIN.
+# 2026-12-02): K divided among SPLIT programs per column tile, as cuBLAS's split-K plan for the o-projection
+# does, the float32 parts summed in the same launch by the tile's last program, in split order. Meant for
+# layers with few column tiles: 2048 x 4096 has 512 of 4 rows, and there the unsplit kernel's 9.12 us against
+# cuBLAS's 9.53 missed MIN_GAIN.
 SPLIT_TILES = ((8, 256, 4, 3, 4), (16, 256, 4, 3, 4))
 # per (device, rows, N, BLOCK_N, SPLIT): the split tiles' float32 parts and per-tile counters. Made once,
 # outside any CUDA graph (GemvTable.tune makes them before the engine captures its graphs), so the graphs
