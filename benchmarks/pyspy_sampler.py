@@ -6,16 +6,20 @@ process's Python holds it only shows in stacks taken under that load, not under 
 rate R (after its ramp), each for `duration_s`, and waits for them after the point; the raw stacks
 (`py-spy record --format raw --threads`, one file per process) go to `out_dir`, and
 `benchmarks/pyspy_summary.py out_dir` sums them. `--gil` samples only the thread holding the GIL,
-which is what says whether a process's threads wait on one another.
+which is what says whether a process's threads wait on one another. As a command it samples now, once,
+for a script (benchmarks/gpu_profile_serving.sh): `python3 benchmarks/pyspy_sampler.py EXE OUT_DIR [--gil]`.
 """
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
-from benchmarks.monitor import process_group
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.monitor import process_group  # noqa: E402
 
 
 def serve_processes(ps_text: str | None = None) -> list[tuple[int, str]]:
@@ -57,3 +61,28 @@ def wait(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> int:
         except subprocess.TimeoutExpired:
             p.kill()
     return ok
+
+
+def main(argv: list[str] | None = None, ps_text: str | None = None) -> int:
+    """Sample every serving process of this host now, for --duration seconds (all threads, and with --gil
+    also the GIL holder), and wait; how many samplers wrote stacks."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("exe", help="py-spy's path")
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--delay", type=float, default=0.0)
+    ap.add_argument("--gil", action="store_true", help="also the thread holding the GIL, in .gil files")
+    a = ap.parse_args(argv)
+    found = serve_processes(ps_text)
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    (a.out_dir / "processes.txt").write_text("".join(f"{pid} {name}\n" for pid, name in found))
+    procs = start(a.exe, a.out_dir, a.delay, a.duration, processes=found)
+    if a.gil:
+        procs += start(a.exe, a.out_dir, a.delay, a.duration, gil=True, processes=found)
+    ok = wait(procs, timeout_s=a.delay + a.duration + 30)
+    print(f"py-spy: {ok} of {len(procs)} samplers wrote stacks to {a.out_dir}")
+    return ok
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,8 @@
 
 For each file: samples per thread, the functions with the most samples of their own (self), and the
 functions with the most samples anywhere in the stack (inclusive), each as a share of the process's
-samples. `benchmarks/gpu_profile_serving.sh` writes one file per serving process.
+samples. `benchmarks/pyspy_sampler.py` (goodput.py --pyspy, gpu_profile_serving.sh) writes one file per
+serving process.
 
     python3 benchmarks/pyspy_summary.py DIR_OR_FILES... [--top 15]
 """

@@ -37,3 +37,17 @@ def test_start_runs_one_sampler_per_process_after_the_delay(tmp_path):
     assert "--gil" not in llm and "--nonblocking" in llm and "--threads" in llm
     assert "--gil" in (tmp_path / "a dir^" / "LLM.812.gil.txt").read_text().split()
     assert (tmp_path / "a dir^" / "Router.813.txt").read_text().split()[2] == "813"
+
+
+def test_the_command_samples_every_serving_process_once(tmp_path):
+    """`python3 benchmarks/pyspy_sampler.py EXE DIR --gil` (the profiling script's use): one sampler per
+    process and one more per process for the GIL holder, the processes listed beside the stacks."""
+    exe = tmp_path / "fake-py-spy"
+    exe.write_text('#!/bin/bash\nwhile [ $# -gt 0 ]; do [ "$1" = --output ] && out=$2; shift; done\necho x > "$out"\n')
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "profile"
+    assert pyspy_sampler.main([str(exe), str(out), "--duration", "1", "--gil"], ps_text=PS) == 8
+    assert (out / "processes.txt").read_text().split("\n")[0] == "812 LLM"
+    assert sorted(p.name for p in out.glob("*.txt") if p.name != "processes.txt") == [
+        "LLM.812.gil.txt", "LLM.812.txt", "LLM.814.gil.txt", "LLM.814.txt",
+        "ProxyActor.900.gil.txt", "ProxyActor.900.txt", "Router.813.gil.txt", "Router.813.txt"]
