@@ -8,8 +8,8 @@ default), so later full collections walk only what was made since. Under Poisson
 LLM replicas then made 0-2 full collections per 6 s window, 6-8 ms each, with or without a freeze of our
 own, which was measured and dropped (benchmarks/results/2026-12-01-encode-parts-ready-h200.md). These
 counters show that it stays so: `replica_load()["gc"]`, diffed over each window by benchmarks/goodput.py.
-The frozen objects are counted once: `gc.get_freeze_count()` walks them all with the GIL held (17.6 ms
-for 2.2 million), and counted on each read it was 7-9% of an LLM replica's GIL samples (H100, 2026-12-02).
+The frozen objects are counted once: `gc.get_freeze_count()` walks them all with the GIL held (29-41 ms
+for a replica's 307,000 on the CPU machine), and on each read it was 7-9% of an LLM replica's GIL samples.
 """
 
 from __future__ import annotations
