@@ -1602,8 +1602,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if a.pyspy and rate in a.pyspy_rate:  # stacks of every serving process inside the window
                     d = out_dir / "pyspy" / re.sub(r"[^A-Za-z0-9_.@-]+", "_", f"{wl.label}_{rate:g}")
                     length = min(a.pyspy_s, max(1.0, window - 1.0))
-                    samplers = [*pyspy_sampler.start(a.pyspy, d, ramp + 1.0, length),
-                                *pyspy_sampler.start(a.pyspy, d, ramp + 1.0, length, gil=True)]
+                    samplers = pyspy_sampler.start_all(a.pyspy, d, ramp + 1.0, length)
                 p = bench.point(wl, rate, ramp, window)
                 if samplers:
                     print(f"{wl.label}: py-spy at {rate:g} req/s: {pyspy_sampler.wait(samplers)} of "

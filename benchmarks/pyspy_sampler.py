@@ -52,6 +52,14 @@ def start(exe: str, out_dir: Path, delay_s: float, duration_s: float, gil: bool 
     return procs
 
 
+def start_all(exe: str, out_dir: Path, delay_s: float, duration_s: float, gil: bool = True,
+              processes: list[tuple[int, str]] | None = None) -> list[subprocess.Popen]:
+    """`start` for every serving process (listed once), all threads and, with `gil`, the GIL holder too."""
+    found = serve_processes() if processes is None else processes
+    procs = start(exe, out_dir, delay_s, duration_s, processes=found)
+    return procs + (start(exe, out_dir, delay_s, duration_s, gil=True, processes=found) if gil else [])
+
+
 def wait(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> int:
     """Wait for the samplers (killing any still running after `timeout_s`); how many wrote stacks."""
     ok = 0
@@ -76,9 +84,7 @@ def main(argv: list[str] | None = None, ps_text: str | None = None) -> int:
     found = serve_processes(ps_text)
     a.out_dir.mkdir(parents=True, exist_ok=True)
     (a.out_dir / "processes.txt").write_text("".join(f"{pid} {name}\n" for pid, name in found))
-    procs = start(a.exe, a.out_dir, a.delay, a.duration, processes=found)
-    if a.gil:
-        procs += start(a.exe, a.out_dir, a.delay, a.duration, gil=True, processes=found)
+    procs = start_all(a.exe, a.out_dir, a.delay, a.duration, gil=a.gil, processes=found)
     ok = wait(procs, timeout_s=a.delay + a.duration + 30)
     print(f"py-spy: {ok} of {len(procs)} samplers wrote stacks to {a.out_dir}")
     return ok
