@@ -1,5 +1,6 @@
 """The documentation keeps up with the code: every configuration field is described, the generated
-reference lists each one, and the README stays short with the two commands in it."""
+reference lists each one, the README stays short with the two commands in it,
+and the results pages link only to pages the site builds."""
 
 import importlib.util
 import re
@@ -71,3 +72,19 @@ def test_module_docstrings_are_at_most_twelve_lines():
         if doc and len(doc.splitlines()) > 12:
             too_long.append(f"{name}: {len(doc.splitlines())} lines")
     assert not too_long, "module docstrings over 12 lines: " + ", ".join(too_long)
+
+
+def test_results_pages_link_only_to_pages_the_site_builds():
+    """mkdocs --strict (CI) refuses a link to a .md file that is not a page; benchmarks/results/'s raw
+    folders are not pages, so a detail page names their files as paths instead of linking them."""
+    results = ROOT / "benchmarks" / "results"
+    bad = []
+    for page in [ROOT / "benchmarks" / "RESULTS.md", *sorted(results.glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target:
+                continue
+            resolved = (page.parent / target).resolve()
+            is_page = resolved == (ROOT / "benchmarks" / "RESULTS.md") or resolved.parent == results
+            if not (is_page and resolved.exists()):
+                bad.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not bad, "links the site cannot resolve:\n" + "\n".join(bad)
