@@ -86,7 +86,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.serving.autoscaling import AUTOSCALING_METRICS_INTERVAL_S  # noqa: E402
-from benchmarks import pyspy_sampler  # noqa: E402
+from benchmarks import pyspy_sampler, ttft_tail  # noqa: E402
 from benchmarks.serve import (  # noqa: E402
     READY_TIMEOUT_S,
     Result,
@@ -122,6 +122,8 @@ class Sent:
     ttft_s: float | None = None
     completion_tokens: int = 0
     error: str = ""  # what the server or the client said (a 5xx: its status and its body's first 200 bytes)
+    router_ttft_ms: float | None = None  # the Router's own time to first token and its parts (benchmarks/ttft_tail.py)
+    parts_ms: dict | None = None
 
 
 def status_of(r: Result) -> str:
@@ -149,9 +151,9 @@ async def send_schedule(client: aiohttp.ClientSession, items: list[tuple[int, fl
     async def one(idx: int, at: float, body: bytes) -> Sent:
         start = time.perf_counter() - t0
         started[idx] = (at, start)
-        r = await one_request(client, body, f"{tag}-{idx}")
+        r = await one_request(client, body, f"{tag}-{idx}", parts=True)
         return Sent(idx, at, start, start + r.e2e_s, r.ok, status_of(r), r.ttft_s if r.ok else None,
-                    r.completion_tokens, "" if r.ok else r.error[:300])
+                    r.completion_tokens, "" if r.ok else r.error[:300], r.router_ttft_ms, r.parts_ms)
 
     tasks = []
     for idx, at, body in items:
@@ -570,6 +572,14 @@ async def watch_window(url: str, t0: float, lo: float, hi: float, monitor: bool)
     return out
 
 
+def tail_of(sent: list[Sent], lo: float, hi: float, share: float = 0.01) -> dict:
+    """The window's arrivals' times to first token split into their parts, all against the slowest 1%
+    (benchmarks/ttft_tail.py), from the parts each answer opened with; `{"requests": 0}` from a server
+    that sends none."""
+    return ttft_tail.attribution([(1e3 * s.ttft_s, s.router_ttft_ms, s.parts_ms) for s in sent
+                                  if lo <= s.sched_s < hi and s.ok and s.ttft_s is not None and s.parts_ms], share)
+
+
 def serve_log_dir() -> Path:
     """This Ray session's Serve logs (the driver's session; the newest session's when Ray is not up here)."""
     import ray
@@ -793,7 +803,8 @@ class Bench:
                                        watch=lambda t0: watch_window(self.url, t0, ramp_s, ramp_s + window_s, mon)))
         out = {"rate": rate, "arrival": a.arrival, "cv": a.cv if a.arrival == "gamma" else 1.0, "ramp_s": ramp_s,
                **analyse(sent, ramp_s, ramp_s + window_s), "server": extra.get("watch", {}),
-               "build_s": build_s, "settle_s": settled, "schedule": self.n}
+               "build_s": build_s, "settle_s": settled, "schedule": self.n,
+               "ttft_tail": tail_of(sent, ramp_s, ramp_s + window_s)}
         totals = out["server"].get("gpu_totals") or {}
         gpu = gpu_per_request(totals.get("start", {}), totals.get("end", {}), out["window_completions"])
         out["gpu_time"] = gpu
@@ -1309,6 +1320,13 @@ def summary_lines(results: dict) -> list[str]:
                   "events around each, app/gpu/timing.py) in the window, over the window's completions; `*`: some "
                   "of them overlapped another on the same stream (the `fused` tower on the engine's stream), so "
                   "each may include part of the other's work.", ""]
+    for label, w in results.get("workloads", {}).items():
+        tails = ttft_tail.tables_by_rate([(f"{p['rate']:g} req/s", p.get("ttft_tail") or {})
+                                          for p in w.get("search", {}).get("points", [])])
+        if tails:
+            lines += [f"{label}: where the time to first token went, mean ms over the window's requests / over "
+                      "the slowest 1% by the client's TTFT (each request's own parts, which its answer opened with: "
+                      "benchmarks/ttft_tail.py)", "", *tails, ""]
     for label, w in results.get("workloads", {}).items():
         bal = w.get("closed_loop", {}).get("replica_balance") or []
         if bal:

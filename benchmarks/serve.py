@@ -91,18 +91,26 @@ class Result:
     completion_tokens: int = 0
     error: str = ""
     start_s: float = 0.0  # when it was sent, from the start of the run
+    # asked for (`one_request(parts=True)`): the Router's time to first token and its parts, ms (benchmarks/ttft_tail.py)
+    router_ttft_ms: float | None = None
+    parts_ms: dict | None = None
 
 
-async def one_request(client: aiohttp.ClientSession, body: bytes, request_id: str | None = None) -> Result:
+async def one_request(client: aiohttp.ClientSession, body: bytes, request_id: str | None = None,
+                      parts: bool = False) -> Result:
     """`body`: the request's JSON, serialised beforehand. `request_id` becomes Ray Serve's request id
     (x-request-id), so benchmarks/serve_trace.py can find this request's lines in every replica's log.
+    `parts`: asks the Router for its time to first token's parts (`X-TTFT-Parts`), which a streamed
+    answer opens with as an SSE comment.
     The client is aiohttp: httpx's pure-Python HTTP/1.1 took 0.7 of a core at 86 req/s of streamed
     responses and was about to become the load's limit."""
     t0 = time.perf_counter()
-    ttft, usage = None, {}
+    ttft, usage, told = None, {}, None
     headers = {"content-type": "application/json"}
     if request_id:
         headers["x-request-id"] = request_id
+    if parts:
+        headers["x-ttft-parts"] = "1"
     try:
         async with client.post("/v1/chat/completions", data=body, headers=headers) as resp:
             if resp.status != 200:
@@ -110,6 +118,8 @@ async def one_request(client: aiohttp.ClientSession, body: bytes, request_id: st
                               error=f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
             async for raw in resp.content:  # one server-sent-event line at a time
                 if not raw.startswith(b"data: "):
+                    if parts and raw.startswith(b": ttft_ms="):
+                        told = parse_parts_comment(raw.decode(errors="replace"))
                     continue
                 data = raw[6:].strip()
                 if data == b"[DONE]":
@@ -125,7 +135,20 @@ async def one_request(client: aiohttp.ClientSession, body: bytes, request_id: st
         return Result(False, e2e_s=time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
     e2e = time.perf_counter() - t0
     return Result(True, ttft if ttft is not None else e2e, e2e, usage.get("prompt_tokens", 0),
-                  usage.get("completion_tokens", 0))
+                  usage.get("completion_tokens", 0), router_ttft_ms=told[0] if told else None,
+                  parts_ms=told[1] if told else None)
+
+
+def parse_parts_comment(line: str) -> tuple[float, dict[str, float]] | None:
+    """(the Router's TTFT ms, its parts ms) of the `: ttft_ms=... parts_ms=name:ms,...` comment
+    (app/api/chat.py, `parts_comment_text`), or None."""
+    head, _, rest = line.strip().partition(" parts_ms=")
+    try:
+        ttft = float(head.removeprefix(": ttft_ms="))
+        parts = {k: float(v) for k, _, v in (item.partition(":") for item in rest.split(",") if item)}
+    except ValueError:
+        return None
+    return ttft, parts
 
 
 @dataclass

@@ -119,8 +119,11 @@ class LLM:
         t0 = time.perf_counter()  # the time to first token counts reading and encoding the media
         # a full queue: 503 before reading the media
         self.engine.check_admission(len(gen["input_ids"]), gen["params"].get("n", 1))
-        stream = self.fused.chunks(gen, await resolve_payload(payload))
-        async for chunk in self._observed(gen, stream, t0):
+        items = await resolve_payload(payload)
+        resolved = time.perf_counter()
+        async for chunk in self._observed(gen, self.fused.chunks(gen, items), t0):
+            if chunk.timing is not None:  # a choice's first: this replica's share of the Router's parts
+                chunk.timing = {**chunk.timing, "payload_s": resolved - t0, "replica_s": time.perf_counter() - t0}
             yield asdict(chunk)
 
     def encoder_stats(self) -> dict:

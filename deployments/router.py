@@ -22,10 +22,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.api import fastjson
 from app.api.auth import ApiKeyMiddleware, resolve_api_key
 from app.api.body import parse_json, read_body
-from app.api.chat import ChatService, unwrap_client_error
+from app.api.chat import ChatService, ask_ttft_parts, unwrap_client_error
 from app.api.completions import CompletionService
 from app.api.responses import ResponseService
 from app.api.retry import RetryPolicy
+from app.api.schemas import with_header_request_id
 from app.api.shared_port import SCOPE_KEY as SHARED_PORT_SCOPE
 from app.api.shared_port import SharedPortServer, bind_shared, unless_client_leaves
 from app.api.tokenize import TokenizeService
@@ -315,18 +316,24 @@ class Router:
     @api.post("/v1/responses")
     async def responses_route(self, request: Request):
         """OpenAI's Responses API, run on the chat path (app/api/responses.py)."""
-        return await self._generate(request, partial(_service_work, self.responses), "response")
+        return await self._generate(request, partial(_service_work, self.responses), "response", id_header=False)
 
     async def _chat_work(self, body):
         req, gen, payload = await self.chat.prepare(body)
         return req.stream, partial(self.chat.open_stream, req, gen, payload), partial(self.chat.complete, req, gen, payload)
 
-    async def _generate(self, request: Request, work, what: str):
+    async def _generate(self, request: Request, work, what: str, id_header: bool = True):
         """One generating request: `work(body)` prepares it and gives (streams?, open the stream(t0),
-        the whole answer(t0)); errors become OpenAI error JSON, a streamed answer server-sent events."""
+        the whole answer(t0)); errors become OpenAI error JSON, a streamed answer server-sent events.
+        `id_header`: an `X-Request-Id` header names the request, as in vLLM's chat and text completions
+        (the Responses API has no `request_id`)."""
         t0 = time.perf_counter()
+        ask_ttft_parts("x-ttft-parts" in request.headers)  # for this request's task only
         try:
-            stream, open_stream, complete = await work(await self._body(request))
+            body = await self._body(request)
+            if id_header:
+                body = with_header_request_id(body, request.headers.get("x-request-id"))
+            stream, open_stream, complete = await work(body)
             if stream:
                 return StreamingResponse(await open_stream(t0), media_type="text/event-stream", headers=SSE_HEADERS)
             answer = complete(t0)

@@ -44,6 +44,16 @@ log = logging.getLogger(__name__)
 # answered as any other, but not counted in metrics, here or in the LLM replicas (`warm_up` in the
 # generation dict). A context variable, so no client can set it.
 WARM_UP: ContextVar[bool] = ContextVar("vlm_warm_up", default=False)
+# True for a request whose client asked for its time to first token's parts (the Router sets it for an
+# `X-TTFT-Parts` header): a streamed answer then opens with an SSE comment carrying them, which clients
+# skip as the SSE format says (benchmarks/serve.py reads it: benchmarks/ttft_tail.py).
+TTFT_PARTS_ASKED: ContextVar[bool] = ContextVar("vlm_ttft_parts_asked", default=False)
+
+
+def ask_ttft_parts(asked: bool) -> None:
+    """Sets TTFT_PARTS_ASKED for the calling task (a function, so that a Serve deployment that uses it is
+    pickled without the variable itself, which cannot be)."""
+    TTFT_PARTS_ASKED.set(asked)
 
 
 class MediaSource(Protocol):
@@ -101,20 +111,27 @@ class ChatService:
                 "sampling_defaults": self.defaults.card(self.cfg.llm.default_max_tokens)}
 
     def record(self, *, id: str | None, status: int, e2e_s: float, items: int = 0, prompt_tokens: int = 0,
-               completion_tokens: int = 0, ttft_s: float | None = None, retries: int = 0) -> None:
-        """One INFO line per request, and the same record to the observer."""
+               completion_tokens: int = 0, ttft_s: float | None = None, retries: int = 0,
+               parts: dict | None = None) -> None:
+        """One INFO line per request, and the same record to the observer. `parts`: where the time to
+        first token went (`ttft_parts`), on the line as `parts_ms=name:ms,...` (benchmarks/ttft_tail.py
+        reads them to say what the slowest requests waited for)."""
         rec = {"id": id, "status": status, "items": items, "prompt_tokens": prompt_tokens,
-               "completion_tokens": completion_tokens, "ttft_s": ttft_s, "e2e_s": e2e_s, "retries": retries}
+               "completion_tokens": completion_tokens, "ttft_s": ttft_s, "e2e_s": e2e_s, "retries": retries,
+               "parts": parts}
         log.info("request %s status=%d items=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s e2e_ms=%.1f "
-                 "retries=%d", id or "-", status, items, prompt_tokens, completion_tokens,
-                 "-" if ttft_s is None else f"{1e3 * ttft_s:.1f}", 1e3 * e2e_s, retries)
+                 "retries=%d%s", id or "-", status, items, prompt_tokens, completion_tokens,
+                 "-" if ttft_s is None else f"{1e3 * ttft_s:.1f}", 1e3 * e2e_s, retries, parts_text(parts))
         if self.observer is not None and not WARM_UP.get():
             self.observer(rec)
 
     async def prepare(self, body) -> tuple[ChatRequest, dict, list]:
+        t = time.perf_counter()
         req = parse_chat_request(body, self.cfg.llm.default_max_tokens, self.cfg.media.max_items_per_request,
                                  self.tool_tags, self.server)
+        parsed = time.perf_counter()
         items = await self.media.prepare_all(req.media)
+        prepared = time.perf_counter()
         frames = sum(it.frames(self.media.spec.temporal) for it in items)
         if frames > self.cfg.media.max_frames_per_request:
             raise ClientError(f"{frames} sampled video frames exceed the limit of {self.cfg.media.max_frames_per_request} "
@@ -122,8 +139,9 @@ class ChatService:
         prompt = self.prompts.build(req.messages, [it.slot(self.merge) for it in items],
                                     req.tools.tools if req.tools else None, req.template)
         self.check_length(len(prompt.input_ids), "messages")
-        tower = [t for it in items for t in it.tower_inputs()]  # per tower item (MiniCPM-V: several per item)
+        tower = [x for it in items for x in it.tower_inputs()]  # per tower item (MiniCPM-V: several per item)
         gen = _generation(prompt, req.params, tower, [s for it in items for s in it.tower_seconds()])
+        req.timing = {"parse_s": parsed - t, "media_s": prepared - parsed, "prompt_s": time.perf_counter() - prepared}
         return req, gen, to_encoder_payload(items)
 
     def check_length(self, tokens: int, param: str) -> None:
@@ -141,14 +159,17 @@ class ChatService:
     async def complete(self, req: ChatRequest, gen: dict, payload: list, t0: float | None = None) -> dict:
         t0 = time.perf_counter() if t0 is None else t0
         n = req.params.n
+        called = time.perf_counter()
         chunks, first_at, retries = await collect(lambda: self.backend.stream(gen, payload), self.retry, n)
         answer = Answer(n, self.token_text if req.params.logprobs is not None else None, req.token_ids_as_text,
                         self.cfg.enable_prompt_tokens_details)
         for c in chunks:
             answer.add(c)
         prompt, completion = answer.tokens()
+        timing = next((c["timing"] for c in chunks if c.get("timing")), None)
         self.record(id=req.id, status=200, e2e_s=time.perf_counter() - t0, items=len(req.media),
-                    prompt_tokens=prompt, completion_tokens=completion, ttft_s=first_at - t0, retries=retries)
+                    prompt_tokens=prompt, completion_tokens=completion, ttft_s=first_at - t0, retries=retries,
+                    parts=ttft_parts(req, called - t0, timing))
         return answer.response(req, self.cfg.model_name, gen)
 
     async def open_stream(self, req: ChatRequest, gen: dict, payload: list,
@@ -162,15 +183,17 @@ class ChatService:
         def start():
             return self.backend.stream(gen, payload)
 
-        started = time.monotonic()  # the retry policy's clock
+        started, called = time.monotonic(), time.perf_counter()  # the retry policy's clock; the call's start
         first, stream, retries = await first_chunk(start, self.retry)
         return self._sse(req, gen, first, stream, t0, time.perf_counter() - t0, len(req.media), retries,
-                         (start, started), (lambda evs: evs) if events else sse)
+                         (start, started), (lambda evs: evs) if events else sse,
+                         ttft_parts(req, called - t0, first.get("timing")), TTFT_PARTS_ASKED.get() and not events)
 
     async def _sse(self, req: ChatRequest, gen: dict, first: dict, rest: AsyncIterator[dict], t0: float,
                    ttft: float, items: int, retries: int,
                    restart: tuple[Callable[[], AsyncIterator[dict]], float],
-                   write: Callable[[list], object] = sse) -> AsyncIterator:
+                   write: Callable[[list], object] = sse, parts: dict | None = None,
+                   parts_comment: bool = False) -> AsyncIterator:
         """Server-sent events; errors after the first byte become an error event, then [DONE].
 
         The first token may have no text yet (the detokenizer holds back part of a character); until
@@ -184,7 +207,9 @@ class ChatService:
         (a 16-token answer reached a client in 8-9 HTTP chunks, now 4; benchmarks/RESULTS.md); clients
         parse the same events either way. [DONE]
         goes out with the last chunk, before the stream's end has come back from the replica; the
-        stream is still read to its end (Ray Serve counts the call as running until then)."""
+        stream is still read to its end (Ray Serve counts the call as running until then).
+        `parts_comment`: the first write opens with an SSE comment of the time to first token and its
+        `parts` (`parts_comment_text`)."""
         model = self.cfg.model_name
 
         async def chunks():
@@ -219,11 +244,13 @@ class ChatService:
         answer = StreamedAnswer(req, model, gen, self.token_text, self.cfg.enable_prompt_tokens_details)
         status, ended = 200, False
         pending = answer.opening()
+        comment = parts_comment_text(ttft, parts) if parts_comment else ""
         try:
             async for chunk in chunks():
                 out, pending = pending + answer.events(chunk), []
                 if out:
-                    yield write(out)
+                    yield comment + write(out) if comment else write(out)
+                    comment = ""
             ended = True
         except Exception as e:  # the status line is already sent: report in-band
             if answer.finished:  # the whole answer and [DONE] are out; nothing may follow them
@@ -243,9 +270,32 @@ class ChatService:
                 status = 499
             prompt, completion = answer.tokens()
             self.record(id=req.id, status=status, e2e_s=time.perf_counter() - t0, items=items, ttft_s=ttft,
-                        prompt_tokens=prompt, completion_tokens=completion, retries=retries)
+                        prompt_tokens=prompt, completion_tokens=completion, retries=retries, parts=parts)
         if not answer.finished:
             yield write([DONE])
+
+
+def ttft_parts(req: ChatRequest, before_s: float, replica: dict | None) -> dict:
+    """Where a request's time to first token went, in seconds: `before_s` from the Router's start (its
+    body read) to the backend's call, the Router's own parts of it (`ChatRequest.timing`), then the
+    replica's from its first chunk (`Chunk.timing`: under `fused` `replica_s`, its own time to that chunk,
+    and its parts). What the time to first token has beyond `before_s` + `replica_s` is the way there and
+    back: Ray's call, the chunk's return, this event loop's lag."""
+    return {"before_s": before_s, **req.timing, **(replica or {})}
+
+
+def parts_text(parts: dict | None) -> str:
+    """` parts_ms=before:12.3,parse:0.4,...` for a request's log line ('' without parts)."""
+    if not parts:
+        return ""
+    return " parts_ms=" + ",".join(f"{k.removesuffix('_s')}:{1e3 * v:.1f}" for k, v in parts.items()
+                                   if isinstance(v, int | float))
+
+
+def parts_comment_text(ttft_s: float, parts: dict | None) -> str:
+    """An SSE comment line (`: ttft_ms=41.5 parts_ms=before:10.0,...`): the Router's time to first token and
+    its parts, for a client that asked (`TTFT_PARTS_ASKED`); SSE clients skip lines that start with ':'."""
+    return f": ttft_ms={1e3 * ttft_s:.1f}{parts_text(parts)}\n\n"
 
 
 def _generation(prompt: Prompt, params: SamplingParams, tower: list, seconds: list) -> dict:

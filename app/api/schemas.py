@@ -66,6 +66,9 @@ class ChatRequest:
     echo: str | None = None  # `echo`: the last message's text, which the answer starts with
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     token_ids_as_text: bool = False  # `return_tokens_as_token_ids`: logprobs' tokens as "token_id:<id>"
+    # where the Router's share of the time to first token went, in seconds (`ChatService.prepare`: `parse_s`,
+    # `media_s`, `prompt_s`); the request's log line reports them with the replica's parts (`ChatService.record`)
+    timing: dict = field(default_factory=dict)
 
 
 def _num(body: dict, key: str, lo: float, hi: float, default, integer: bool = False):
@@ -295,6 +298,15 @@ def model_name(body: dict) -> str | None:
     if model is not None:
         _unicode(model, "model")
     return model
+
+
+def with_header_request_id(body, header: str | None):
+    """The body with an `X-Request-Id` header's value as its `request_id`: as vLLM's server, the header
+    names the request (the answer's id, the log line's) over the body's own. A body that is not an
+    object is left for the parser to refuse."""
+    if header is None or not isinstance(body, dict):
+        return body
+    return {**body, "request_id": header}
 
 
 def client_request_id(body: dict) -> str | None:
