@@ -121,6 +121,13 @@ class EncoderConfig(_Strict):
     eager_margin: float = Field(0.1, ge=0, description="a batch that fits a graph runs eagerly only when the "
                                 "tuned eager time, raised by this fraction, still beats the graph (until "
                                 "observe_dispatch has timed enough of its batches)")
+    eager_when_faster: bool | None = Field(
+        None, description="a batch that fits a graph may run eagerly where the auto-tune (eager_margin, "
+        "observe_dispatch) expects eager to be faster; False: it always replays its graph. None: True, except "
+        "under the `fused` placement, where the tower's eager launches share the process's GIL with the "
+        "engine's thread, which the idle tuning runs do not see: on one H200 under MPS, 22 eager batches at "
+        "180 req/s went with TTFT p99 302 against 208 ms without eager, and encode run 14.4 against 6.8 ms "
+        "mean (benchmarks/results/2026-12-03-ttft-tail-and-eager-tower-h200.md)")
     observe_dispatch: bool = Field(True, description="correct the auto-tune's graph and eager estimates with the "
                                    "times of the batches served (CUDA events), and time the other path on one "
                                    "batch in 16 near a tie, in 4 while it has no timings (app/vision/observed.py)")

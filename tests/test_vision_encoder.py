@@ -370,8 +370,16 @@ def test_dispatch_prefers_eager_where_autotune_says_it_is_faster(cpu_harness):
         mgr.settings.eager_margin = 0.1
         assert mgr.choose_budget(layout([(1, 2, 80), (1, 2, 20)], 2)) == (256, None)
         assert mgr.choose_budget(layout([(1, 2, 20)], 2)) == (None, "faster_eager")
+        # Without eager where a graph fits (the fused placement's default), the same batches replay graphs,
+        # with the graph's tuned time as the prediction; one that fits no graph is still eager.
+        mgr.settings.eager_when_faster = False
+        d = mgr.dispatch(layout([(1, 2, 20)], 2))
+        assert (d.budget, d.reason, d.bucket, d.predicted_ms) == (64, None, "64 equal", 2.0)
+        assert mgr.choose_budget(layout([(1, 2, 80), (1, 2, 20)], 2)) == (256, None)
+        assert mgr.choose_budget(layout([(1, 2, mgr.max_budget)], 2))[0] is None
     finally:
         mgr._tuned, mgr.settings.eager_margin = saved, margin
+        mgr.settings.eager_when_faster = True
 
 
 def test_dispatch_follows_the_observed_times_once_enough_batches_were_seen(cpu_harness):
@@ -675,3 +683,17 @@ def test_flash4_uniform_graphs_equal_the_reference(gpu_flash4_harness, monkeypat
         with torch.inference_mode():
             h.mgr.encode(h.items(grids, seed=4), force_eager=True)
         assert len(calls) == n_calls
+
+
+def test_the_fused_tower_replays_a_graph_wherever_one_fits_unless_told(tiny_checkpoint):
+    """`encoder.eager_when_faster` unset: eager where faster for a tower of its own, never under `fused`
+    (keep_on_device), whose eager launches share the GIL with the engine's thread; set, it wins."""
+    from app.config import AppConfig
+    from app.vision.service import EncoderService
+
+    def setting(keep_on_device: bool, **enc) -> bool:
+        cfg = AppConfig(model=str(tiny_checkpoint), encoder=enc)
+        return EncoderService(cfg, str(tiny_checkpoint), keep_on_device).manager.settings.eager_when_faster
+
+    assert setting(False) is True and setting(True) is False
+    assert setting(True, eager_when_faster=True) is True and setting(False, eager_when_faster=False) is False

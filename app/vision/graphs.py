@@ -79,6 +79,9 @@ class GraphSettings:
     # Correct the auto-tune's estimates with the times of the batches served, and time the path not
     # taken now and then near a tie (observed.py); the margin then applies only until a path is known.
     observe_dispatch: bool = True
+    # False: a batch that fits a graph always replays it, whatever the estimates (EncoderConfig's
+    # eager_when_faster says when, and why: the `fused` placement)
+    eager_when_faster: bool = True
     # uint8 rows from host memory go to the GPU through pinned buffers (app/vision/staging.py says why)
     pinned_staging: bool = False
     pinned_min_rows: int = 0  # smaller batches are copied directly
@@ -268,6 +271,8 @@ class GraphManager:
                 tuned = self._tuned.get(b)  # (eager unequal, eager equal, graph) ms
                 if not tuned:
                     return Dispatch(b)
+                if not self.settings.eager_when_faster:
+                    return Dispatch(b, None, b if lay.uniform is None else f"{b} equal", tuned[2])
                 # Eager pays no padding (and a launch-bound floor): where it is expected to beat this
                 # graph at the batch's real size, eager it is.
                 eager_ms = self._eager_estimate(lay.num_tokens, lay.uniform is not None)

@@ -86,6 +86,8 @@ class EncoderService:
             uniform_shapes=[tuple(s) for s in enc.uniform_graph_shapes],
             uniform_capture_after=enc.uniform_capture_after, max_uniform_graphs=enc.max_uniform_graphs,
             eager_margin=enc.eager_margin, observe_dispatch=enc.observe_dispatch, uint8_pixels=True,
+            # `fused` (keep_on_device): no eager batch where a graph fits (EncoderConfig.eager_when_faster)
+            eager_when_faster=enc.eager_when_faster if enc.eager_when_faster is not None else not keep_on_device,
             pinned_staging=enc.pinned_pixel_copy, pinned_min_rows=enc.pinned_copy_min_rows)
         if enc.autotune_cache and enc.autotune and torch.device(device).type == "cuda":
             settings.tune_cache = tune_cache_for(cfg, checkpoint, device, dtype, settings, tower)
