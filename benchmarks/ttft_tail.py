@@ -16,8 +16,10 @@ time, so the newest requests' lines may not be on disk yet.
 
 Parts, ms (each a mean): `body` the request's body read (the Router's start to its parsing), `parse`, `media`
 (decode and patchify, here or in a MediaPreprocessor replica), `prompt`; `to replica` the Ray call's way to the
-LLM replica and back for the first chunk, and the Router's loop lag (what the Router's time to first token has
-beyond its own parts and the replica's); in the replica (`fused`): `payload` the media rows from the object
+LLM replica's handler (routing, the call, the replica's event loop) and `from replica` the first chunk's way
+back to the Router's loop, split by the two processes' wall clocks (without them, `to replica` is the whole
+way: what the Router's time to first token has beyond its own parts and the replica's); in the replica
+(`fused`): `payload` the media rows from the object
 store, `encode wait/run/wake` the tower's queue, batch and the loop's lag after it (`encode rest`: the
 batcher's own), `queue` waiting for the engine, `prefill` its first step to the first token, `replica rest`
 the first chunk's way out of the replica; `client` the client's time beyond the Router's (the answer's first
@@ -38,7 +40,10 @@ PARTS = [
     ("parse", lambda p: p.get("parse", 0.0)),
     ("media", lambda p: p.get("media", 0.0)),
     ("prompt", lambda p: p.get("prompt", 0.0)),
-    ("to replica", lambda p: p["router_ttft"] - p["before"] - p.get("replica", 0.0)),
+    # the way to the LLM replica and back: split by the wall clocks where the parts have them
+    ("to replica", lambda p: p["to_replica"] if "to_replica" in p else p["router_ttft"] - p["before"] - p.get("replica", 0.0)),
+    ("from replica", lambda p: p["router_ttft"] - p["before"] - p.get("replica", 0.0) - p["to_replica"]
+     if "to_replica" in p else 0.0),
     ("payload", lambda p: p.get("payload", 0.0)),
     ("encode wait", lambda p: p.get("encode_wait", 0.0)),
     ("encode run", lambda p: p.get("encode_run", 0.0)),

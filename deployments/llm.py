@@ -116,14 +116,16 @@ class LLM:
         items, nested so that Ray passes them unresolved) is encoded here, then generated from."""
         if self.fused is None:
             raise RuntimeError("generate_from_media needs the fused placement (this replica has no tower)")
-        t0 = time.perf_counter()  # the time to first token counts reading and encoding the media
+        t0, entered = time.perf_counter(), time.time()  # the time to first token counts reading and encoding the media
         # a full queue: 503 before reading the media
         self.engine.check_admission(len(gen["input_ids"]), gen["params"].get("n", 1))
         items = await resolve_payload(payload)
         resolved = time.perf_counter()
         async for chunk in self._observed(gen, self.fused.chunks(gen, items), t0):
-            if chunk.timing is not None:  # a choice's first: this replica's share of the Router's parts
-                chunk.timing = {**chunk.timing, "payload_s": resolved - t0, "replica_s": time.perf_counter() - t0}
+            if chunk.timing is not None:  # a choice's first: this replica's share of the Router's parts, and
+                # when it began and ended by the wall clock, which the Router turns into the hops' times
+                chunk.timing = {**chunk.timing, "payload_s": resolved - t0, "replica_s": time.perf_counter() - t0,
+                                "replica_in_at": entered, "replica_out_at": time.time()}
             yield asdict(chunk)
 
     def encoder_stats(self) -> dict:

@@ -116,6 +116,26 @@ def test_a_request_without_the_replicas_parts_counts_its_whole_wait_as_the_way_t
     assert a["to replica"] == 20.0 and a["replica rest"] == 0.0 and a["client"] == 2.0
 
 
+def test_the_way_to_the_replica_and_back_is_split_by_the_wall_clocks():
+    """The replica's wall times (handler start, first chunk out) against the Router's (call, first chunk
+    in) split the hops; they leave the parts, and the attribution still sums to the TTFT."""
+    from app.api.chat import ttft_parts
+    from app.api.schemas import ChatRequest
+    from app.llm.sampling import SamplingParams
+
+    req = ChatRequest([], [], SamplingParams(), timing={"parse_s": 0.001, "media_s": 0.004, "prompt_s": 0.0005})
+    replica = {"replica_s": 0.030, "queue_s": 0.002, "prefill_s": 0.020, "replica_in_at": 100.004,
+               "replica_out_at": 100.034}
+    parts = ttft_parts(req, 0.010, replica, (100.000, 100.040))
+    assert "replica_in_at" not in parts and "replica_out_at" not in parts
+    assert parts["to_replica_s"] == pytest.approx(0.004) and parts["from_replica_s"] == pytest.approx(0.006)
+    assert "to_replica_s" not in ttft_parts(req, 0.010, dict(replica))  # no wall times of the call: no split
+    ms = {k.removesuffix("_s"): 1e3 * v for k, v in parts.items()}
+    att = ttft_tail.attribution([(53.0, 50.0, ms)])["all"]
+    assert (att["to replica"], att["from replica"]) == (pytest.approx(4.0), pytest.approx(6.0))
+    assert sum(att[label] for label, _ in ttft_tail.PARTS) == pytest.approx(53.0)
+
+
 def test_router_lines_are_read_by_their_ids(tmp_path):
     (tmp_path / "replica_vlm_Router_abc.log").write_text(
         "INFO 2026-12-03 05:00:00,000 vlm_Router abc -- request chatcmpl-goodput-1-5-0 status=200 items=1 "

@@ -183,11 +183,12 @@ class ChatService:
         def start():
             return self.backend.stream(gen, payload)
 
-        started, called = time.monotonic(), time.perf_counter()  # the retry policy's clock; the call's start
+        started, called, called_at = time.monotonic(), time.perf_counter(), time.time()  # the call's start, 3 clocks
         first, stream, retries = await first_chunk(start, self.retry)
         return self._sse(req, gen, first, stream, t0, time.perf_counter() - t0, len(req.media), retries,
                          (start, started), (lambda evs: evs) if events else sse,
-                         ttft_parts(req, called - t0, first.get("timing")), TTFT_PARTS_ASKED.get() and not events)
+                         ttft_parts(req, called - t0, first.get("timing"), (called_at, time.time())),
+                         TTFT_PARTS_ASKED.get() and not events)
 
     async def _sse(self, req: ChatRequest, gen: dict, first: dict, rest: AsyncIterator[dict], t0: float,
                    ttft: float, items: int, retries: int,
@@ -275,13 +276,21 @@ class ChatService:
             yield write([DONE])
 
 
-def ttft_parts(req: ChatRequest, before_s: float, replica: dict | None) -> dict:
+def ttft_parts(req: ChatRequest, before_s: float, replica: dict | None,
+               call_wall: tuple[float, float] | None = None) -> dict:
     """Where a request's time to first token went, in seconds: `before_s` from the Router's start (its
     body read) to the backend's call, the Router's own parts of it (`ChatRequest.timing`), then the
     replica's from its first chunk (`Chunk.timing`: under `fused` `replica_s`, its own time to that chunk,
     and its parts). What the time to first token has beyond `before_s` + `replica_s` is the way there and
-    back: Ray's call, the chunk's return, this event loop's lag."""
-    return {"before_s": before_s, **req.timing, **(replica or {})}
+    back: Ray's call, the chunk's return, the event loops' lag. With `call_wall` (the call's start and
+    its first chunk's arrival, by the wall clock) and the replica's own wall times, that way is split:
+    `to_replica_s` from the call to the replica's handler starting, `from_replica_s` from its first chunk
+    to the Router (the two processes' clocks: one host's, or NTP's skew between nodes)."""
+    parts = {"before_s": before_s, **req.timing, **(replica or {})}
+    got_in, got_out = parts.pop("replica_in_at", None), parts.pop("replica_out_at", None)
+    if call_wall is not None and got_in is not None and got_out is not None:
+        parts["to_replica_s"], parts["from_replica_s"] = got_in - call_wall[0], call_wall[1] - got_out
+    return parts
 
 
 def parts_text(parts: dict | None) -> str:
