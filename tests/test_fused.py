@@ -287,6 +287,33 @@ def test_served_fused_streams_to_the_openai_client_and_refuses_bad_media(served_
     assert bad.value.code == "invalid_image"
     again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
     assert again.choices[0].message.content == full.choices[0].message.content  # the replica survived
+    # Asked for its TTFT's parts, the stream opens with an SSE comment, which the openai client skips; an
+    # X-Request-Id names the answer, as in vLLM
+    told = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True,
+                                          extra_headers={"x-ttft-parts": "1", "x-request-id": "fused-parts-1"})
+    chunks = list(told)
+    assert {c.id for c in chunks} == {"chatcmpl-fused-parts-1"}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+
+
+@pytest.mark.integration
+def test_served_fused_answers_say_where_their_first_token_went(served_fused):
+    """The comment a client asks for carries the Router's parts and the fused replica's, the way there and
+    back split by the wall clocks; the parts fit inside the Router's time to first token."""
+    from benchmarks.serve import parse_parts_comment
+
+    http, _ = served_fused
+    body = {"model": "tiny", "messages": [{"role": "user", "content": [image(7), {"type": "text", "text": "hi"}]}],
+            "max_tokens": 4, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body, headers={"x-ttft-parts": "1"}) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    assert resp.status_code == 200 and lines[0].startswith(": ttft_ms=") and lines[1].startswith("data: ")
+    ttft, parts = parse_parts_comment(lines[0])
+    assert {"before", "parse", "media", "prompt", "to_replica", "from_replica", "replica", "payload", "encode",
+            "queue", "prefill"} <= set(parts), parts
+    assert parts["payload"] + parts["encode"] + parts["queue"] + parts["prefill"] <= parts["replica"] + 0.2
+    assert parts["before"] + parts["replica"] <= ttft + 0.2  # ms, rounded to 0.1 on the line
+    assert parts["to_replica"] >= 0 and parts["from_replica"] >= 0
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
