@@ -86,6 +86,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.serving.autoscaling import AUTOSCALING_METRICS_INTERVAL_S  # noqa: E402
+from app.serving.loop_lag import lag_delta  # noqa: E402
 from benchmarks import pyspy_sampler, ttft_tail  # noqa: E402
 from benchmarks.serve import (  # noqa: E402
     READY_TIMEOUT_S,
@@ -516,6 +517,23 @@ def gc_delta(start: dict | None, end: dict | None) -> dict | None:
             "frozen_objects": min(b[k]["frozen_objects"] for k in both), "replicas": len(both)}
 
 
+def loop_lag_delta(start: dict | None, end: dict | None) -> dict | None:
+    """The LLM replicas' event-loop lag inside the window (`loop_lag` of /v1/llm/load at its two edges,
+    app/serving/loop_lag.py), per replica reported at both, and the worst of them: the highest mean, p99
+    bucket and share of ticks later than 10 ms. None when no replica reports it at both edges."""
+    def by_replica(load):
+        return {r.get("replica"): r["loop_lag"] for r in (load or {}).get("replicas", [])
+                if isinstance(r.get("loop_lag"), dict)}
+
+    a, b = by_replica(start), by_replica(end)
+    per = {k: d for k in b if k in a and (d := lag_delta(a[k], b[k])) is not None}
+    if not per:
+        return None
+    return {"replicas": per, "mean_ms_max": max(d["mean_ms"] for d in per.values()),
+            "p99_bucket_ms_max": max(d["p99_bucket_ms"] for d in per.values()),
+            "late_10ms_share_max": max(d["late_10ms_share"] for d in per.values())}
+
+
 async def watch_window(url: str, t0: float, lo: float, hi: float, monitor: bool) -> dict:
     """Server stats at the window's edges and the LLM queue each second inside it; the monitor
     (benchmarks/monitor.py) over the window."""
@@ -565,6 +583,9 @@ async def watch_window(url: str, t0: float, lo: float, hi: float, monitor: bool)
     gc_window = gc_delta(llm0, llm1)
     if gc_window is not None:
         out["gc"] = gc_window
+    lag = loop_lag_delta(llm0, llm1)
+    if lag is not None:
+        out["loop_lag"] = lag
     if mon is not None:
         s = asdict(mon.summary())
         out["resources"] = {k: s[k] for k in ("duration_s", "gpu_source", "gpu_indices", "gpu_mean", "host_cores",
@@ -1288,16 +1309,23 @@ def encode_parts_cell(point: dict) -> str:
 
 
 def gc_cell(point: dict) -> str:
-    """The LLM replicas' full garbage collections in the window: `count, summed pause ms`."""
-    g = point.get("server", {}).get("gc")
-    return "-" if not g else f"{g['full_collections']}, {g['full_pause_ms']:.0f}"
+    """The LLM replicas' full garbage collections in the window: `count, summed pause ms`; then, where the
+    replicas report it, their event loops' lag, the worst replica's: `mean ms / p99 bucket ms / % > 10 ms`."""
+    server = point.get("server", {})
+    g, lag = server.get("gc"), server.get("loop_lag")
+    cell = "-" if not g else f"{g['full_collections']}, {g['full_pause_ms']:.0f}"
+    if lag:
+        cell += (f"; lag {lag['mean_ms_max']:.1f} / {lag['p99_bucket_ms_max']:g} / "
+                 f"{100 * lag['late_10ms_share_max']:.0f}%")
+    return cell
 
 
 def summary_lines(results: dict) -> list[str]:
     lines = ["| workload | offered req/s | served req/s | served % | TTFT p50 / p99 ms | TPOT p50 / p99 ms | errors "
              "| GPU ms / request: engine, tower | TTFT parts, mean (p99 bucket) ms: encode, queue, prefill "
              "| encode's parts, p99 bucket ms: wait, run, wake "
-             "| GPU busy % | CPU cores by process | LLM full GCs: count, ms | pass |",
+             "| GPU busy % | CPU cores by process | LLM full GCs: count, ms; event-loop lag: mean, p99 bucket ms, "
+             "share > 10 ms | pass |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, w in results.get("workloads", {}).items():
         for p in w.get("search", {}).get("points", []):

@@ -23,6 +23,7 @@ from app.gpu.kernel_cache import use_kernel_cache
 from app.llm.sequence import GenerationRequest
 from app.serving.fused import build_generation
 from app.serving.gc_pauses import watch
+from app.serving.loop_lag import LoopLag
 from app.serving.prometheus import RequestMetrics
 from app.serving.shutdown import ANSWER_GRACE_S
 from app.serving.startup import StartupTimeline
@@ -90,6 +91,7 @@ class LLM:
         self.metrics = LLMMetrics(self.engine.load)
         self.request_metrics = RequestMetrics(cfg.llm.max_model_len)  # GET /metrics (app/serving/prometheus.py)
         self.gc = watch()  # Ray Serve freezes the heap once this returns (app/serving/gc_pauses.py)
+        self.loop_lag = LoopLag()  # ticks on the replica's event loop from its first request (app/serving/loop_lag.py)
         # Serve routes to a replica once this constructor returns, warm-up included: replica_load reports
         # both times so that a test can hold that a replica added under load takes nothing while cold
         self.ready_at = time.time()
@@ -102,6 +104,7 @@ class LLM:
         """`stream` counted in this replica's request metrics, unless a Router's warm-up sent it."""
         if gen.get("warm_up"):
             return stream
+        self.loop_lag.ensure_started()
         self._first_request()
         return self.request_metrics.observe(stream, len(gen["input_ids"]), gen["params"].get("n", 1), t0)
 
@@ -168,13 +171,15 @@ class LLM:
         """This replica's engine load with its id and GPU, its engine's cumulative GPU time
         (`engine_gpu_ms_total`, `engine_timed_steps`: app/gpu/timing.py), whether it warmed up, when it
         became ready and when its first request came, the phases of its start (wall clock) and its garbage
-        collector's pauses (app/serving/gc_pauses.py) and where its Triton kernels are kept
+        collector's pauses (app/serving/gc_pauses.py), its event loop's lag (app/serving/loop_lag.py) and
+        where its Triton kernels are kept
         (app/gpu/kernel_cache.py) and how it shares its GPU (app/gpu/sharing.py): `/v1/llm/load` merges every
         replica's."""
         return {"replica": serve.get_replica_context().replica_id.unique_id,
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **self._load(),
                 **self.engine.gpu_time(), "ready_at": self.ready_at, "first_request_at": self.first_request_at,
                 "warmed": self.warmup is not None, "startup": self.startup.as_dict(), "gc": self.gc.snapshot(),
+                "loop_lag": self.loop_lag.snapshot(),
                 "kernel_cache": self.kernel_cache, "gpu_sharing": self.gpu_sharing}
 
     def record_routing_stats(self) -> dict:

@@ -695,6 +695,8 @@ def test_a_sweep_and_a_cold_start_against_the_real_app_on_the_cpu(model_cache, t
         assert "groups" in p["server"]["resources"]  # the monitor's CPU per process
         parts = p["server"]["ttft_parts"]  # from /metrics at the window's edges
         assert parts["queue"]["n"] > 0 and parts["prefill"]["n"] == parts["queue"]["n"]
+        lag = p["server"]["loop_lag"]  # the LLM replicas' event loops, ticking through the window
+        assert lag["replicas"] and all(d["ticks"] > 0 for d in lag["replicas"].values()), lag
         tail = p["ttft_tail"]  # every answer's own parts (benchmarks/ttft_tail.py), through the Router's port
         assert tail["requests"] == p["window_arrivals"] and tail["all"]["ttft"] >= tail["all"]["prefill"] > 0
     assert w["warmup"]["requests"] > 0
