@@ -177,7 +177,9 @@ class Sentinel(threading.Thread):
 def router_retries(request_id: str = "") -> int:
     """Retries the Router made, summed over its per-request log lines (`request <id> ... retries=N`),
     for one request or all."""
-    pattern = rf"request {re.escape(request_id) if request_id else 'chatcmpl-[0-9a-f]+'} .* retries=(\d+)"
+    # any answer id: through Ray Serve's proxy it is made of the proxy's X-Request-Id (a UUID, with dashes)
+    who = re.escape(request_id) if request_id else r"chatcmpl-\S+"
+    pattern = rf"request {who} .* retries=(\d+)"
     return sum(int(n) for n in re.findall(pattern, replica_logs("Router")))
 
 

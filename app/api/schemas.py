@@ -301,10 +301,12 @@ def model_name(body: dict) -> str | None:
 
 
 def with_header_request_id(body, header: str | None):
-    """The body with an `X-Request-Id` header's value as its `request_id`: as vLLM's server, the header
-    names the request (the answer's id, the log line's) over the body's own. A body that is not an
-    object is left for the parser to refuse."""
-    if header is None or not isinstance(body, dict):
+    """The body with an `X-Request-Id` header's value as its `request_id` unless it has one: the header
+    names the request (the answer's id, the log line's), as in vLLM's server. vLLM lets the header win
+    over the body; here the body does, because Ray Serve's HTTP proxy adds an `X-Request-Id` of its own to
+    every request it forwards, which would otherwise replace every client's `request_id`. A body that is
+    not an object is left for the parser to refuse."""
+    if header is None or not isinstance(body, dict) or body.get("request_id") is not None:
         return body
     return {**body, "request_id": header}
 
