@@ -499,15 +499,17 @@ def gpu_per_request(start: dict, end: dict, completions: int) -> dict:
     return out
 
 
+def per_replica(load: dict | None, key: str) -> dict:
+    """Replica id -> its `key` entry (a dict) in a /v1/llm/load answer, for the replicas that report one."""
+    return {r.get("replica"): r[key] for r in (load or {}).get("replicas", []) if isinstance(r.get(key), dict)}
+
+
 def gc_delta(start: dict | None, end: dict | None) -> dict | None:
     """The LLM replicas' full (generation 2) garbage collections inside the window, from the `gc` counters
     of /v1/llm/load at its two edges (app/serving/gc_pauses.py), over the replicas reported at both:
     how many, their summed pause, and the longest pause any replica has had so far (not only in the
     window: the counter is a running maximum). None when neither edge reports them."""
-    def by_replica(load):
-        return {r.get("replica"): r["gc"] for r in (load or {}).get("replicas", []) if isinstance(r.get("gc"), dict)}
-
-    a, b = by_replica(start), by_replica(end)
+    a, b = per_replica(start, "gc"), per_replica(end, "gc")
     both = [k for k in b if k in a]
     if not both:
         return None
@@ -521,11 +523,7 @@ def loop_lag_delta(start: dict | None, end: dict | None) -> dict | None:
     """The LLM replicas' event-loop lag inside the window (`loop_lag` of /v1/llm/load at its two edges,
     app/serving/loop_lag.py), per replica reported at both, and the worst of them: the highest mean, p99
     bucket and share of ticks later than 10 ms. None when no replica reports it at both edges."""
-    def by_replica(load):
-        return {r.get("replica"): r["loop_lag"] for r in (load or {}).get("replicas", [])
-                if isinstance(r.get("loop_lag"), dict)}
-
-    a, b = by_replica(start), by_replica(end)
+    a, b = per_replica(start, "loop_lag"), per_replica(end, "loop_lag")
     per = {k: d for k in b if k in a and (d := lag_delta(a[k], b[k])) is not None}
     if not per:
         return None
