@@ -135,12 +135,13 @@ def test_the_llm_replica_counts_no_warm_up_request():
     """deployments/llm.py: a generation the Router's warm-up sent (`warm_up`) goes straight through; any
     other is counted in the replica's request metrics and marks its first request (scale-up timelines)."""
     pytest.importorskip("ray")
+    from app.serving.loop_lag import LoopLag
     from app.serving.prometheus import RequestMetrics
     from deployments.llm import LLM
 
     cls = LLM.func_or_class
     replica = cls.__new__(cls)
-    replica.request_metrics, replica.first_request_at = RequestMetrics(64), None
+    replica.request_metrics, replica.first_request_at, replica.loop_lag = RequestMetrics(64), None, LoopLag()
 
     async def chunks():
         yield "chunk"
@@ -149,5 +150,11 @@ def test_the_llm_replica_counts_no_warm_up_request():
     stream = chunks()
     assert replica._observed(warm, stream) is stream and replica.first_request_at is None
     other = {"warm_up": False, "input_ids": [1, 2], "params": {}}
-    observed = replica._observed(other, stream)
+
+    async def first_request():  # on the replica's event loop, which its loop-lag ticks then watch
+        return replica._observed(other, stream)
+
+    assert replica.loop_lag._loop is None  # not started by the warm-up's request
+    observed = asyncio.run(first_request())
     assert observed is not stream and replica.first_request_at is not None  # RequestMetrics.observe's
+    assert replica.loop_lag._loop is not None
