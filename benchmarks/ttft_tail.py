@@ -34,6 +34,20 @@ import statistics
 from pathlib import Path
 
 LINE = re.compile(r"-- request (\S+) status=200 .*?ttft_ms=([0-9.]+) .*?parts_ms=(\S+)")
+REPLICA_OWN = ("payload", "encode", "queue", "prefill")  # the replica's reported parts (`encode` holds its own)
+
+
+def _inside(p: dict) -> float:
+    """The replica's share of the TTFT: its own time to the first chunk (`fused`: `replica`), else the
+    parts it reported (a replica without the tower reports queue and prefill only)."""
+    return p["replica"] if "replica" in p else sum(p.get(k, 0.0) for k in REPLICA_OWN)
+
+
+def _way(p: dict) -> float:
+    """The Router's TTFT beyond its own parts and the replica's: the way there and back."""
+    return p["router_ttft"] - p["before"] - _inside(p)
+
+
 # (label, how it is made from a request's parts in ms: its own key, or a difference)
 PARTS = [
     ("body", lambda p: p["before"] - p.get("parse", 0) - p.get("media", 0) - p.get("prompt", 0)),
@@ -41,9 +55,8 @@ PARTS = [
     ("media", lambda p: p.get("media", 0.0)),
     ("prompt", lambda p: p.get("prompt", 0.0)),
     # the way to the LLM replica and back: split by the wall clocks where the parts have them
-    ("to replica", lambda p: p["to_replica"] if "to_replica" in p else p["router_ttft"] - p["before"] - p.get("replica", 0.0)),
-    ("from replica", lambda p: p["router_ttft"] - p["before"] - p.get("replica", 0.0) - p["to_replica"]
-     if "to_replica" in p else 0.0),
+    ("to replica", lambda p: p["to_replica"] if "to_replica" in p else _way(p)),
+    ("from replica", lambda p: _way(p) - p["to_replica"] if "to_replica" in p else 0.0),
     ("payload", lambda p: p.get("payload", 0.0)),
     ("encode wait", lambda p: p.get("encode_wait", 0.0)),
     ("encode run", lambda p: p.get("encode_run", 0.0)),
@@ -52,8 +65,7 @@ PARTS = [
      - p.get("encode_wake", 0.0)),
     ("queue", lambda p: p.get("queue", 0.0)),
     ("prefill", lambda p: p.get("prefill", 0.0)),
-    ("replica rest", lambda p: p.get("replica", 0.0) - p.get("payload", 0.0) - p.get("encode", 0.0)
-     - p.get("queue", 0.0) - p.get("prefill", 0.0) if "replica" in p else 0.0),
+    ("replica rest", lambda p: p["replica"] - sum(p.get(k, 0.0) for k in REPLICA_OWN) if "replica" in p else 0.0),
     ("client", lambda p: p["client_ttft"] - p["router_ttft"]),
 ]
 
@@ -77,7 +89,7 @@ def read_parts(log_dir: Path, tag: str) -> dict[str, tuple[float, dict[str, floa
     """Request id (without `chatcmpl-`) -> (the Router's TTFT ms, parts ms), for the ids that start with `tag`,
     from every replica log in `log_dir` (only the Routers write these lines)."""
     out = {}
-    needle = f"request chatcmpl-{tag}"
+    needle = f"request chatcmpl-{tag.rstrip('-')}-"  # `goodput-1-5`'s own ids, not `goodput-1-50`'s
     for f in sorted(Path(log_dir).glob("*.log")):
         with open(f, errors="replace") as fh:
             for line in fh:

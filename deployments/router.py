@@ -328,7 +328,7 @@ class Router:
         `id_header`: an `X-Request-Id` header names the request, as in vLLM's chat and text completions
         (the Responses API has no `request_id`)."""
         t0 = time.perf_counter()
-        ask_ttft_parts("x-ttft-parts" in request.headers)  # for this request's task only
+        ask_ttft_parts(request.headers.get("x-ttft-parts", "0").lower() not in ("0", "false", "no", "off", ""))
         try:
             body = await self._body(request)
             if id_header:

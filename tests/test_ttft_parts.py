@@ -77,9 +77,12 @@ def test_an_answer_nobody_asked_parts_for_has_no_comment(chat):
 
 
 def test_the_header_names_a_request_whose_body_does_not():
-    """The body's `request_id` wins: Ray Serve's proxy adds an X-Request-Id to every request it forwards."""
+    """The body's `request_id` wins: Ray Serve's proxy adds an X-Request-Id to every request it forwards.
+    A header that could not be an id (empty, too long) is ignored rather than refused."""
     body = {"messages": []}
     assert with_header_request_id(body, "from-header")["request_id"] == "from-header"
+    assert with_header_request_id(body, "") is body and with_header_request_id(body, "x" * 257) is body
+    assert with_header_request_id(body, "x" * 256)["request_id"] == "x" * 256
     assert "request_id" not in body  # the caller's body is not changed
     named = {"messages": [], "request_id": "from-body"}
     assert with_header_request_id(named, "from-header") is named
@@ -110,13 +113,14 @@ def test_the_slowest_requests_parts_add_up_to_their_time_to_first_token():
     assert lines[2] == "| **TTFT** | **102.0** | **400.0** |"  # (50 + ... + 148 + 400) / 100
 
 
-def test_a_request_without_the_replicas_parts_counts_its_whole_wait_as_the_way_there():
-    """A replica that reports no `replica` time (not `fused`): everything after the Router's own parts is
-    the way to the replica and back, and the rest of the replica's share is not made up."""
+def test_a_request_without_the_replicas_own_time_counts_the_rest_as_the_way_there():
+    """A replica that reports no `replica` time (not `fused`: queue and prefill only): what the Router's
+    TTFT has beyond its own parts and those is the way to the replica and back, and the parts still add up."""
     att = ttft_tail.attribution([(30.0, 28.0, _parts(before=8.0, parse=1.0, media=2.0, prompt=1.0, queue=2.0,
                                                      prefill=10.0))])
     a = att["all"]
-    assert a["to replica"] == 20.0 and a["replica rest"] == 0.0 and a["client"] == 2.0
+    assert a["to replica"] == 28.0 - 8.0 - 12.0 and a["replica rest"] == 0.0 and a["client"] == 2.0
+    assert sum(a[label] for label, _ in ttft_tail.PARTS) == pytest.approx(30.0)
 
 
 def test_the_way_to_the_replica_and_back_is_split_by_the_wall_clocks():
@@ -147,6 +151,8 @@ def test_router_lines_are_read_by_their_ids(tmp_path):
         "INFO 2026-12-03 05:00:00,001 vlm_Router abc -- request chatcmpl-goodput-1-5-1 status=503 items=1 "
         "prompt_tokens=0 completion_tokens=0 ttft_ms=- e2e_ms=3.0 retries=0\n"
         "INFO 2026-12-03 05:00:00,002 vlm_Router abc -- request chatcmpl-other-2 status=200 items=0 "
-        "prompt_tokens=9 completion_tokens=4 ttft_ms=11.0 e2e_ms=30.0 retries=0 parts_ms=before:1.0\n")
+        "prompt_tokens=9 completion_tokens=4 ttft_ms=11.0 e2e_ms=30.0 retries=0 parts_ms=before:1.0\n"
+        "INFO 2026-12-03 05:00:00,003 vlm_Router abc -- request chatcmpl-goodput-1-50-0 status=200 items=0 "
+        "prompt_tokens=9 completion_tokens=4 ttft_ms=12.0 e2e_ms=30.0 retries=0 parts_ms=before:1.0\n")
     assert ttft_tail.read_parts(tmp_path, "goodput-1-5") == {
         "goodput-1-5-0": (41.5, {"before": 10.0, "parse": 1.0, "media": 5.0, "prompt": 0.5, "queue": 2.0, "prefill": 20.0})}

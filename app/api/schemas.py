@@ -304,9 +304,11 @@ def with_header_request_id(body, header: str | None):
     """The body with an `X-Request-Id` header's value as its `request_id` unless it has one: the header
     names the request (the answer's id, the log line's), as in vLLM's server. vLLM lets the header win
     over the body; here the body does, because Ray Serve's HTTP proxy adds an `X-Request-Id` of its own to
-    every request it forwards, which would otherwise replace every client's `request_id`. A body that is
-    not an object is left for the parser to refuse."""
-    if header is None or not isinstance(body, dict) or body.get("request_id") is not None:
+    every request it forwards, which would otherwise replace every client's `request_id`. A header that
+    could not be an id (empty, longer than MAX_REQUEST_ID_CHARS) is ignored: the client asked for nothing
+    the body would be refused for. A body that is not an object is left for the parser to refuse."""
+    if (not header or len(header) > MAX_REQUEST_ID_CHARS or not isinstance(body, dict)
+            or body.get("request_id") is not None):
         return body
     return {**body, "request_id": header}
 
