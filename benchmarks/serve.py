@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.media.synthetic import image_bytes, mp4_bytes  # noqa: E402
 from benchmarks.stats import pct  # noqa: E402
+from benchmarks.ttft_tail import parse_parts  # noqa: E402
 
 
 @dataclass
@@ -144,11 +145,9 @@ def parse_parts_comment(line: str) -> tuple[float, dict[str, float]] | None:
     (app/api/chat.py, `parts_comment_text`), or None."""
     head, _, rest = line.strip().partition(" parts_ms=")
     try:
-        ttft = float(head.removeprefix(": ttft_ms="))
-        parts = {k: float(v) for k, _, v in (item.partition(":") for item in rest.split(",") if item)}
+        return float(head.removeprefix(": ttft_ms=")), parse_parts(rest)
     except ValueError:
         return None
-    return ttft, parts
 
 
 @dataclass

@@ -70,19 +70,20 @@ PARTS = [
 ]
 
 
+def parse_parts(text: str) -> dict[str, float]:
+    """`before:10.0,parse:0.2,...` (app/api/chat.py, `parts_text`) as {name: ms}; ValueError if one is not."""
+    return {k: float(v) for k, _, v in (item.partition(":") for item in text.split(",") if item)}
+
+
 def parse_line(line: str) -> tuple[str, float, dict[str, float]] | None:
     """(request id, the Router's time to first token in ms, its parts in ms) of a Router's request line."""
     m = LINE.search(line)
     if not m:
         return None
-    parts = {}
-    for item in m.group(3).split(","):
-        name, _, value = item.partition(":")
-        try:
-            parts[name] = float(value)
-        except ValueError:
-            continue
-    return m.group(1), float(m.group(2)), parts
+    try:
+        return m.group(1), float(m.group(2)), parse_parts(m.group(3))
+    except ValueError:
+        return None
 
 
 def read_parts(log_dir: Path, tag: str) -> dict[str, tuple[float, dict[str, float]]]:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from bisect import bisect_left
+from itertools import accumulate
+
+from .prometheus import Histogram
 
 BOUNDS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)  # the last bucket holds everything later
 
@@ -21,10 +23,8 @@ BOUNDS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)  # the last bucket holds 
 class LoopLag:
     def __init__(self, interval_s: float = 0.01):
         self.interval_s = interval_s
-        self.ticks = 0
-        self.total_s = 0.0
-        self.max_s = 0.0
-        self.counts = [0] * (len(BOUNDS_MS) + 1)
+        self.lags_ms = Histogram(BOUNDS_MS)
+        self.max_ms = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._due = 0.0
 
@@ -46,16 +46,15 @@ class LoopLag:
         self._loop.call_later(self.interval_s, self._tick)
 
     def record(self, lag_s: float) -> None:
-        self.ticks += 1
-        self.total_s += lag_s
-        self.max_s = max(self.max_s, lag_s)
-        self.counts[bisect_left(BOUNDS_MS, 1e3 * lag_s)] += 1
+        self.lags_ms.observe(1e3 * lag_s)
+        self.max_ms = max(self.max_ms, 1e3 * lag_s)
 
     def snapshot(self) -> dict:
         """Cumulative: ticks, their summed and longest lag in ms, and the count per bucket (`bounds_ms`:
         each bucket's upper bound, the last one unbounded)."""
-        return {"ticks": self.ticks, "lag_ms_total": 1e3 * self.total_s, "lag_ms_max": 1e3 * self.max_s,
-                "bounds_ms": list(BOUNDS_MS), "counts": list(self.counts)}
+        h = self.lags_ms.snapshot()
+        return {"ticks": sum(h["counts"]), "lag_ms_total": h["sum"], "lag_ms_max": self.max_ms,
+                "bounds_ms": list(BOUNDS_MS), "counts": h["counts"]}
 
 
 def lag_delta(start: dict, end: dict) -> dict | None:
@@ -66,12 +65,7 @@ def lag_delta(start: dict, end: dict) -> dict | None:
         return None
     counts = [b - a for a, b in zip(start["counts"], end["counts"])]
     bounds = [*end["bounds_ms"], float("inf")]
-    seen, p99 = 0, bounds[-1]
-    for bound, n in zip(bounds, counts):
-        seen += n
-        if seen >= 0.99 * ticks:
-            p99 = bound
-            break
+    p99 = next(bound for bound, seen in zip(bounds, accumulate(counts)) if seen >= 0.99 * ticks)
     late = sum(n for bound, n in zip(bounds, counts) if bound > 10)
     return {"ticks": ticks, "mean_ms": (end["lag_ms_total"] - start["lag_ms_total"]) / ticks,
             "p99_bucket_ms": p99, "late_10ms_share": late / ticks}

@@ -79,8 +79,8 @@ class GraphSettings:
     # Correct the auto-tune's estimates with the times of the batches served, and time the path not
     # taken now and then near a tie (observed.py); the margin then applies only until a path is known.
     observe_dispatch: bool = True
-    # False: a batch that fits a graph always replays it, whatever the estimates (EncoderConfig's
-    # eager_when_faster says when, and why: the `fused` placement)
+    # False: a batch replays the smallest graph kept that holds it, whatever the estimates; eager only where
+    # none does (EncoderConfig's eager_when_faster says when, and why: the `fused` placement)
     eager_when_faster: bool = True
     # uint8 rows from host memory go to the GPU through pinned buffers (app/vision/staging.py says why)
     pinned_staging: bool = False
