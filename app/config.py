@@ -123,8 +123,9 @@ class EncoderConfig(_Strict):
                                 "observe_dispatch has timed enough of its batches)")
     eager_when_faster: bool | None = Field(
         None, description="a batch that fits a graph may run eagerly where the auto-tune (eager_margin, "
-        "observe_dispatch) expects eager to be faster; False: it replays the smallest graph kept that holds it "
-        "(eager only where none does: budgets the auto-tune dropped stay dropped). None: True, except "
+        "observe_dispatch) expects eager to be faster, and the auto-tune drops a graph slower than eager; False: "
+        "every graph captured is kept and a batch replays the smallest that holds it (eager only where none "
+        "does: more tokens, items or frames than any graph holds). None: True, except "
         "under the `fused` placement, where the tower's eager launches share the process's GIL with the "
         "engine's thread, which the idle tuning runs do not see: on one H200 under MPS, 22 eager batches at "
         "180 req/s went with TTFT p99 302 against 208 ms without eager, and encode run 14.4 against 6.8 ms "

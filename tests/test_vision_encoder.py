@@ -382,6 +382,42 @@ def test_dispatch_prefers_eager_where_autotune_says_it_is_faster(cpu_harness):
         mgr.settings.eager_when_faster = True
 
 
+def test_autotune_keeps_every_graph_without_eager_where_a_graph_fits(cpu_harness, monkeypatch):
+    """Auto-tune drops a budget graph that timed slower than eager, so that larger batches go to a larger
+    graph or eager; with `eager_when_faster` off (the fused default) it keeps every graph it captured, both
+    when it times them and when it applies another replica's table, whose drops followed that replica's
+    setting. The batch only the dropped budget held runs eagerly ("no_graph") in the first case only."""
+    from app.vision.metadata import layout
+
+    mgr = cpu_harness.mgr
+    saved = dict(mgr._tuned), dict(mgr.graphs), dict(mgr._graph_out), mgr.autotune_table
+    top = mgr.max_budget
+    times = {"eager": 1.0, "graph": 2.0}  # graph slower than eager at every budget
+    calls = iter([])
+
+    def fake_time(fn, reps=None):
+        return times[next(calls)]
+
+    monkeypatch.setattr(mgr, "_time_ms", fake_time)
+    lay = layout([(1, 2, top // 2)], 2)  # only the largest budget holds it
+    try:
+        for eager_when_faster, kept in ((True, False), (False, True)):
+            mgr.settings.eager_when_faster = eager_when_faster
+            mgr.graphs, mgr._graph_out = {top: object()}, {top: object()}
+            monkeypatch.setattr(mgr, "capture_enabled", True)
+            calls = iter(["eager", "graph", "eager"])  # unequal eager, graph, equal eager
+            row = mgr._tune_budget(top)
+            assert row["kept"] is kept and (top in mgr.graphs) is kept
+            assert mgr.dispatch(lay).reason == (None if kept else "no_graph")
+            # the same times from a cached table measured under the other setting
+            mgr.graphs, mgr._graph_out, mgr.autotune_table = {top: object()}, {top: object()}, []
+            assert mgr._apply([{**row, "kept": not kept}])
+            assert (top in mgr.graphs) is kept and mgr.autotune_table[0]["kept"] is kept
+    finally:
+        mgr._tuned, mgr.graphs, mgr._graph_out, mgr.autotune_table = saved
+        mgr.settings.eager_when_faster = True
+
+
 def test_dispatch_follows_the_observed_times_once_enough_batches_were_seen(cpu_harness):
     """Observed ratios (observed / tuned) replace the margin once a path has min_samples of them in a
     budget: a graph the table favours loses to eager that ran faster than its estimate, and eager the

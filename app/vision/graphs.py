@@ -4,7 +4,7 @@ One set of max-size static input buffers is shared by every graph (each reads a 
 all graphs share one memory pool. Budget graphs replay any batch padded to the smallest budget that
 holds it; uniform graphs replay equal-length batches at their exact shape (`GraphManager`). What fits
 no graph runs eagerly through the same tower code and is counted. Every graph is timed against eager
-when captured and dropped if it is not faster; while serving, dispatch corrects those timings with
+when captured and dropped if it is not faster (kept whatever its time with `eager_when_faster` off); while serving, dispatch corrects those timings with
 the batch times it observes (observed.py). Without CUDA (or with graphs off) the same padded
 static-shape path runs without capture, so the padding logic is exercised on the CPU too.
 """
@@ -79,8 +79,9 @@ class GraphSettings:
     # Correct the auto-tune's estimates with the times of the batches served, and time the path not
     # taken now and then near a tie (observed.py); the margin then applies only until a path is known.
     observe_dispatch: bool = True
-    # False: a batch replays the smallest graph kept that holds it, whatever the estimates; eager only where
-    # none does (EncoderConfig's eager_when_faster says when, and why: the `fused` placement)
+    # False: the auto-tune keeps every graph it captured, and a batch replays the smallest that holds it,
+    # whatever the estimates; eager only where none does (EncoderConfig's eager_when_faster says when, and
+    # why: the `fused` placement)
     eager_when_faster: bool = True
     # uint8 rows from host memory go to the GPU through pinned buffers (app/vision/staging.py says why)
     pinned_staging: bool = False
@@ -399,7 +400,7 @@ class GraphManager:
         eager_ms = self._time_ms(lambda: self._run_eager(mixed, lay_m))
         graph_ms = self._time_ms(lambda: self._run_graph(mixed, lay_m, b))
         dense_ms = self._time_ms(lambda: self._run_eager(same, lay_s)) if lay_s.uniform else eager_ms
-        keep = graph_ms < eager_ms
+        keep = self._keeps(graph_ms, eager_ms)
         self._tuned[b] = (eager_ms, dense_ms, graph_ms)
         if not keep:
             del self.graphs[b], self._graph_out[b]
@@ -409,7 +410,7 @@ class GraphManager:
     def _tune_uniform(self, shape, items, lay, reps: int = TUNE_RUNS) -> None:
         eager_ms = self._time_ms(lambda: self._run_eager(items, lay), reps)
         graph_ms = self._time_ms(lambda: self._run_uniform(items, lay, shape), reps)
-        keep = graph_ms < eager_ms
+        keep = self._keeps(graph_ms, eager_ms)
         self.autotune_table.append({"uniform": list(shape), "eager_ms": round(eager_ms, 3),
                                     "graph_ms": round(graph_ms, 3), "kept": keep})
         if not keep:
@@ -531,14 +532,24 @@ class GraphManager:
             return False
         for b, r in budgets.items():
             self._tuned[b] = (r["eager_ms"], r["eager_equal_ms"], r["graph_ms"])
-            if not r["kept"]:
+            if not self._keeps(r["graph_ms"], r["eager_ms"]):
                 del self.graphs[b], self._graph_out[b]
         for shape, r in uniform.items():
-            if not r["kept"]:
+            if not self._keeps(r["graph_ms"], r["eager_ms"]):
                 del self.uniform_graphs[shape], self._uniform_out[shape]
                 self._uniform_rejected.add(shape)
-        self.autotune_table = [dict(r) for r in table]
+        # the drops follow this replica's settings (the key does not hold eager_when_faster), not the file's
+        self.autotune_table = [{**r, "kept": self._keeps(r["graph_ms"], r["eager_ms"])} for r in table]
         return True
+
+    def _keeps(self, graph_ms: float, eager_ms: float) -> bool:
+        """Whether auto-tune keeps a captured graph: where it is faster than eager, or always without eager
+        where a graph fits (`eager_when_faster` off, the fused placement's default). Under `fused` a dropped
+        budget sends every batch that only it or a larger dropped one would hold to eager, and an eager batch
+        there is launch-bound on the GIL that the engine's thread shares: on one H200 at 220 req/s, 181 of a
+        window's 238 tower batches went eager ("no_graph"), at 9.35 GPU ms a request against 4.18 at 200
+        req/s, and the tower's queue took over the time to first token (2026-12-03, results)."""
+        return graph_ms < eager_ms or not self.settings.eager_when_faster
 
     # ------------------------------------------------------------------ run
     def _split(self, main: torch.Tensor, deepstack: list[torch.Tensor], lay: BatchLayout,
