@@ -393,18 +393,17 @@ def test_autotune_keeps_every_graph_without_eager_where_a_graph_fits(cpu_harness
     saved = dict(mgr._tuned), dict(mgr.graphs), dict(mgr._graph_out), mgr.autotune_table
     top = mgr.max_budget
     times = {"eager": 1.0, "graph": 2.0}  # graph slower than eager at every budget
-    calls = iter([])
 
     def fake_time(fn, reps=None):
         return times[next(calls)]
 
     monkeypatch.setattr(mgr, "_time_ms", fake_time)
+    monkeypatch.setattr(mgr, "capture_enabled", True)
     lay = layout([(1, 2, top // 2)], 2)  # only the largest budget holds it
     try:
         for eager_when_faster, kept in ((True, False), (False, True)):
             mgr.settings.eager_when_faster = eager_when_faster
             mgr.graphs, mgr._graph_out = {top: object()}, {top: object()}
-            monkeypatch.setattr(mgr, "capture_enabled", True)
             calls = iter(["eager", "graph", "eager"])  # unequal eager, graph, equal eager
             row = mgr._tune_budget(top)
             assert row["kept"] is kept and (top in mgr.graphs) is kept

@@ -4,8 +4,8 @@ One set of max-size static input buffers is shared by every graph (each reads a 
 all graphs share one memory pool. Budget graphs replay any batch padded to the smallest budget that
 holds it; uniform graphs replay equal-length batches at their exact shape (`GraphManager`). What fits
 no graph runs eagerly through the same tower code and is counted. Every graph is timed against eager
-when captured and dropped if it is not faster (kept whatever its time with `eager_when_faster` off); while serving, dispatch corrects those timings with
-the batch times it observes (observed.py). Without CUDA (or with graphs off) the same padded
+when captured and dropped if it is not faster (kept whatever its time with `eager_when_faster` off);
+while serving, dispatch corrects those timings with the batch times it observes (observed.py). Without CUDA (or with graphs off) the same padded
 static-shape path runs without capture, so the padding logic is exercised on the CPU too.
 """
 
@@ -517,8 +517,9 @@ class GraphManager:
             self._tune_uniform(shape, items, self._layout(items))
 
     def _apply(self, table: list[dict]) -> bool:
-        """Another replica's auto-tune table, if it covers exactly the graphs captured here: its times and
-        its drops, as `_measure` would have made them. False (nothing changed) otherwise."""
+        """Another replica's auto-tune table, if it covers exactly the graphs captured here: its times, and
+        the drops this replica's settings make of them, as `_measure` would have (the cache key does not
+        hold `eager_when_faster`, so the file's own `kept` is not trusted). False (nothing changed) otherwise."""
         def valid(r, times) -> bool:
             return isinstance(r, dict) and isinstance(r.get("kept"), bool) and all(
                 isinstance(r.get(k), int | float) for k in times)
@@ -526,20 +527,20 @@ class GraphManager:
         if not all(valid(r, ("eager_ms", "eager_equal_ms", "graph_ms")) if "budget" in r
                    else valid(r, ("eager_ms", "graph_ms")) and "uniform" in r for r in table):
             return False  # a foreign or damaged file: checked whole before anything changes
-        budgets = {r["budget"]: r for r in table if "budget" in r}
-        uniform = {tuple(r["uniform"]): r for r in table if "uniform" in r}
+        rows = [{**r, "kept": self._keeps(r["graph_ms"], r["eager_ms"])} for r in table]
+        budgets = {r["budget"]: r for r in rows if "budget" in r}
+        uniform = {tuple(r["uniform"]): r for r in rows if "uniform" in r}
         if set(budgets) != set(self.graphs) or set(uniform) != set(self.uniform_graphs):
             return False
         for b, r in budgets.items():
             self._tuned[b] = (r["eager_ms"], r["eager_equal_ms"], r["graph_ms"])
-            if not self._keeps(r["graph_ms"], r["eager_ms"]):
+            if not r["kept"]:
                 del self.graphs[b], self._graph_out[b]
         for shape, r in uniform.items():
-            if not self._keeps(r["graph_ms"], r["eager_ms"]):
+            if not r["kept"]:
                 del self.uniform_graphs[shape], self._uniform_out[shape]
                 self._uniform_rejected.add(shape)
-        # the drops follow this replica's settings (the key does not hold eager_when_faster), not the file's
-        self.autotune_table = [{**r, "kept": self._keeps(r["graph_ms"], r["eager_ms"])} for r in table]
+        self.autotune_table = rows
         return True
 
     def _keeps(self, graph_ms: float, eager_ms: float) -> bool:
