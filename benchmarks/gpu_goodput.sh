@@ -82,6 +82,14 @@ stage() {  # NAME DIR GPUS DEADLINE_S [goodput.py args ...]
     | grep -E "ready in|closed loop|warm-up|req/s offered|goodput|cold start|cross-check|no time|Error|error:"
   { echo "## $name: $gpus GPU(s), $(head -1 "$OUT/env.txt")"; cat "$dir/goodput.md" 2>/dev/null; echo; } >> "$OUT/summary.md"
   ray stop --force >/dev/null 2>&1
+  # py-spy's stacks (--pyspy): one folder per point is deeper than the device's copy brings back, so each
+  # point is summed here (pyspy_<point>.txt) and the raw stacks travel as one archive beside it
+  if [ -d "$dir/pyspy" ]; then
+    for p in "$dir"/pyspy/*/; do
+      python3 benchmarks/pyspy_summary.py "$p" > "$dir/pyspy_$(basename "$p").txt" 2>&1
+    done
+    tar -czf "$dir/pyspy_raw.tgz" -C "$dir" pyspy && rm -rf "$dir/pyspy"
+  fi
 }
 
 if [ -n "${MPS:-}" ]; then  # MPS=1: every stage under CUDA MPS (docs/guides/single-gpu.md), the daemon quit at the end
