@@ -44,7 +44,8 @@
 # The mix on both sides does not fit beside it: run STAGES=one WORKLOADS="image mix" in one call and
 # STAGES=all WORKLOADS="image mix" RAMP=4 in another.
 # Results: $OUT/goodput_1gpu and $OUT/goodput_<N>gpu (goodput.json, goodput.md, goodput.png, cold_start.png,
-# the stage's log), $OUT/summary.md with every stage's table, $OUT/env.txt.
+# the stage's log; with --pyspy, pyspy_<point>.txt summed per point and pyspy_raw.tgz of the raw stacks),
+# $OUT/summary.md with every stage's table, $OUT/env.txt.
 set -uo pipefail
 source benchmarks/gpu_env.sh
 CONFIG=${1:-configs/qwen3-vl-2b-gpu.yaml}; shift || true

@@ -5,8 +5,9 @@ all graphs share one memory pool. Budget graphs replay any batch padded to the s
 holds it; uniform graphs replay equal-length batches at their exact shape (`GraphManager`). What fits
 no graph runs eagerly through the same tower code and is counted. Every graph is timed against eager
 when captured and dropped if it is not faster (kept whatever its time with `eager_when_faster` off);
-while serving, dispatch corrects those timings with the batch times it observes (observed.py). Without CUDA (or with graphs off) the same padded
-static-shape path runs without capture, so the padding logic is exercised on the CPU too.
+while serving, dispatch corrects those timings with the batch times it observes (observed.py).
+Without CUDA (or with graphs off) the same padded static-shape path runs without capture, so the
+padding logic is exercised on the CPU too.
 """
 
 from __future__ import annotations
