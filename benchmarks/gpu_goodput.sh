@@ -101,13 +101,13 @@ ALL_STAGES=" ${STAGES:-one all crosscheck} "
 if [ "$NG" -lt 2 ] && [[ "$ALL_STAGES" == *" all "* ]]; then  # `all` would repeat `one`
   echo "=== all: skipped, this host has $NG GPU" | tee -a "$OUT/summary.md"; ALL_STAGES=${ALL_STAGES/ all / }
 fi
-ran_one=no
+ran_one=no ran_ab=no
 for s in $ALL_STAGES; do
   case $s in
     one)
       ran_one=yes
       reserve=0; [[ "$ALL_STAGES" == *" all "* ]] && reserve=${ALL_RESERVE:-200}
-      [[ "$ALL_STAGES" == *" ab "* ]] && reserve=$(( reserve + ${AB_RESERVE:-150} ))
+      [ "$ran_ab" = no ] && [[ "$ALL_STAGES" == *" ab "* ]] && reserve=$(( reserve + ${AB_RESERVE:-150} ))  # only for an `ab` still to come
       cold=(--cold-start 0.5 0.9)
       [ -n "${COLD_FIRST:-}" ] && cold=(--cold-first "$COLD_FIRST" --cold-start 0.9)
       # shellcheck disable=SC2086
@@ -121,6 +121,7 @@ for s in $ALL_STAGES; do
         --closed-loop ${CLOSED_ALL:-$(( 256 * NG )) $(( 2048 * NG ))} \
         ${RATES_ALL:+--rates $RATES_ALL} "$@" ;;
     ab)
+      ran_ab=yes
       rates=${AB_RATES:-${RATES_ONE:-}}
       if [ -z "$rates" ] || { [ -z "${AB_ARGS:-}" ] && [ -z "${AB_MPS:-}" ] && [ -z "${AB_ENV:-}" ]; }; then
         echo "=== ab: skipped, it needs AB_ARGS (or AB_MPS or AB_ENV) and AB_RATES (or RATES_ONE)" | tee -a "$OUT/summary.md"; continue
