@@ -7,6 +7,17 @@ import os
 import pytest
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs the suite in two pytest-xdist workers (`--dist loadgroup`). Every test that starts
+    Ray or Ray Serve (the `integration` marker) goes to one worker, in turn: two Ray clusters at once on a
+    2-core CI machine would starve each other's replicas past their timeouts, and several modules bind
+    fixed ports. The rest (CPU model, kernel and unit tests) share the other worker and the gaps."""
+    for item in items:
+        if item.get_closest_marker("integration"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 @pytest.fixture(autouse=True)
 def _triton_cache_dir_restored():
     """A GPU actor built in the test process (app/gpu/kernel_cache.py) sets TRITON_CACHE_DIR for the process:

@@ -652,6 +652,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.integration  # starts Ray Serve (its own process): run beside the other Ray tests, not at once
 def test_a_sweep_and_a_cold_start_against_the_real_app_on_the_cpu(model_cache, tmp_path):
     """benchmarks/goodput.py --start as the device call runs it (its own process, Ray started there), the
     tiny model, small images: warm-up, two low rates, then the app deployed again and loaded from ready."""
