@@ -172,3 +172,67 @@ def test_the_code_digest_follows_every_source_file(tmp_path):
     (tmp_path / "gpu" / "kernel.py").write_text("A = 2\n")  # an attention backend's change, say
     assert source_digest(folders) != before
     assert source_digest() != source_digest((folders[0],))  # the real one covers app/gpu as well
+
+
+# ---------------------------------------------------------------- the tower's GEMM choice, kept beside it
+ROWS = [64, 256, 1024]
+
+
+def gemm_tower(monkeypatch):
+    """A tower with a down projection (4 layers, width 40 padded to 48), whose timing runs, which need
+    CUDA, are stood in for: each row count timed is recorded, and the last way wins."""
+    from app.vision.tower_api import GraphTower
+
+    tower = GraphTower()
+    tower._init_down_projection([torch.randn(16, 48) for _ in range(4)], 40)
+    down, timed = tower.down, []
+
+    def timing_runs(rows_list, weights, runs=5):
+        assert weights is tower.down_weights
+        for rows in sorted(set(rows_list) - set(down.choice)):
+            timed.append(rows)
+            down.timings[rows] = {w: float(len(down.ways) - i) for i, w in enumerate(down.ways)}
+            down.keep(rows, down.ways[-1])
+
+    monkeypatch.setattr(down, "tune", timing_runs)
+    return tower, timed
+
+
+def test_a_replica_applies_the_gemm_choice_another_timed_and_times_nothing(monkeypatch, tmp_path):
+    cache = TuneCache(tmp_path, {"gpu": "test"})
+    first, timed = gemm_tower(monkeypatch)
+    assert first.tune_gemms(ROWS, cache) == "measured" and timed == ROWS
+    second, timed_again = gemm_tower(monkeypatch)
+    source = second.tune_gemms(ROWS, TuneCache(tmp_path, {"gpu": "test"}))
+    assert timed_again == [] and source == f"from {cache.beside('down projection').path}"
+    assert second.down.choice == first.down.choice == dict.fromkeys(ROWS, "cublaslt_padded")
+    # its own file: the graphs' auto-tune table of the same key is still to be measured
+    assert cache.beside("down projection").path != cache.path and cache.load() is None
+    other, timed_other = gemm_tower(monkeypatch)
+    other.tune_gemms(ROWS, TuneCache(tmp_path, {"gpu": "another"}))
+    assert timed_other == ROWS  # another key (GPU model, settings, code): timed again
+
+
+def test_a_gemm_choice_that_misses_a_row_count_or_names_an_unknown_way_is_timed_again(monkeypatch, tmp_path):
+    cache = TuneCache(tmp_path, {"gpu": "test"})
+    gemm_tower(monkeypatch)[0].tune_gemms(ROWS, cache)
+    more, timed = gemm_tower(monkeypatch)
+    assert more.tune_gemms(ROWS + [4096], cache) == "measured" and timed == ROWS + [4096]  # nothing half-applied
+    assert gemm_tower(monkeypatch)[0].tune_gemms(ROWS + [4096], cache).startswith("from ")  # kept, with 4096
+    cache.beside("down projection").save([{"rows": r, "way": "a kernel of another build"} for r in ROWS])
+    damaged, timed = gemm_tower(monkeypatch)
+    assert damaged.tune_gemms(ROWS, cache) == "measured" and timed == ROWS
+    assert set(damaged.down.choice.values()) <= set(damaged.down.ways)
+
+
+def test_an_untimed_choice_is_not_kept_and_a_tower_without_one_writes_nothing(tmp_path):
+    """Off CUDA the real timing runs do nothing: there is no choice to keep for the next replica."""
+    from app.vision.tower_api import GraphTower
+
+    cache = TuneCache(tmp_path / "t", {"gpu": "test"})
+    tower = GraphTower()
+    assert tower.tune_gemms(ROWS, cache) == "nothing to choose"
+    tower._init_down_projection([torch.randn(16, 48) for _ in range(2)], 40)
+    assert tower.tune_gemms(ROWS, cache) == "measured" and tower.down.choice == {}
+    assert not cache.beside("down projection").path.exists()
+    assert tower.tune_gemms(ROWS) == "measured"  # no cache at all

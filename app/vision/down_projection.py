@@ -60,6 +60,23 @@ class DownProjection:
         """Off CUDA nothing is tuned, so `way_for` gives the padded product."""
         return self.run(self.way_for(u.shape[0]), u, weight)
 
+    def table(self) -> list[dict]:
+        """The choice as rows for a file (tune_cache.TuneCache): row count, way, and the timings if measured."""
+        return [{"rows": r, "way": w, "us": self.timings.get(r)} for r, w in sorted(self.choice.items())]
+
+    def apply(self, table: list[dict], rows_list: list[int]) -> bool:
+        """Another replica's choice (`table`), if it names one of this projection's ways for every row
+        count of `rows_list`: kept as if timed here. False, with nothing changed, for a table that misses
+        a count or names a way this one does not have (another width: a foreign or damaged file)."""
+        if not isinstance(table, list) or not all(isinstance(r, dict) for r in table):
+            return False
+        ways = {r.get("rows"): r.get("way") for r in table}
+        if not all(isinstance(ways.get(rows), str) and ways[rows] in self.ways for rows in rows_list):
+            return False
+        for rows in rows_list:
+            self.keep(rows, ways[rows])
+        return True
+
     def tune(self, rows_list: list[int], weights: list[torch.Tensor], runs: int = 5) -> None:
         """Time every way at each new row count and keep the fastest. Not during graph capture; a no-op
         off CUDA. The graph manager calls it for every budget and uniform shape before capturing them.

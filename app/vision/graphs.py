@@ -318,9 +318,10 @@ class GraphManager:
         if self.device.type == "cuda":
             t = time.time()
             rows = set(self.budgets) | {s * n for s, n in map(tuple, self.settings.uniform_shapes)}
-            self.tower.tune_gemms(sorted(rows))
+            source = self.tower.tune_gemms(sorted(rows), self.settings.tune_cache)
             if self.tower.down is not None:
-                log.info("vision MLP down projection, fastest way per token count: %s", self.tower.down.choice)
+                log.info("vision MLP down projection, fastest way per token count (%s): %s", source,
+                         self.tower.down.choice)
             self.startup.append(("GEMM choice", t, time.time()))
         if not self.capture_enabled:
             return

@@ -20,6 +20,7 @@ from . import flash4
 from .down_projection import DownProjection
 from .kernels import normalize_rows, pad_mlp_modules
 from .metadata import BatchLayout, Grid
+from .tune_cache import TuneCache
 
 
 @dataclass
@@ -87,11 +88,28 @@ class GraphTower(nn.Module):
         self.down_weights = weights
         self.down = DownProjection(width, w.shape[1], w.shape[0], w.dtype, w.device)
 
-    def tune_gemms(self, rows: list[int]) -> None:
+    def tune_gemms(self, rows: list[int], cache: TuneCache | None = None) -> str:
         """Pick the fastest way to run the GEMMs that have several, for batches of these token counts
-        (down_projection.py); the graph manager calls it before capturing. Nothing to do off CUDA."""
-        if self.down is not None:
+        (down_projection.py); the graph manager calls it before capturing. Nothing to do off CUDA.
+
+        With `cache` (the auto-tune table's TuneCache), the choice that a replica timed for the same key is
+        applied instead, and one timed here is kept for the next: a replica added under load timed its
+        GEMMs beside the serving replica's kernels on the GPU, and the serving replica's TTFT p99 rose to
+        2.73x warm in that second (one H200, 2026-12-04). Returns where the choice came from."""
+        if self.down is None:
+            return "nothing to choose"
+        if cache is None:
             self.down.tune(rows, self.down_weights)
+            return "measured"
+        gemms = cache.beside("down projection")
+        with gemms.claim():  # replicas starting together: the first times, the others read its choice
+            table = gemms.load()
+            if table is not None and self.down.apply(table, rows):
+                return f"from {gemms.path}"
+            self.down.tune(rows, self.down_weights)
+            if set(rows) <= set(self.down.choice):  # timed (on CUDA): worth keeping
+                gemms.save(self.down.table())
+        return "measured"
 
     def normalized_pixels(self, px: torch.Tensor, pad: int = 0, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Rows in the tower's dtype; uint8 rows get the processor's rescale and normalise first (one

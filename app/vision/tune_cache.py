@@ -1,5 +1,6 @@
 """The vision graphs' auto-tune table on disk, so that a replica starting where one already tuned skips
-the timing runs (a restart, a replica added by autoscaling, the second replica on a GPU).
+the timing runs (a restart, a replica added by autoscaling, the second replica on a GPU). The tower's
+GEMM choice (down_projection.py) is kept the same way, in a file beside it (`TuneCache.beside`).
 
 Why: on one H100 an LLM replica spent 21-28 of its 26-34 s start in the tower's phase, two replicas
 tuning at once on one GPU (2026-11-28), and a replica added under load time-sliced that work against the
@@ -62,6 +63,11 @@ class TuneCache:
         self.parts = parts
         self.key = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
         self.path = self.folder / f"{self.key}.json"
+
+    def beside(self, name: str) -> TuneCache:
+        """Another table under the same key's parts and `name` (a file and a lock of its own): the tower's
+        GEMM choice, which the same things decide, beside the graphs' auto-tune table."""
+        return TuneCache(self.folder, {**self.parts, "table": name})
 
     def load(self) -> list[dict] | None:
         """The table, or None (none yet, unreadable, another key's, or older than MAX_AGE_S: tune again)."""
