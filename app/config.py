@@ -111,7 +111,7 @@ class EncoderConfig(_Strict):
     autotune_cache: bool = Field(True, description="keep the auto-tune's table on disk (under cache_dir, per GPU "
                                  "model, checkpoint config, dtype, graph settings and tower code): a replica "
                                  "starting where one already tuned applies it instead of timing, and replicas "
-                                 "starting together let the first tune alone (app/vision/tune_cache.py)")
+                                 "starting together let the first tune alone (app/gpu/tune_cache.py)")
     uniform_graph_shapes: list[tuple[int, int]] = Field(
         default_factory=list, description="(sequences, length) exact-shape graphs captured at start-up")
     uniform_capture_after: int = Field(0, ge=0, description="sightings of an equal-length shape before its graph "
@@ -210,6 +210,11 @@ class LLMConfig(_Strict):
                                     "(K divided among several programs per column tile, the parts summed in the "
                                     "same launch); single-stream 30B-A3B 1.05x on an H200 without PDL, 1.02x on "
                                     "an H100 with it (decode.py --gemv-split / --no-gemv-split, 2026-12-02)")
+    decode_gemv_cache: bool = Field(True, description="with decode_gemv: the choice is kept under cache_dir "
+                                    "(gemv-tune/), keyed by GPU model, libraries, checkpoint config, dtype, tensor "
+                                    "parallelism and the engine's code, and a replica that finds one applies it "
+                                    "and times nothing (a restart, a scale-up, the second replica on a GPU; "
+                                    "app/gpu/tune_cache.py)")
     pdl: bool = Field(True, description="on Hopper and later: the engine's Triton kernels are launched with "
                       "programmatic dependent launch, so that each may start while the one before it finishes (its "
                       "blocks wait on the device for that one's writes); aimed at single-stream decode, whose ~600 "

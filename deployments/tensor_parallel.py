@@ -21,6 +21,7 @@ from app.config import AppConfig
 from app.gpu.kernel_cache import use_kernel_cache
 from app.llm.loader import resolve_dtype
 from app.llm.spec import TextSpec
+from app.serving.fused import gemv_tune_dir
 from app.serving.tensor_parallel import Rendezvous, free_address, join
 from app.vision.service import pick_device
 
@@ -47,7 +48,8 @@ class LLMFollower:
         cfg = AppConfig(**config)
         use_kernel_cache(cfg.cache_dir)
         tp, channel = _rank_setup(cfg, checkpoint, rv, rank)
-        self.engine = Engine(checkpoint, pick_device(cfg.device), cfg.llm, tp=tp, lockstep=channel)
+        self.engine = Engine(checkpoint, pick_device(cfg.device), cfg.llm, tp=tp, lockstep=channel,
+                             tune_dir=gemv_tune_dir(cfg))
 
     def alive(self) -> bool:
         return self.engine.alive

@@ -165,3 +165,56 @@ def test_gemv_under_the_triton_interpreter(rows):
             for _ in range(2):
                 assert (G.gemv(x, w, b, tile).double() - exact).abs().max().item() < 1e-3, tile
     assert all(int(counts.abs().sum()) == 0 for _, counts in G._SCRATCH.values())
+
+
+def test_a_kept_choice_is_applied_whole_or_not_at_all(tmp_path):
+    """The choice one replica timed, through its file (tune_cache.TuneCache), is what the next applies:
+    every (rows, N, K) asked for, tiles and agreement included. A file that misses one, names a tile not
+    among the candidates, or is damaged changes nothing, and the replica times for itself."""
+    from app.gpu.tune_cache import TuneCache
+
+    timed = _table_from({"cublas": 10.0, **{t: 12.0 for t in G.TILES}, G.TILES[1]: 4.0})
+    timed.choices[(2, 6, 4)].agrees = False
+    cache = TuneCache(tmp_path, {"gpu": "test"}, "matrix-vector choice")
+    cache.save(timed.as_dict())
+    keys = {(1, 6, 4), (2, 6, 4)}
+    applied = G.GemvTable()
+    assert applied.apply(cache.load(), keys) and applied.choices == timed.choices
+    assert [c.used for c in applied.choices.values()] == [True, False]  # the second's disagreement kept
+    for table, ks, tiles in (
+            (timed.as_dict(), keys | {(1, 8, 4)}, G.TILES),  # a shape the file has not
+            (timed.as_dict(), keys, G.TILES[:1]),  # its tile is not a candidate here
+            ([{**r, "tile": "big"} for r in timed.as_dict()], keys, G.TILES),
+            ([{k: v for k, v in r.items() if k != "agrees"} for r in timed.as_dict()], keys, G.TILES),
+            ([None], keys, G.TILES)):
+        fresh = G.GemvTable()
+        assert not fresh.apply(table, ks, tiles) and fresh.choices == {}
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_second_engine_applies_the_first_ones_kept_choice_and_answers_the_same(tmp_path, monkeypatch):
+    """`tune_dir`: the first engine times and keeps its choice; the second, on the same GPU model and code,
+    times nothing (its timing would raise), compiles what it applies before its graphs, and answers the
+    same greedy tokens."""
+    from app.checkpoints.model_builder import resolve_model
+    from app.llm.engine import Engine
+    from app.llm.sampling import SamplingParams
+    from app.llm.sequence import GenerationRequest
+
+    path = str(resolve_model("embedded:tiny-qwen3-vl-moe", str(tmp_path)))
+    tune, tables, answers = tmp_path / "gemv-tune", [], []
+    for i in range(2):
+        if i:
+            monkeypatch.setattr(G, "_time_gemv", lambda *a: pytest.fail("timed again"))
+        engine = Engine(path, "cuda", dtype="float32", max_num_seqs=4, tune_dir=str(tune))
+        try:
+            tables.append(engine.stats()["gemv"])
+            reqs = [GenerationRequest(list(range(3 + j, 40 + j)), [0] * 37, [],
+                                      SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)) for j in range(2)]
+            answers.append([[t for c in engine.generate(r) for t in c.token_ids] for r in reqs])
+            assert engine.graph_steps > 0
+        finally:
+            engine.shutdown()
+    assert len(list(tune.glob("*.json"))) == 1 and tables[0] == tables[1] and tables[0]
+    assert answers[0] == answers[1]

@@ -1,4 +1,4 @@
-"""The vision auto-tune's table on disk (app/vision/tune_cache.py): a replica that starts where one already
+"""The vision auto-tune's table on disk (app/gpu/tune_cache.py): a replica that starts where one already
 tuned applies that table instead of timing, and replicas starting together let the first one tune.
 
 On the CPU with the tiny tower, a captured graph and the timer stand in as in test_autotune_towers.py;
@@ -13,8 +13,8 @@ import pytest
 import torch
 from test_autotune_towers import emulate_capture, script_timer
 
+from app.gpu.tune_cache import TOWER_CODE, TuneCache, source_digest
 from app.vision.graphs import GraphManager, GraphSettings
-from app.vision.tune_cache import TuneCache, source_digest
 
 B = 64  # the tiny tower's smallest budget
 
@@ -44,7 +44,7 @@ def tuned(tower, cache: TuneCache, budgets=(B, 2 * B, 4 * B)) -> tuple[GraphMana
 
 
 def test_a_replica_applies_the_table_another_measured_and_times_nothing(tower, tmp_path):
-    parts = {"gpu": "test", "code": source_digest()}
+    parts = {"gpu": "test", "code": source_digest(TOWER_CODE)}
     first, timed = tuned(tower, TuneCache(tmp_path, parts))
     assert timed and set(first.graphs) == {B, 4 * B}  # measured: the 2B graph lost and was dropped
     second, timed_again = tuned(tower, TuneCache(tmp_path, dict(parts)))
@@ -123,7 +123,7 @@ def test_the_key_follows_the_gpu_the_checkpoint_the_settings_and_the_code(tower,
 
     a = key()
     assert a.path.parent == tmp_path / "vision-tune" and key().key == a.key
-    assert a.parts["code"] == source_digest() and a.parts["tower"] == type(tower).__name__
+    assert a.parts["code"] == source_digest(TOWER_CODE) and a.parts["tower"] == type(tower).__name__
     assert key(budgets=[B]).key != a.key and key(max_items_per_batch=4).key != a.key
     assert service.tune_cache_for(cfg, str(tiny_checkpoint), "cuda", torch.float16, settings, tower).key != a.key
     name["gpu"] = "NVIDIA H200"
@@ -145,7 +145,7 @@ def test_a_folder_that_cannot_be_written_costs_a_tuning_not_a_start(tower, tmp_p
 def test_an_old_damaged_or_foreign_table_is_measured_again(tower, tmp_path):
     import json
 
-    from app.vision import tune_cache
+    from app.gpu import tune_cache
 
     cache = TuneCache(tmp_path, {"gpu": "test"})
     first, _ = tuned(tower, cache)
@@ -171,7 +171,7 @@ def test_the_code_digest_follows_every_source_file(tmp_path):
     before = source_digest(folders)
     (tmp_path / "gpu" / "kernel.py").write_text("A = 2\n")  # an attention backend's change, say
     assert source_digest(folders) != before
-    assert source_digest() != source_digest((folders[0],))  # the real one covers app/gpu as well
+    assert source_digest(TOWER_CODE) != source_digest(TOWER_CODE[:1])  # the tower's covers app/gpu as well
 
 
 # ---------------------------------------------------------------- the tower's GEMM choice, kept beside it

@@ -29,7 +29,7 @@ from ..errors import ClientError, Overloaded, Unavailable
 from ..gpu.timing import GpuTimer
 from . import pdl
 from .block_manager import BlockManager
-from .gemv import choose_gemv
+from .gemv import choose_gemv, gemv_cache_for
 from .grammar import Grammars
 from .loader import load_checkpoint, load_in_memory, resolve_dtype, vision_token_ids
 from .lockstep import Channel, Tick, describe, rebuild
@@ -57,11 +57,12 @@ class Engine:
     takes a transformers model in memory. Keyword overrides set LLMConfig fields, e.g.
     `Engine(path, "cuda", max_num_seqs=64)`. `tp`: this process's rank of a tensor-parallel group
     (parallel.py); with `lockstep` (lockstep.py) rank 0 takes requests and the other ranks follow
-    its steps."""
+    its steps. `tune_dir`: where the start-up's matrix-vector choice is kept for the next replica
+    (gemv.gemv_cache_for; None: timed at every start)."""
 
     def __init__(self, path: str | None = None, device: str = "cpu", config: LLMConfig | None = None, *,
                  model=None, tokenizer=None, tp: TensorParallel = SINGLE, lockstep: Channel | None = None,
-                 **overrides):
+                 tune_dir: str | None = None, **overrides):
         cfg = (config or LLMConfig()).model_copy(update=overrides)
         self.cfg = cfg
         self.device = torch.device(device)
@@ -82,7 +83,10 @@ class Engine:
         # before anything is timed or captured: both see the launches as they will be (app/llm/pdl.py)
         pdl.enable(cfg.pdl, self.device)
         tune = cfg.decode_gemv and self.device.type == "cuda"
-        gemv = choose_gemv(self.model, cfg.decode_gemv_split) if tune else None
+        gemv_cache = gemv_cache_for(tune_dir, path, self.device, self.dtype, f"{tp.size} {tp.moe}",
+                                    cfg.decode_gemv_split) \
+            if tune and tune_dir and path else None
+        gemv = choose_gemv(self.model, cfg.decode_gemv_split, gemv_cache) if tune else None
         self.rope = Rope.from_config(loaded.config)
         self.vision_ids = vision_token_ids(loaded.config, self.tokenizer)
         self.runner = ModelRunner(self.model, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,

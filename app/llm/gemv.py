@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 Linear = Callable[..., torch.Tensor]  # F.linear's signature: (x, weight, bias=None)
 
 MAX_ROWS = 2  # token rows the kernel takes; steps with more go to cuBLAS
+TUNED_ROWS = (1, 2)  # the step sizes timed at start-up
 MIN_GAIN = 0.95  # the kernel is used where it takes at most this share of cuBLAS's time
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT) timed per shape: the three of six unsplit tiles that won
 # a shape on an H200 (2026-12-01)
@@ -178,7 +179,7 @@ class GemvTable:
             return F.linear(x, weight, bias)
         return gemv(x, weight, bias, c.tile)
 
-    def tune(self, weights_by_shape: dict[tuple[int, int], list[torch.Tensor]], timer, rows=(1, 2),
+    def tune(self, weights_by_shape: dict[tuple[int, int], list[torch.Tensor]], timer, rows=TUNED_ROWS,
              tiles=TILES) -> None:
         """`weights_by_shape`: (N, K) -> every layer's weight of that shape, read in turn by each timed
         call. `timer(fn) -> us` times one call of `fn` (kernel_timing.graph_us, replayed from a graph).
@@ -211,8 +212,27 @@ class GemvTable:
 
     def as_dict(self) -> list[dict]:
         return [{"rows": c.rows, "n": c.n, "k": c.k, "cublas_us": round(c.cublas_us, 2),
-                 "kernel_us": round(c.kernel_us, 2), "tile": list(c.tile), "used": c.used}
+                 "kernel_us": round(c.kernel_us, 2), "tile": list(c.tile), "agrees": c.agrees, "used": c.used}
                 for c in self.choices.values()]
+
+    def apply(self, table: list[dict], keys: set[tuple[int, int, int]], tiles=TILES) -> bool:
+        """Another replica's choice (`as_dict`'s rows, from tune_cache.TuneCache), if it holds a valid row
+        for every (rows, N, K) of `keys` with a tile among `tiles`: kept as if timed here, its agreement
+        check included (same GPU model and code by the cache's key). False, nothing changed, otherwise."""
+        got = {}
+        try:
+            for r in table:
+                c = GemvChoice(int(r["rows"]), int(r["n"]), int(r["k"]), float(r["cublas_us"]), float(r["kernel_us"]),
+                               tuple(int(v) for v in r["tile"]), bool(r["agrees"]))
+                if c.tile not in tiles:
+                    return False
+                got[(c.rows, c.n, c.k)] = c
+        except (KeyError, TypeError, ValueError):
+            return False
+        if not keys <= set(got):
+            return False
+        self.choices.update({key: got[key] for key in keys})
+        return True
 
 
 def agrees_with_f_linear(x: torch.Tensor, ws: list[torch.Tensor], tile, layers: int = 4, repeats: int = 8) -> bool:
@@ -229,22 +249,66 @@ def agrees_with_f_linear(x: torch.Tensor, ws: list[torch.Tensor], tile, layers: 
     return True
 
 
-def choose_gemv(model, split: bool = False) -> tuple[str, float, float] | None:
+def choose_gemv(model, split: bool = False, cache=None) -> tuple[str, float, float] | None:
     """Tune `model.gemv` (a TextModel's GemvTable) on its own weights before the decode graphs are
     captured (they capture whichever kernel the table names); `split` adds SPLIT_TILES to the candidates.
+    With `cache` (a tune_cache.TuneCache, `gemv_cache_for`), the choice that a replica timed for the same
+    key is applied instead, and one timed here is kept: the timing runs (about a second on the 2B shape)
+    otherwise run at every start, beside a serving replica's kernels where one is added under load.
     -> the start-up phase (name, start, end), or None where Triton is missing."""
     if triton is None:
         return None
     import time
 
-    from ..gpu.kernel_timing import graph_us
-
     t = time.time()
     device = next(model.parameters()).device
-    side = torch.cuda.Stream(device)  # one side stream for every timing: each new one keeps its own cuBLAS workspace
+    tiles = TILES + (SPLIT_TILES if split else ())
+    weights = model.projection_weights()
     with torch.inference_mode():
-        model.gemv.tune(model.projection_weights(), lambda fn: graph_us(fn, runs=10, stream=side),
-                        tiles=TILES + (SPLIT_TILES if split else ()))
+        if cache is None:
+            _time_gemv(model.gemv, weights, tiles, device)
+        else:
+            with cache.claim():  # replicas starting together: the first times, the others read its choice
+                table = cache.load()
+                keys = {(r, n, k) for n, k in weights for r in TUNED_ROWS}
+                if table is not None and model.gemv.apply(table, keys, tiles):
+                    log.info("matrix-vector choice from %s", cache.path)
+                    _compile_used(model.gemv, weights)
+                else:
+                    _time_gemv(model.gemv, weights, tiles, device)
+                    cache.save(model.gemv.as_dict())
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # the timing graphs' blocks back before the KV cache is sized from free memory
     return ("matrix-vector choice", t, time.time())
+
+
+def _time_gemv(table: GemvTable, weights, tiles, device) -> None:
+    from ..gpu.kernel_timing import graph_us
+
+    side = torch.cuda.Stream(device)  # one side stream for every timing: each new one keeps its own cuBLAS workspace
+    table.tune(weights, lambda fn: graph_us(fn, runs=10, stream=side), tiles=tiles)
+
+
+def _compile_used(table: GemvTable, weights: dict[tuple[int, int], list[torch.Tensor]]) -> None:
+    """One call of every kernel an applied choice uses, as the timing would have made: compiled, and a
+    split tile's scratch made, before the decode graphs capture it."""
+    for c in table.choices.values():
+        if c.used:
+            w = weights[(c.n, c.k)][0]
+            gemv(torch.zeros(c.rows, c.k, dtype=w.dtype, device=w.device), w, None, c.tile)
+
+
+def gemv_cache_for(folder, checkpoint: str, device, dtype, ranks: str, split: bool):
+    """Where the matrix-vector choice is kept (tune_cache.TuneCache): by GPU model, torch and Triton,
+    checkpoint config, dtype, tensor parallelism (`ranks`: its size and MoE split, which set each rank's
+    shapes), the split tiles and the engine's kernel code."""
+    import hashlib
+    from pathlib import Path
+
+    from ..gpu.tune_cache import ENGINE_CODE, TuneCache, library_versions, source_digest
+
+    config = Path(checkpoint) / "config.json"
+    parts = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "dtype": str(dtype),
+             "config": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else checkpoint,
+             "ranks": ranks, "split": split, "code": source_digest(ENGINE_CODE), **library_versions(("triton",))}
+    return TuneCache(folder, parts, "matrix-vector choice")

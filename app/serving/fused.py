@@ -79,8 +79,15 @@ class FusedBackend:
             yield asdict(chunk)
 
 
+def gemv_tune_dir(cfg: AppConfig) -> str | None:
+    """Where an LLM engine keeps its matrix-vector choice (`llm.decode_gemv_cache`), or None."""
+    from ..checkpoints.model_builder import cache_root
+
+    return str(cache_root(cfg.cache_dir) / "gemv-tune") if cfg.llm.decode_gemv_cache else None
+
+
 def _engine(cfg: AppConfig, checkpoint: str, timeline: StartupTimeline, engine_kw: dict) -> Engine:
-    engine = Engine(checkpoint, pick_device(cfg.device), cfg.llm, **engine_kw)
+    engine = Engine(checkpoint, pick_device(cfg.device), cfg.llm, tune_dir=gemv_tune_dir(cfg), **engine_kw)
     timeline.extend("engine", engine.startup)
     return engine
 

@@ -12,6 +12,7 @@ import torch
 
 from ..config import AppConfig
 from ..gpu.timing import GpuTimer
+from ..gpu.tune_cache import TOWER_CODE, TuneCache, library_versions, source_digest
 from ..llm.loader import resolve_dtype
 from ..media.spec import patch_spec_for
 from .batcher import EncodeBatcher
@@ -19,7 +20,6 @@ from .cache import EmbeddingCache
 from .graphs import GraphManager, GraphSettings, VisionEmbedding, VisionItem
 from .loading import build_tower
 from .packing import Limits
-from .tune_cache import TuneCache, library_versions, source_digest
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ EncodedItem = tuple[torch.Tensor, list[torch.Tensor]]  # (main, deepstack): on t
 
 def tune_cache_for(cfg: AppConfig, checkpoint: str, device, dtype, settings: GraphSettings, tower) -> TuneCache:
     """The auto-tune table's place for this GPU model, checkpoint config, dtype, graph settings, tower
-    (its class, tensor-parallel ranks, dense attention), tower code and libraries (app/vision/tune_cache.py),
+    (its class, tensor-parallel ranks, dense attention), tower code and libraries (app/gpu/tune_cache.py),
     under `cache_dir`."""
     from ..checkpoints.model_builder import cache_root
 
@@ -39,7 +39,7 @@ def tune_cache_for(cfg: AppConfig, checkpoint: str, device, dtype, settings: Gra
              "items": settings.max_items_per_batch, "frames": settings.max_frames_per_batch,
              "uint8": settings.uint8_pixels, "pinned": settings.pinned_staging, "flash4": tower.flash4,
              "tower": type(tower).__name__, "ranks": getattr(getattr(tower, "tp", None), "size", 1),
-             "code": source_digest(), **library_versions()}
+             "code": source_digest(TOWER_CODE), **library_versions()}
     return TuneCache(cache_root(cfg.cache_dir) / "vision-tune", parts)
 
 

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..gpu.tune_cache import TuneCache
 from . import flash4
 from .down_projection import DownProjection
 from .kernels import normalize_rows, pad_mlp_modules
 from .metadata import BatchLayout, Grid
-from .tune_cache import TuneCache
 
 
 @dataclass

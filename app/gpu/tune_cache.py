@@ -1,15 +1,14 @@
-"""The vision graphs' auto-tune table on disk, so that a replica starting where one already tuned skips
-the timing runs (a restart, a replica added by autoscaling, the second replica on a GPU). The tower's
-GEMM choice (down_projection.py) is kept the same way, in a file beside it (`TuneCache.beside`).
+"""Start-up timings on disk, so that a replica starting where one already timed skips them (a restart, a
+replica added by autoscaling, the second replica on a GPU): the vision graphs' auto-tune table, the
+tower's GEMM choice beside it (`TuneCache.beside`) and the engine's matrix-vector choice (app/llm/gemv.py).
 
-Why: on one H100 an LLM replica spent 21-28 of its 26-34 s start in the tower's phase, two replicas
-tuning at once on one GPU (2026-11-28), and a replica added under load time-sliced that work against the
-serving one (its worst second's TTFT p99 2.40x warm). The key covers what the timings depend on: the
-GPU's name, the versions of torch, transformers, Triton and FlashAttention-4, the checkpoint's config, the
-dtype, the graph settings and the source of app/vision and app/gpu (a code change tunes again); a table
-older than MAX_AGE_S is measured again. Replicas that start together take a file lock: the first tunes
-alone on the GPU, the others wait up to WAIT_S for its table. All of it is best effort: a folder that
-cannot be written or locked costs a tuning, never a start.
+Why: a replica added under load ran these timings on the GPU that a serving replica was using (its worst
+second's TTFT p99 2.40x warm on one H100, 2026-11-28; 2.73x on one H200 from the tower's GEMM choice,
+2026-12-04). Each key covers what its timings depend on: the GPU's name, library versions, the
+checkpoint's config, dtype, settings and the source of the code that runs the timed kernels; a table
+older than MAX_AGE_S is measured again. Replicas that start together take a file lock: the first times
+alone, the others wait up to WAIT_S for its table. All best effort: a folder that cannot be written or
+locked costs a tuning, never a start.
 """
 
 from __future__ import annotations
@@ -29,11 +28,13 @@ log = logging.getLogger(__name__)
 WAIT_S = 300.0  # how long a replica waits for another's tuning before it tunes itself
 MAX_AGE_S = 7 * 86400.0  # an older table is measured again (one measured under load stays no longer)
 _POLL_S = 0.2
-_CODE = Path(__file__).resolve().parent.parent  # app/: vision/ (the towers) and gpu/ (attention backends)
+_APP = Path(__file__).resolve().parent.parent
+TOWER_CODE = (_APP / "vision", _APP / "gpu")  # the towers, and the attention backends and timing they use
+ENGINE_CODE = (_APP / "llm", _APP / "gpu")  # the engine's kernels (gemv.py), and the timing
 
 
-def source_digest(folders: tuple[Path, ...] = (_CODE / "vision", _CODE / "gpu")) -> str:
-    """A digest of the tower code's source (every .py file under `folders`): a change tunes again."""
+def source_digest(folders: tuple[Path, ...]) -> str:
+    """A digest of the source of every .py file under `folders`: a change tunes again."""
     h = hashlib.sha256()
     for folder in folders:
         for path in sorted(folder.rglob("*.py")):
@@ -42,12 +43,12 @@ def source_digest(folders: tuple[Path, ...] = (_CODE / "vision", _CODE / "gpu"))
     return h.hexdigest()[:16]
 
 
-def library_versions() -> dict[str, str | None]:
-    """The versions of what else runs inside the tower's kernels and modules."""
+def library_versions(names: tuple[str, ...] = ("transformers", "triton", "flash-attn-4")) -> dict[str, str | None]:
+    """The versions of what else runs inside the timed kernels and modules (by default the tower's)."""
     from importlib import metadata
 
     out = {}
-    for name in ("transformers", "triton", "flash-attn-4"):
+    for name in names:
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -56,18 +57,20 @@ def library_versions() -> dict[str, str | None]:
 
 
 class TuneCache:
-    """One auto-tune table (GraphManager.autotune_table's rows) in `folder`, under a key of `parts`."""
+    """One table of timings' results (a list of rows) in `folder`, under a key of `parts`; `what` names it
+    in the log."""
 
-    def __init__(self, folder: str | Path, parts: dict):
+    def __init__(self, folder: str | Path, parts: dict, what: str = "vision auto-tune"):
         self.folder = Path(folder)
         self.parts = parts
+        self.what = what
         self.key = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
         self.path = self.folder / f"{self.key}.json"
 
     def beside(self, name: str) -> TuneCache:
         """Another table under the same key's parts and `name` (a file and a lock of its own): the tower's
         GEMM choice, which the same things decide, beside the graphs' auto-tune table."""
-        return TuneCache(self.folder, {**self.parts, "table": name})
+        return TuneCache(self.folder, {**self.parts, "table": name}, f"{self.what}: {name}")
 
     def load(self) -> list[dict] | None:
         """The table, or None (none yet, unreadable, another key's, or older than MAX_AGE_S: tune again)."""
@@ -90,7 +93,7 @@ class TuneCache:
             tmp.write_text(json.dumps({"parts": self.parts, "table": table, "written_at": time.time()}, default=str))
             os.replace(tmp, self.path)
         except OSError as e:
-            log.warning("vision auto-tune: the table could not be kept in %s (%s)", self.folder, e)
+            log.warning("%s: the table could not be kept in %s (%s)", self.what, self.folder, e)
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
 
@@ -103,7 +106,7 @@ class TuneCache:
             self.folder.mkdir(parents=True, exist_ok=True)
             f = open(self.folder / f"{self.key}.lock", "a+")  # noqa: SIM115 - closed below, after the body
         except OSError as e:
-            log.warning("vision auto-tune: no lock in %s (%s); tuning without it", self.folder, e)
+            log.warning("%s: no lock in %s (%s); tuning without it", self.what, self.folder, e)
             yield False
             return
         with f:
@@ -115,13 +118,13 @@ class TuneCache:
                     break
                 except BlockingIOError:
                     if time.monotonic() >= deadline:
-                        log.warning("vision auto-tune: another replica has held %s for %.0f s; tuning without it",
-                                    self.path.name, wait_s)
+                        log.warning("%s: another replica has held %s for %.0f s; tuning without it",
+                                    self.what, self.path.name, wait_s)
                         held = False
                         break
                     time.sleep(_POLL_S)
                 except OSError as e:  # ENOLCK, EOPNOTSUPP: no locks on this file system
-                    log.warning("vision auto-tune: no lock on %s (%s); tuning without it", f.name, e)
+                    log.warning("%s: no lock on %s (%s); tuning without it", self.what, f.name, e)
                     held = False
                     break
             try:
