@@ -50,8 +50,8 @@ One invocation, one app (`--start`: Ray and the application started here, as ben
    GPU busy), read out at the worst second. `--scale-up-baseline` then runs the same deploy and load with
    no room for a replica: a second slow there too is the starting replicas' own tail, not the new start
    (`--scale-up-baseline-first`: the baseline before the scale-up, so that an order effect shows).
-5. `--crosscheck guidellm`: our point and GuideLLM's Poisson profile at the goodput (or
-   `--crosscheck-rate`), same request shape, GuideLLM's per-request timings read through `analyse`.
+5. `--crosscheck guidellm|aiperf`: our point and GuideLLM's or AIPerf's Poisson run at the goodput (or
+   `--crosscheck-rate`), same request shape, the tool's per-request timings read through `analyse`.
 Everything goes to `--out-dir`: goodput.json (rewritten after every point: a run cut short keeps what it
 measured), goodput.md (the table), goodput.png (served rate and TTFT p99 against offered rate, per
 workload), cold_start.png, scale_up.png. `--deadline-s` starts no point or cold start that would end after it.
@@ -753,6 +753,81 @@ def crosscheck_guidellm(url: str, rate: float, ramp_s: float, window_s: float, i
             "arrival_gap_cv": cv, "point": analyse(sent, ramp_s, ramp_s + window_s)}
 
 
+def aiperf_sent(lines: list[str]) -> list[Sent]:
+    """AIPerf's per-request records (`profile_export.jsonl`, one JSON object a line) of its profiling
+    phase as this module's records, times from the first one's issue: due = when its timing manager
+    issued the request's credit (the Poisson schedule's time), sent = when its worker began sending."""
+    records = [r for r in map(json.loads, filter(str.strip, lines))
+               if r["metadata"].get("benchmark_phase", "profiling") == "profiling"]
+    if not records:
+        return []
+    t0 = min(r["metadata"]["credit_issued_ns"] for r in records)
+    sent = []
+    for r in sorted(records, key=lambda r: r["metadata"]["credit_issued_ns"]):
+        md, m, err = r["metadata"], r.get("metrics") or {}, r.get("error")
+        ok = not err and not md.get("was_cancelled")
+        end = md.get("request_end_ns")
+        ttft = (m.get("time_to_first_token") or {}).get("value")
+        tokens = (m.get("output_sequence_length") or {}).get("value") or 0
+        status = "ok" if ok else "cancelled" if md.get("was_cancelled") else \
+            f"HTTP {err['code']}" if err.get("code") else err.get("type") or "error"
+        sent.append(Sent(len(sent), (md["credit_issued_ns"] - t0) / 1e9, (md["request_start_ns"] - t0) / 1e9,
+                         (end - t0) / 1e9 if ok and end else math.inf, ok, status,
+                         ttft / 1e3 if ok and ttft is not None else None, int(tokens),
+                         "" if ok else str(err.get("message") if err else "")[:200]))
+    return sent
+
+
+def aiperf_command(exe: list[str], url: str, model: str, tokenizer: str, rate: float, seconds: float,
+                   image_size: int, output_tokens: int, artifacts: Path) -> list[str]:
+    """`aiperf profile`: Poisson arrivals at `rate` for `seconds`, one streamed chat request each with one
+    noise JPEG of `image_size`^2, a one-token text prompt (AIPerf's synthetic prompts need at least one)
+    and exactly `output_tokens` answer tokens, counted by the server; no warm-up of its own (ours ran)."""
+    return [*exe, "profile", "-m", model, "--url", url, "--endpoint-type", "chat", "--streaming",
+            "--tokenizer", tokenizer, "--request-rate", f"{rate:g}", "--arrival-pattern", "poisson",
+            "--benchmark-duration", f"{seconds:g}", "--benchmark-grace-period", "60", "--random-seed", "0",
+            "--prompt-input-tokens-mean", "1", "--prompt-input-tokens-stddev", "0",
+            "--prompt-output-tokens-mean", str(output_tokens), "--prompt-output-tokens-stddev", "0",
+            "--extra-inputs", f"min_tokens:{output_tokens}", "--extra-inputs", "ignore_eos:true",
+            "--image-width-mean", str(image_size), "--image-height-mean", str(image_size), "--image-format", "jpeg",
+            "--use-server-token-count", "--ui", "none", "--artifact-dir", str(artifacts)]
+
+
+def crosscheck_aiperf(url: str, rate: float, ramp_s: float, window_s: float, image_size: int, output_tokens: int,
+                      out_dir: Path, exe: list[str], tokenizer: str) -> dict:
+    """NVIDIA AIPerf's Poisson run at `rate` for ramp + window seconds (`aiperf_command`): its per-request
+    records through `analyse`, and its own summary. AIPerf sends from several worker processes, where
+    GuideLLM's one process saturated at 140 req/s (2026-12-02)."""
+    import subprocess
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as resp:
+        model = json.loads(resp.read())["data"][0]["id"]
+    artifacts = out_dir / "aiperf"
+    cmd = aiperf_command(exe, url, model, tokenizer, rate, ramp_s + window_s, image_size, output_tokens, artifacts)
+    # AIPerf 0.13 fails to load a local tokenizer folder under HF_HUB_OFFLINE=1 (HFValidationError)
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ramp_s + window_s + 300, env=env)
+    (out_dir / "aiperf.log").write_text(proc.stdout[-200_000:] + proc.stderr[-200_000:])
+    records = artifacts / "profile_export.jsonl"
+    if proc.returncode != 0 or not records.exists():
+        return {"tool": "aiperf", "command": cmd, "error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-500:]}"}
+    sent = aiperf_sent(records.read_text().splitlines())
+    _compress(records)
+    own = {}
+    summary = artifacts / "profile_export_aiperf.json"
+    if summary.exists():
+        p = json.loads(summary.read_text())
+        own = {k: p.get(k) for k in ("request_throughput", "time_to_first_token", "request_count", "error_request_count")}
+    gaps = sorted(s.sched_s for s in sent)
+    gaps = [b - a for a, b in zip(gaps, gaps[1:])]
+    mean = sum(gaps) / len(gaps) if gaps else float("nan")
+    cv = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean if gaps and mean > 0 else float("nan")
+    return {"tool": "aiperf", "seconds": time.perf_counter() - t, "command": cmd, "own_summary": own,
+            "arrival_gap_cv": cv, "point": analyse(sent, ramp_s, ramp_s + window_s)}
+
+
 def _compress(path: Path) -> None:
     """Replace a large report by its xz copy (`path.xz`)."""
     import lzma
@@ -1232,26 +1307,46 @@ def closed_loop(url: str, wl, a, concurrency: int, n: int, offset: int) -> dict:
             "resources": {k: res.get(k) for k in ("gpu_mean", "host_busy", "groups", "verdict")} if res else {}}
 
 
+def served_checkpoint(a) -> str:
+    """The served checkpoint's folder (built first where it is an embedded preset), from --model, --app-args
+    and --serve-config as `main` deploys them."""
+    import yaml
+
+    from app.checkpoints.model_builder import resolve_model
+
+    args = yaml.safe_load(Path(a.serve_config).read_text())["applications"][0].get("args", {}) if a.serve_config else {}
+    args = deep_merge(args, json.loads(a.app_args))
+    model = a.model or args.get("model") or "embedded:tiny"
+    return str(resolve_model(model, args.get("cache_dir")))
+
+
 def run_crosscheck(bench: Bench, a, first: dict, out_dir: Path) -> dict:
-    """Our point and GuideLLM's at the same rate and request shape, one after the other on the warm app."""
+    """Our point and the tool's (GuideLLM's or AIPerf's) at the same rate and request shape, one after the
+    other on the warm app."""
     import importlib.util
     import shlex
 
     rate = a.crosscheck_rate or first["search"]["goodput"]
     if not rate:
         return {"tool": a.crosscheck, "skipped": "no goodput to check"}
+    tool = a.crosscheck
     exe = shlex.split(a.crosscheck_exe) if a.crosscheck_exe else \
-        [sys.executable, "-m", "guidellm"] if importlib.util.find_spec("guidellm") else ["guidellm"]
-    shape = Workload("image", a.image_size, prompt_words=0, output_tokens=a.output_tokens)
+        [sys.executable, "-m", tool] if importlib.util.find_spec(tool) else [tool]
+    text = "no text" if tool == "guidellm" else "a one-token text prompt"
+    shape = Workload("image", a.image_size, prompt_words=0 if tool == "guidellm" else 1, output_tokens=a.output_tokens)
     ours = bench.point(shape, rate, a.ramp_s, a.window_s, monitor=False)
     asyncio.run(settle(bench.url))
-    theirs = crosscheck_guidellm(bench.url, rate, a.ramp_s, a.window_s, a.image_size, a.output_tokens, out_dir, exe)
-    out = {"rate": rate, "shape": f"{a.image_size}^2 noise JPEG, no text, {a.output_tokens} tokens", "ours": ours,
+    if tool == "guidellm":
+        theirs = crosscheck_guidellm(bench.url, rate, a.ramp_s, a.window_s, a.image_size, a.output_tokens, out_dir, exe)
+    else:
+        theirs = crosscheck_aiperf(bench.url, rate, a.ramp_s, a.window_s, a.image_size, a.output_tokens, out_dir, exe,
+                                   a.crosscheck_tokenizer or served_checkpoint(a))
+    out = {"rate": rate, "shape": f"{a.image_size}^2 noise JPEG, {text}, {a.output_tokens} tokens", "ours": ours,
            **theirs}
     if ours and "point" in theirs:
         out["difference"] = agreement(ours, theirs["point"])
         d = out["difference"]
-        print(f"cross-check at {rate:g} req/s: guidellm / ours - 1: offered {100 * d['offered_rps']:+.1f}%, served "
+        print(f"cross-check at {rate:g} req/s: {tool} / ours - 1: offered {100 * d['offered_rps']:+.1f}%, served "
               f"{100 * d['served_rps']:+.1f}%, TTFT p50 {100 * d['ttft_p50']:+.1f}%, p99 {100 * d['ttft_p99']:+.1f}% "
               f"(its arrival gaps' CV {theirs['arrival_gap_cv']:.2f}; Poisson: 1)", flush=True)
     else:
@@ -1532,12 +1627,15 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--load-processes", type=int, default=1)
     p.add_argument("--no-monitor", action="store_true")
     p.add_argument("--deadline-s", type=float, default=None, help="start no point that would end after this")
-    p.add_argument("--crosscheck", choices=("guidellm",), default=None,
-                   help="after the first workload: GuideLLM's Poisson at its goodput (or --crosscheck-rate) beside "
-                        "our own point of the same shape (image, no text, --output-tokens)")
+    p.add_argument("--crosscheck", choices=("guidellm", "aiperf"), default=None,
+                   help="after the first workload: GuideLLM's or AIPerf's Poisson at its goodput (or "
+                        "--crosscheck-rate) beside our own point of the same shape (image, --output-tokens)")
     p.add_argument("--crosscheck-rate", type=float, default=None)
     p.add_argument("--crosscheck-exe", default=None,
-                   help="the guidellm command (default: `python -m guidellm` when importable, else `guidellm`)")
+                   help="the tool's command (default: `python -m TOOL` when importable, else `TOOL`)")
+    p.add_argument("--crosscheck-tokenizer", default=None,
+                   help="aiperf: the tokenizer folder for its synthetic prompts (default: the served checkpoint's, "
+                        "from --model, --app-args and --serve-config)")
     p.add_argument("--pyspy", default=None, metavar="EXE", help="py-spy's path: sample every serving process "
                    "(all threads, and the GIL holder) inside the window of each --pyspy-rate point")
     p.add_argument("--pyspy-rate", type=float, nargs="*", default=[])

@@ -13,9 +13,10 @@
 #              (AB_CLOSED="C N": one); AB_MPS=1: the B side under CUDA MPS (nvidia-cuda-mps-control -d, quit after);
 #              AB_ENV="VAR=value ...": the B side's process (and the Ray it starts) with these variables, e.g.
 #              AB_ENV=RAY_max_direct_call_object_size=524288 (deployments/ray_env.py lets a set variable win)
-#   crosscheck GuideLLM against a fresh 1-GPU app at the goodput that `one` found (or CROSSCHECK_RATE), beside
-#              our own point of the same shape, when guidellm is importable here, GUIDELLM names its command,
-#              or .gpu-guidellm is carried (benchmarks/bundle_guidellm.sh; it does not fit beside .gpu-deps,
+#   crosscheck AIPerf or GuideLLM (CROSSCHECK_TOOL; default aiperf where .gpu-aiperf is carried) against a
+#              fresh 1-GPU app at the goodput that `one` found (or CROSSCHECK_RATE), beside our own point of the
+#              same shape, when the tool is importable here, AIPERF or GUIDELLM names its command, or its bundle
+#              is carried (benchmarks/bundle_aiperf.sh, bundle_guidellm.sh; neither fits beside .gpu-deps,
 #              so it goes in a call of its own on a machine an earlier call left with .gpu-deps unpacked:
 #              STAGES=crosscheck CROSSCHECK_RATE=R); otherwise it writes why it was skipped to
 #              $OUT/crosscheck.txt.
@@ -148,17 +149,24 @@ for s in $ALL_STAGES; do
     crosscheck)
       g=${CROSSCHECK_RATE:-$(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(next(iter(r['workloads'].values()))['search']['goodput'])" \
           "$OUT/goodput_1gpu/goodput.json" 2>/dev/null)}
-      # GuideLLM from its own bundle when carried (benchmarks/bundle_guidellm.sh; too large beside .gpu-deps)
-      [ -z "${GUIDELLM:-}" ] && [ -f .gpu-guidellm/install ] && GUIDELLM=$(bash .gpu-guidellm/install)
-      have=no; { [ -n "${GUIDELLM:-}" ] || python3 -c "import guidellm" 2>/dev/null; } && have=yes
+      # the tool: CROSSCHECK_TOOL, else AIPerf where its bundle is carried, else GuideLLM; each from its own
+      # bundle when carried (benchmarks/bundle_aiperf.sh, bundle_guidellm.sh; too large beside .gpu-deps)
+      tool=${CROSSCHECK_TOOL:-$([ -f .gpu-aiperf/install ] && echo aiperf || echo guidellm)}
+      exe=""
+      if [ "$tool" = aiperf ]; then
+        exe=${AIPERF:-}; [ -z "$exe" ] && [ -f .gpu-aiperf/install ] && exe=$(bash .gpu-aiperf/install)
+      else
+        exe=${GUIDELLM:-}; [ -z "$exe" ] && [ -f .gpu-guidellm/install ] && exe=$(bash .gpu-guidellm/install)
+      fi
+      have=no; { [ -n "$exe" ] || python3 -c "import $tool" 2>/dev/null; } && have=yes
       if [ "$have" = no ] || [ -z "$g" ] || [ "$g" = "0.0" ]; then
-        echo "crosscheck skipped: guidellm importable or GUIDELLM set: $have; 1-GPU goodput: ${g:-none}" \
+        echo "crosscheck skipped: $tool importable or its bundle carried: $have; 1-GPU goodput: ${g:-none}" \
           "(docs/guides/goodput.md, 'Cross-check')" | tee "$OUT/crosscheck.txt"
         continue
       fi
-      # our point of the first workload at the goodput, then ours and GuideLLM's of the same shape
+      # our point of the first workload at the goodput, then ours and the tool's of the same shape
       stage crosscheck "$OUT/crosscheck_1gpu" 1 $(( $(left) - 20 )) --rates "$g" --no-search --closed-loop 0 0 \
-        --crosscheck guidellm --crosscheck-rate "$g" ${GUIDELLM:+--crosscheck-exe "$GUIDELLM"} \
+        --crosscheck "$tool" --crosscheck-rate "$g" ${exe:+--crosscheck-exe "$exe"} \
         --load-processes "${LOAD_ONE:-2}" "$@" ;;
   esac
 done

@@ -395,6 +395,39 @@ def test_guidellms_report_is_read_as_per_request_records():
     assert p["window_arrivals"] == 3 and p["window_completions"] == 2 and p["errors"] == {"HTTPStatusError": 1}
 
 
+def test_aiperfs_records_are_read_as_per_request_records():
+    """The fields of AIPerf 0.13's `profile_export.jsonl` that the cross-check reads (as a real run against
+    the CPU server wrote them): the profiling phase's records only, due at their credit's issue, sent at the
+    worker's start, times from the first issue; a failed one keeps its HTTP code, a cancelled one says so."""
+    from benchmarks.goodput import aiperf_command, aiperf_sent
+
+    def rec(issued, start, end, ttft=None, phase="profiling", error=None, cancelled=False):
+        ns = 10**9
+        md = {"credit_issued_ns": 50 * ns + int(issued * ns), "request_start_ns": 50 * ns + int(start * ns),
+              "request_end_ns": 50 * ns + int(end * ns), "benchmark_phase": phase, "was_cancelled": cancelled}
+        metrics = {} if ttft is None else {"time_to_first_token": {"value": ttft, "unit": "ms"},
+                                           "output_sequence_length": {"value": 16, "unit": "tokens"}}
+        return json.dumps({"metadata": md, "metrics": metrics, **({"error": error} if error else {})})
+
+    lines = [rec(0.0, 0.0, 0.1, 30.0, phase="warmup"),
+             rec(1.5, 1.502, 2.0, 40.0), rec(1.0, 1.001, 1.3, 90.0),
+             rec(2.0, 2.0, 2.1, error={"code": 503, "type": "HTTPError", "message": "overloaded"}),
+             rec(2.5, 2.5, 9.0, cancelled=True), ""]
+    sent = aiperf_sent(lines)
+    assert [(s.sched_s, s.ok, s.status) for s in sent] == [(0.0, True, "ok"), (0.5, True, "ok"),
+                                                           (1.0, False, "HTTP 503"), (1.5, False, "cancelled")]
+    assert sent[0].ttft_s == pytest.approx(0.09) and sent[0].done_s == pytest.approx(0.3)
+    assert sent[1].start_s == pytest.approx(0.502) and sent[1].completion_tokens == 16
+    assert sent[2].done_s == math.inf and sent[2].error == "overloaded"
+    p = analyse(sent, 0.0, 2.0)
+    assert p["window_arrivals"] == 4 and p["window_completions"] == 2 and p["errors"] == {"HTTP 503": 1, "cancelled": 1}
+    cmd = aiperf_command(["aiperf"], "http://h:8000", "m", "/ckpt", 140.0, 21.0, 448, 16, ROOT / "a")
+    assert cmd[:2] == ["aiperf", "profile"] and "--streaming" in cmd
+    assert cmd[cmd.index("--request-rate") + 1] == "140" and cmd[cmd.index("--arrival-pattern") + 1] == "poisson"
+    assert cmd[cmd.index("--benchmark-duration") + 1] == "21" and cmd[cmd.index("--image-width-mean") + 1] == "448"
+    assert "ignore_eos:true" in cmd and "min_tokens:16" in cmd
+
+
 def test_gpu_time_counters_are_summed_over_replicas():
     assert gpu_totals({"replicas": [{"encoder_gpu_ms_total": 5.0, "batches": 3}, {"encoder_gpu_ms_total": 2.5}]}) == \
         {"encoder_gpu_ms_total": 7.5}
