@@ -13,7 +13,8 @@
 # fastapi, uvicorn...). `aiperf profile` with synthetic images against this server ran without them
 # (Python 3.12, the CPU server, 2026-12-04); a run that needs one fails with "No module named ...".
 # `.gpu-aiperf/install` unpacks it to /tmp/gpu-aiperf once and prints the path of an `aiperf` command
-# that runs with the bundle first on its PYTHONPATH (the server's processes never see it).
+# that runs with the bundle alone on its PYTHONPATH, beside the image's own packages (the server's processes
+# never see it).
 #   bash benchmarks/bundle_aiperf.sh [OUT_DIR]     (default .gpu-aiperf, ignored by git)
 set -euo pipefail
 OUT=${1:-.gpu-aiperf}

@@ -738,7 +738,10 @@ def crosscheck_guidellm(url: str, rate: float, ramp_s: float, window_s: float, i
            "--data", f"kind=synthetic_image,width={image_size},height={image_size},content=noise,"
            f"output_tokens={output_tokens}", "--output", f"kind=json,path={path}", "--disable-console-interactive"]
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ramp_s + window_s + 300)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ramp_s + window_s + 300)
+    except subprocess.TimeoutExpired as e:
+        return {"tool": "guidellm", "command": cmd, "error": f"did not finish in {e.timeout:g} s"}
     (out_dir / "guidellm.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not path.exists():
         return {"tool": "guidellm", "error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-500:]}"}
@@ -757,25 +760,47 @@ def aiperf_sent(lines: list[str]) -> list[Sent]:
     """AIPerf's per-request records (`profile_export.jsonl`, one JSON object a line) of its profiling
     phase as this module's records, times from the first one's issue: due = when its timing manager
     issued the request's credit (the Poisson schedule's time), sent = when its worker began sending."""
-    records = [r for r in map(json.loads, filter(str.strip, lines))
-               if r["metadata"].get("benchmark_phase", "profiling") == "profiling"]
+    records = []
+    for line in filter(str.strip, lines):
+        try:
+            r = json.loads(line)
+            md = r["metadata"]
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short (the tool stopped mid-write): not a request
+        if md.get("benchmark_phase", "profiling") == "profiling" and md.get("credit_issued_ns") is not None:
+            records.append(r)
     if not records:
         return []
     t0 = min(r["metadata"]["credit_issued_ns"] for r in records)
     sent = []
     for r in sorted(records, key=lambda r: r["metadata"]["credit_issued_ns"]):
         md, m, err = r["metadata"], r.get("metrics") or {}, r.get("error")
-        ok = not err and not md.get("was_cancelled")
+        due = (md["credit_issued_ns"] - t0) / 1e9
+        start = (md["request_start_ns"] - t0) / 1e9 if md.get("request_start_ns") is not None else due
         end = md.get("request_end_ns")
-        ttft = (m.get("time_to_first_token") or {}).get("value")
-        tokens = (m.get("output_sequence_length") or {}).get("value") or 0
-        status = "ok" if ok else "cancelled" if md.get("was_cancelled") else \
-            f"HTTP {err['code']}" if err.get("code") else err.get("type") or "error"
-        sent.append(Sent(len(sent), (md["credit_issued_ns"] - t0) / 1e9, (md["request_start_ns"] - t0) / 1e9,
-                         (end - t0) / 1e9 if ok and end else math.inf, ok, status,
-                         ttft / 1e3 if ok and ttft is not None else None, int(tokens),
-                         "" if ok else str(err.get("message") if err else "")[:200]))
+        ttft = _aiperf_seconds(m.get("time_to_first_token"))
+        if err or md.get("was_cancelled"):
+            status = "cancelled" if md.get("was_cancelled") else \
+                f"HTTP {err['code']}" if isinstance(err, dict) and err.get("code") else \
+                (err.get("type") if isinstance(err, dict) else None) or "error"
+            message = str(err.get("message") if isinstance(err, dict) else err or "")[:200]
+            sent.append(Sent(len(sent), due, start, math.inf, False, status, error=message))
+        elif end is None:  # no error and no end: never finished inside the tool's grace period
+            sent.append(Sent(len(sent), due, start, math.inf, False, "unfinished"))
+        else:
+            tokens = (m.get("output_sequence_length") or {}).get("value") or 0
+            sent.append(Sent(len(sent), due, start, (end - t0) / 1e9, True, "ok", ttft, int(tokens)))
     return sent
+
+
+def _aiperf_seconds(metric: dict | None) -> float | None:
+    """An AIPerf metric ({"value", "unit"}) of time, in seconds."""
+    if not metric or metric.get("value") is None:
+        return None
+    scale = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "sec": 1.0}.get(metric.get("unit", "ms"))
+    if scale is None:
+        raise ValueError(f"AIPerf metric unit {metric.get('unit')!r}")
+    return metric["value"] * scale
 
 
 def aiperf_command(exe: list[str], url: str, model: str, tokenizer: str, rate: float, seconds: float,
@@ -808,7 +833,10 @@ def crosscheck_aiperf(url: str, rate: float, ramp_s: float, window_s: float, ima
     # AIPerf 0.13 fails to load a local tokenizer folder under HF_HUB_OFFLINE=1 (HFValidationError)
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ramp_s + window_s + 300, env=env)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ramp_s + window_s + 300, env=env)
+    except subprocess.TimeoutExpired as e:
+        return {"tool": "aiperf", "command": cmd, "error": f"did not finish in {e.timeout:g} s"}
     (out_dir / "aiperf.log").write_text(proc.stdout[-200_000:] + proc.stderr[-200_000:])
     records = artifacts / "profile_export.jsonl"
     if proc.returncode != 0 or not records.exists():
@@ -1330,6 +1358,9 @@ def run_crosscheck(bench: Bench, a, first: dict, out_dir: Path) -> dict:
     if not rate:
         return {"tool": a.crosscheck, "skipped": "no goodput to check"}
     tool = a.crosscheck
+    if tool == "aiperf" and not (a.crosscheck_tokenizer or a.start or a.model):
+        return {"tool": tool, "skipped": "a server this run did not start: name its tokenizer with "
+                "--crosscheck-tokenizer (or its model with --model)"}
     exe = shlex.split(a.crosscheck_exe) if a.crosscheck_exe else \
         [sys.executable, "-m", tool] if importlib.util.find_spec(tool) else [tool]
     text = "no text" if tool == "guidellm" else "a one-token text prompt"

@@ -176,16 +176,21 @@ def test_a_kept_choice_is_applied_whole_or_not_at_all(tmp_path):
     timed = _table_from({"cublas": 10.0, **{t: 12.0 for t in G.TILES}, G.TILES[1]: 4.0})
     timed.choices[(2, 6, 4)].agrees = False
     cache = TuneCache(tmp_path, {"gpu": "test"}, "matrix-vector choice")
-    cache.save(timed.as_dict())
+    cache.save(timed.file_rows())
     keys = {(1, 6, 4), (2, 6, 4)}
     applied = G.GemvTable()
-    assert applied.apply(cache.load(), keys) and applied.choices == timed.choices
+    assert applied.apply(cache.load(), keys) and applied.choices == timed.choices  # times exact, not rounded
     assert [c.used for c in applied.choices.values()] == [True, False]  # the second's disagreement kept
+    edge = _table_from({"cublas": 10.0, **{t: 12.0 for t in G.TILES}, G.TILES[1]: 9.5001})  # just above MIN_GAIN
+    again = G.GemvTable()
+    assert again.apply(edge.file_rows(), keys) and not any(c.used for c in again.choices.values())
+    rounded = G.GemvTable()  # what a file of as_dict's rounded times (9.5) would have made of it
+    assert rounded.apply(edge.as_dict(), keys) and all(c.used for c in rounded.choices.values())
     for table, ks, tiles in (
-            (timed.as_dict(), keys | {(1, 8, 4)}, G.TILES),  # a shape the file has not
-            (timed.as_dict(), keys, G.TILES[:1]),  # its tile is not a candidate here
-            ([{**r, "tile": "big"} for r in timed.as_dict()], keys, G.TILES),
-            ([{k: v for k, v in r.items() if k != "agrees"} for r in timed.as_dict()], keys, G.TILES),
+            (timed.file_rows(), keys | {(1, 8, 4)}, G.TILES),  # a shape the file has not
+            (timed.file_rows(), keys, G.TILES[:1]),  # its tile is not a candidate here
+            ([{**r, "tile": "big"} for r in timed.file_rows()], keys, G.TILES),
+            ([{k: v for k, v in r.items() if k != "agrees"} for r in timed.file_rows()], keys, G.TILES),
             ([None], keys, G.TILES)):
         fresh = G.GemvTable()
         assert not fresh.apply(table, ks, tiles) and fresh.choices == {}

@@ -413,14 +413,22 @@ def test_aiperfs_records_are_read_as_per_request_records():
              rec(1.5, 1.502, 2.0, 40.0), rec(1.0, 1.001, 1.3, 90.0),
              rec(2.0, 2.0, 2.1, error={"code": 503, "type": "HTTPError", "message": "overloaded"}),
              rec(2.5, 2.5, 9.0, cancelled=True), ""]
+    unfinished = json.loads(rec(3.0, 3.0, 0.0, 20.0))
+    unfinished["metadata"]["request_end_ns"] = None  # no error, no end: still open when the tool stopped
+    lines += [json.dumps(unfinished), '{"metadata": {"credit_iss']  # and a line cut short
     sent = aiperf_sent(lines)
-    assert [(s.sched_s, s.ok, s.status) for s in sent] == [(0.0, True, "ok"), (0.5, True, "ok"),
-                                                           (1.0, False, "HTTP 503"), (1.5, False, "cancelled")]
+    assert [(s.sched_s, s.ok, s.status) for s in sent] == [
+        (0.0, True, "ok"), (0.5, True, "ok"), (1.0, False, "HTTP 503"), (1.5, False, "cancelled"),
+        (2.0, False, "unfinished")]
     assert sent[0].ttft_s == pytest.approx(0.09) and sent[0].done_s == pytest.approx(0.3)
     assert sent[1].start_s == pytest.approx(0.502) and sent[1].completion_tokens == 16
     assert sent[2].done_s == math.inf and sent[2].error == "overloaded"
     p = analyse(sent, 0.0, 2.0)
-    assert p["window_arrivals"] == 4 and p["window_completions"] == 2 and p["errors"] == {"HTTP 503": 1, "cancelled": 1}
+    assert p["window_arrivals"] == 4 and p["window_completions"] == 2
+    assert p["errors"] == {"HTTP 503": 1, "cancelled": 1, "unfinished": 1}  # errors of all, as for our own
+    seconds = json.loads(rec(0.0, 0.0, 0.1))
+    seconds["metrics"] = {"time_to_first_token": {"value": 0.25, "unit": "s"}}  # a unit other than 0.13's ms
+    assert aiperf_sent([json.dumps(seconds)])[0].ttft_s == pytest.approx(0.25)
     cmd = aiperf_command(["aiperf"], "http://h:8000", "m", "/ckpt", 140.0, 21.0, 448, 16, ROOT / "a")
     assert cmd[:2] == ["aiperf", "profile"] and "--streaming" in cmd
     assert cmd[cmd.index("--request-rate") + 1] == "140" and cmd[cmd.index("--arrival-pattern") + 1] == "poisson"

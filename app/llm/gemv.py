@@ -215,6 +215,12 @@ class GemvTable:
                  "kernel_us": round(c.kernel_us, 2), "tile": list(c.tile), "agrees": c.agrees, "used": c.used}
                 for c in self.choices.values()]
 
+    def file_rows(self) -> list[dict]:
+        """The choice for a file (tune_cache.TuneCache): `as_dict`'s fields with the times unrounded, so that
+        a replica applying it decides `used` (MIN_GAIN) exactly as the one that timed."""
+        return [{"rows": c.rows, "n": c.n, "k": c.k, "cublas_us": c.cublas_us, "kernel_us": c.kernel_us,
+                 "tile": list(c.tile), "agrees": c.agrees} for c in self.choices.values()]
+
     def apply(self, table: list[dict], keys: set[tuple[int, int, int]], tiles=TILES) -> bool:
         """Another replica's choice (`as_dict`'s rows, from tune_cache.TuneCache), if it holds a valid row
         for every (rows, N, K) of `keys` with a tile among `tiles`: kept as if timed here, its agreement
@@ -273,10 +279,10 @@ def choose_gemv(model, split: bool = False, cache=None) -> tuple[str, float, flo
                 keys = {(r, n, k) for n, k in weights for r in TUNED_ROWS}
                 if table is not None and model.gemv.apply(table, keys, tiles):
                     log.info("matrix-vector choice from %s", cache.path)
-                    _compile_used(model.gemv, weights)
+                    _compile_and_check_used(model.gemv, weights)
                 else:
                     _time_gemv(model.gemv, weights, tiles, device)
-                    cache.save(model.gemv.as_dict())
+                    cache.save(model.gemv.file_rows())
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # the timing graphs' blocks back before the KV cache is sized from free memory
     return ("matrix-vector choice", t, time.time())
@@ -289,13 +295,18 @@ def _time_gemv(table: GemvTable, weights, tiles, device) -> None:
     table.tune(weights, lambda fn: graph_us(fn, runs=10, stream=side), tiles=tiles)
 
 
-def _compile_used(table: GemvTable, weights: dict[tuple[int, int], list[torch.Tensor]]) -> None:
-    """One call of every kernel an applied choice uses, as the timing would have made: compiled, and a
-    split tile's scratch made, before the decode graphs capture it."""
+def _compile_and_check_used(table: GemvTable, weights: dict[tuple[int, int], list[torch.Tensor]]) -> None:
+    """Every kernel an applied choice uses, checked against F.linear on this GPU as the timing checks its
+    winner (a race shows on one GPU and not another): compiled, and a split tile's scratch made, before
+    the decode graphs capture it; one that disagrees here goes back to cuBLAS."""
     for c in table.choices.values():
         if c.used:
-            w = weights[(c.n, c.k)][0]
-            gemv(torch.zeros(c.rows, c.k, dtype=w.dtype, device=w.device), w, None, c.tile)
+            ws = weights[(c.n, c.k)]
+            x = torch.randn(c.rows, c.k, dtype=ws[0].dtype, device=ws[0].device)
+            if not agrees_with_f_linear(x, ws, c.tile):
+                log.warning("matrix-vector tile %s disagrees with F.linear at %d x %d x %d: cuBLAS kept",
+                            c.tile, c.rows, c.n, c.k)
+                c.agrees = False
 
 
 def gemv_cache_for(folder, checkpoint: str, device, dtype, ranks: str, split: bool):
@@ -310,5 +321,6 @@ def gemv_cache_for(folder, checkpoint: str, device, dtype, ranks: str, split: bo
     config = Path(checkpoint) / "config.json"
     parts = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "dtype": str(dtype),
              "config": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else checkpoint,
-             "ranks": ranks, "split": split, "code": source_digest(ENGINE_CODE), **library_versions(("triton",))}
+             "ranks": ranks, "split": split, "pdl": pdl.on(),  # PDL changes every launch's overlap, so its times
+             "code": source_digest(ENGINE_CODE), **library_versions(("triton",))}
     return TuneCache(folder, parts, "matrix-vector choice")
