@@ -108,10 +108,11 @@ class EncoderConfig(_Strict):
     max_items_per_batch: int = Field(16, ge=1, description="items per encoder batch that a graph accepts")
     max_frames_per_batch: int = Field(32, ge=1, description="attention sequences (images + temporal groups)")
     autotune: bool = Field(True, description="drop graphs that are not faster than eager")
-    autotune_cache: bool = Field(True, description="keep the auto-tune's table on disk (under cache_dir, per GPU "
-                                 "model, checkpoint config, dtype, graph settings and tower code): a replica "
-                                 "starting where one already tuned applies it instead of timing, and replicas "
-                                 "starting together let the first tune alone (app/gpu/tune_cache.py)")
+    autotune_cache: bool = Field(True, description="keep the auto-tune's table and the tower's GEMM choice on "
+                                 "disk (under cache_dir, per GPU model, checkpoint config, dtype, graph settings "
+                                 "and tower code): a replica starting where one already tuned applies them instead "
+                                 "of timing, and replicas starting together let the first tune alone "
+                                 "(app/gpu/tune_cache.py)")
     uniform_graph_shapes: list[tuple[int, int]] = Field(
         default_factory=list, description="(sequences, length) exact-shape graphs captured at start-up")
     uniform_capture_after: int = Field(0, ge=0, description="sightings of an equal-length shape before its graph "

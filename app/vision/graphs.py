@@ -87,8 +87,8 @@ class GraphSettings:
     # uint8 rows from host memory go to the GPU through pinned buffers (app/vision/staging.py says why)
     pinned_staging: bool = False
     pinned_min_rows: int = 0  # smaller batches are copied directly
-    # the auto-tune's table on disk (tune_cache.TuneCache): applied where one matches, else measured and kept
-    tune_cache: Any = None
+    # the start-up timings on disk (tune_cache.TuneCache): the auto-tune table and the GEMM choice beside it
+    tune_cache: Any = None  # (each applied where one matches, else measured and kept)
 
     @staticmethod
     def power_of_two_budgets(min_budget: int, max_budget: int, steps_per_octave: int = 1) -> list[int]:

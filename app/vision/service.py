@@ -89,7 +89,7 @@ class EncoderService:
             # `fused` (keep_on_device): no eager batch where a graph fits (EncoderConfig.eager_when_faster)
             eager_when_faster=enc.eager_when_faster if enc.eager_when_faster is not None else not keep_on_device,
             pinned_staging=enc.pinned_pixel_copy, pinned_min_rows=enc.pinned_copy_min_rows)
-        if enc.autotune_cache and enc.autotune and torch.device(device).type == "cuda":
+        if enc.autotune_cache and torch.device(device).type == "cuda":  # the GEMM choice too, autotune or not
             settings.tune_cache = tune_cache_for(cfg, checkpoint, device, dtype, settings, tower)
         t1 = time.time()
         self.manager = GraphManager(tower, settings)
