@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,16 @@ def library_versions(names: tuple[str, ...] = ("transformers", "triton", "flash-
     return out
 
 
+def checkpoint_parts(checkpoint: str, device, dtype) -> dict:
+    """The key's parts that every start-up timing depends on: the GPU model, torch, the dtype and the
+    checkpoint's config (its digest; the path where it has none)."""
+    import torch
+
+    config = Path(checkpoint) / "config.json"
+    return {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "dtype": str(dtype),
+            "config": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else checkpoint}
+
+
 class TuneCache:
     """One table of timings' results (a list of rows) in `folder`, under a key of `parts`; `what` names it
     in the log."""
@@ -71,6 +81,19 @@ class TuneCache:
         """Another table under the same key's parts and `name` (a file and a lock of its own): the tower's
         GEMM choice, which the same things decide, beside the graphs' auto-tune table."""
         return TuneCache(self.folder, {**self.parts, "table": name}, f"{self.what}: {name}")
+
+    def applied_or_measured(self, apply: Callable[[list[dict]], bool], measure: Callable[[], list[dict] | None]) -> str:
+        """Under the key's lock (`claim`: replicas starting together let the first measure and the others
+        read its table): the kept table if `apply` takes it, else `measure()`, whose rows are kept for the
+        next replica (None: nothing worth keeping). Returns where the result came from."""
+        with self.claim():
+            table = self.load()
+            if table is not None and apply(table):
+                return f"from {self.path}"
+            rows = measure()
+            if rows is not None:
+                self.save(rows)
+        return "measured"
 
     def load(self) -> list[dict] | None:
         """The table, or None (none yet, unreadable, another key's, or older than MAX_AGE_S: tune again)."""

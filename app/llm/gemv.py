@@ -274,15 +274,16 @@ def choose_gemv(model, split: bool = False, cache=None) -> tuple[str, float, flo
         if cache is None:
             _time_gemv(model.gemv, weights, tiles, device)
         else:
-            with cache.claim():  # replicas starting together: the first times, the others read its choice
-                table = cache.load()
-                keys = {(r, n, k) for n, k in weights for r in TUNED_ROWS}
-                if table is not None and model.gemv.apply(table, keys, tiles):
-                    log.info("matrix-vector choice from %s", cache.path)
-                    _compile_and_check_used(model.gemv, weights)
-                else:
-                    _time_gemv(model.gemv, weights, tiles, device)
-                    cache.save(model.gemv.file_rows())
+            keys = {(r, n, k) for n, k in weights for r in TUNED_ROWS}
+
+            def measure() -> list[dict]:
+                _time_gemv(model.gemv, weights, tiles, device)
+                return model.gemv.file_rows()
+
+            source = cache.applied_or_measured(lambda table: model.gemv.apply(table, keys, tiles), measure)
+            if source != "measured":
+                log.info("matrix-vector choice %s", source)
+                _compile_and_check_used(model.gemv, weights)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # the timing graphs' blocks back before the KV cache is sized from free memory
     return ("matrix-vector choice", t, time.time())
@@ -313,14 +314,8 @@ def gemv_cache_for(folder, checkpoint: str, device, dtype, ranks: str, split: bo
     """Where the matrix-vector choice is kept (tune_cache.TuneCache): by GPU model, torch and Triton,
     checkpoint config, dtype, tensor parallelism (`ranks`: its size and MoE split, which set each rank's
     shapes), the split tiles and the engine's kernel code."""
-    import hashlib
-    from pathlib import Path
+    from ..gpu.tune_cache import ENGINE_CODE, TuneCache, checkpoint_parts, library_versions, source_digest
 
-    from ..gpu.tune_cache import ENGINE_CODE, TuneCache, library_versions, source_digest
-
-    config = Path(checkpoint) / "config.json"
-    parts = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "dtype": str(dtype),
-             "config": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else checkpoint,
-             "ranks": ranks, "split": split, "pdl": pdl.on(),  # PDL changes every launch's overlap, so its times
+    parts = {**checkpoint_parts(checkpoint, device, dtype), "ranks": ranks, "split": split, "pdl": pdl.on(),  # PDL changes every launch's overlap, so its times
              "code": source_digest(ENGINE_CODE), **library_versions(("triton",))}
     return TuneCache(folder, parts, "matrix-vector choice")

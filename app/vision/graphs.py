@@ -501,13 +501,7 @@ class GraphManager:
         if cache is None:
             self._measure()
         else:
-            with cache.claim():  # replicas starting together: the first measures, the others read its table
-                table = cache.load()
-                if table is not None and self._apply(table):
-                    source = f"from {cache.path}"
-                else:
-                    self._measure()
-                    cache.save(self.autotune_table)
+            source = cache.applied_or_measured(self._apply, lambda: self._measure() or self.autotune_table)
         log.info("vision graph auto-tune, %s (budget or uniform shape, eager ms, graph ms, kept):\n%s", source,
                  "\n".join(f"  {str(r.get('budget', r.get('uniform'))):>10} {r['eager_ms']:>9.3f} "
                            f"{r['graph_ms']:>9.3f} {r['kept']}" for r in self.autotune_table))

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..config import AppConfig
 from ..gpu.timing import GpuTimer
-from ..gpu.tune_cache import TOWER_CODE, TuneCache, library_versions, source_digest
+from ..gpu.tune_cache import TOWER_CODE, TuneCache, checkpoint_parts, library_versions, source_digest
 from ..llm.loader import resolve_dtype
 from ..media.spec import patch_spec_for
 from .batcher import EncodeBatcher
@@ -32,10 +30,7 @@ def tune_cache_for(cfg: AppConfig, checkpoint: str, device, dtype, settings: Gra
     under `cache_dir`."""
     from ..checkpoints.model_builder import cache_root
 
-    config = Path(checkpoint) / "config.json"
-    parts = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "dtype": str(dtype),
-             "config": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else checkpoint,
-             "budgets": sorted(set(settings.budgets)), "uniform": sorted(settings.uniform_shapes),
+    parts = {**checkpoint_parts(checkpoint, device, dtype), "budgets": sorted(set(settings.budgets)), "uniform": sorted(settings.uniform_shapes),
              "items": settings.max_items_per_batch, "frames": settings.max_frames_per_batch,
              "uint8": settings.uint8_pixels, "pinned": settings.pinned_staging, "flash4": tower.flash4,
              "tower": type(tower).__name__, "ranks": getattr(getattr(tower, "tp", None), "size", 1),

@@ -101,15 +101,12 @@ class GraphTower(nn.Module):
         if cache is None:
             self.down.tune(rows, self.down_weights)
             return "measured"
-        gemms = cache.beside("down projection")
-        with gemms.claim():  # replicas starting together: the first times, the others read its choice
-            table = gemms.load()
-            if table is not None and self.down.apply(table, rows):
-                return f"from {gemms.path}"
+
+        def measure() -> list[dict] | None:
             self.down.tune(rows, self.down_weights)
-            if set(rows) <= set(self.down.choice):  # timed (on CUDA): worth keeping
-                gemms.save(self.down.table())
-        return "measured"
+            return self.down.table() if set(rows) <= set(self.down.choice) else None  # timed (on CUDA): kept
+
+        return cache.beside("down projection").applied_or_measured(lambda t: self.down.apply(t, rows), measure)
 
     def normalized_pixels(self, px: torch.Tensor, pad: int = 0, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Rows in the tower's dtype; uint8 rows get the processor's rescale and normalise first (one
