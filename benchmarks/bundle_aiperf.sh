@@ -16,40 +16,13 @@
 # that runs with the bundle alone on its PYTHONPATH, beside the image's own packages (the server's processes
 # never see it).
 #   bash benchmarks/bundle_aiperf.sh [OUT_DIR]     (default .gpu-aiperf, ignored by git)
-set -euo pipefail
 OUT=${1:-.gpu-aiperf}
-WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
-PIP=(python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp
-     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
-     --platform any -d "$WORK/whl")
-"${PIP[@]}" --no-deps "aiperf==${AIPERF_VERSION:-0.13.0}"
+NAME=aiperf
+source "$(dirname "$0")/bundle_tool.sh"
+bundle_download --no-deps "aiperf==${AIPERF_VERSION:-0.13.0}"
 LEFT_OUT='^(torch|transformers|dash|dash-bootstrap-components|kaleido|kopf|kubernetes-asyncio|matplotlib|optuna|plotly|seaborn|scipy|pandas|textual|soundfile|datasets|pyarrow|starlette-compress|fastapi|uvicorn|python-multipart|aiosqlite|tiktoken|sentencepiece|nvidia-ml-py)\b'
-mapfile -t REQS < <(python3 -m zipfile -e "$WORK"/whl/aiperf-*.whl "$WORK/meta" >/dev/null &&
-  grep '^Requires-Dist: ' "$WORK"/meta/aiperf-*.dist-info/METADATA | grep -v 'extra ==' |
+mapfile -t REQS < <(grep '^Requires-Dist: ' "$(bundle_metadata)" | grep -v 'extra ==' |
   sed 's/^Requires-Dist: //; s/;.*$//' | grep -vE "$LEFT_OUT")
-"${PIP[@]}" "${REQS[@]}"
-# the GPU image's own builds
-IMAGE='^(torch|nvidia|cusparselt|triton|sympy|mpmath|networkx|transformers|tokenizers|safetensors|huggingface_hub|hf_xet|numpy|setuptools|jinja2|markupsafe|MarkupSafe)[-_]'
-mkdir -p "$WORK/site"
-for w in "$WORK"/whl/*.whl; do
-  [[ "$(basename "$w")" =~ $IMAGE ]] && continue
-  python3 -m zipfile -e "$w" "$WORK/site"
-done
-find "$WORK/site" -name '__pycache__' -type d -prune -exec rm -rf {} +
-mkdir -p "$OUT"
-tar -C "$WORK/site" -cf - . | xz -T0 -9 > "$OUT/site.tar.xz"
-cat > "$OUT/install" <<'INSTALL'
-# bash .gpu-aiperf/install  ->  unpacks the bundle beside this file once, prints the aiperf command
-_d=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-if [ ! -f /tmp/gpu-aiperf/.done ]; then
-  mkdir -p /tmp/gpu-aiperf/site && tar -xJf "$_d/site.tar.xz" -C /tmp/gpu-aiperf/site && touch /tmp/gpu-aiperf/.done
-fi
-cat > /tmp/gpu-aiperf/aiperf <<'EXE'
-#!/usr/bin/env bash
-PYTHONPATH=/tmp/gpu-aiperf/site exec python3 -m aiperf "$@"
-EXE
-chmod +x /tmp/gpu-aiperf/aiperf
-echo /tmp/gpu-aiperf/aiperf
-INSTALL
-du -sh "$OUT"/site.tar.xz
+bundle_download "${REQS[@]}"
+bundle_unpack
+bundle_pack

@@ -11,44 +11,17 @@
 # gpu_goodput.sh passes to goodput.py --crosscheck-exe.
 # Built here from the package registry alone:
 #   bash benchmarks/bundle_guidellm.sh [OUT_DIR]     (default .gpu-guidellm, ignored by git)
-set -euo pipefail
 OUT=${1:-.gpu-guidellm}
-WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
-PIP=(python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp
-     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
-     --platform any -d "$WORK/whl")
-"${PIP[@]}" --no-deps "guidellm==${GUIDELLM_VERSION:-0.8.1}"
+NAME=guidellm
+source "$(dirname "$0")/bundle_tool.sh"
+bundle_download --no-deps "guidellm==${GUIDELLM_VERSION:-0.8.1}"
 # its own requirements but torch and transformers (a CUDA torch wheel pulls 3 GB of CUDA libraries)
-mapfile -t REQS < <(python3 -m zipfile -e "$WORK"/whl/guidellm-*.whl "$WORK/meta" >/dev/null &&
-  sed -n 's/^Requires-Dist: \([^;]*\)$/\1/p' "$WORK"/meta/guidellm-*.dist-info/METADATA | grep -vE '^(torch|transformers)\b')
-"${PIP[@]}" "${REQS[@]}"
-# the GPU image's own builds (and torch's CUDA libraries, which only a CUDA torch wheel pulls in)
-IMAGE='^(torch|nvidia|cusparselt|triton|sympy|mpmath|networkx|transformers|tokenizers|safetensors|huggingface_hub|hf_xet|numpy|setuptools|jinja2|markupsafe|MarkupSafe)[-_]'
-mkdir -p "$WORK/site"
-for w in "$WORK"/whl/*.whl; do
-  [[ "$(basename "$w")" =~ $IMAGE ]] && continue
-  python3 -m zipfile -e "$w" "$WORK/site"
-done
+mapfile -t REQS < <(sed -n 's/^Requires-Dist: \([^;]*\)$/\1/p' "$(bundle_metadata)" | grep -vE '^(torch|transformers)\b')
+bundle_download "${REQS[@]}"
+bundle_unpack
 # pyarrow's parts that `datasets` never loads for in-memory synthetic data: Flight, S3, Gandiva, headers,
 # sources and tests (Substrait stays: libarrow_python links it)
 rm -rf "$WORK"/site/pyarrow/{include,src,tests} "$WORK"/site/pandas/tests "$WORK"/site/pyarrow/_pyarrow_cpp_tests*.so \
   "$WORK"/site/pyarrow/libarrow_flight.so* "$WORK"/site/pyarrow/libarrow_python_flight.so* "$WORK"/site/pyarrow/_flight*.so \
   "$WORK"/site/pyarrow/libarrow_s3.so* "$WORK"/site/pyarrow/_s3fs*.so "$WORK"/site/pyarrow/*gandiva*
-find "$WORK/site" -name '__pycache__' -type d -prune -exec rm -rf {} +
-mkdir -p "$OUT"
-tar -C "$WORK/site" -cf - . | xz -T0 -9 > "$OUT/site.tar.xz"
-cat > "$OUT/install" <<'INSTALL'
-# bash .gpu-guidellm/install  ->  unpacks the bundle beside this file once, prints the guidellm command
-_d=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-if [ ! -f /tmp/gpu-guidellm/.done ]; then
-  mkdir -p /tmp/gpu-guidellm/site && tar -xJf "$_d/site.tar.xz" -C /tmp/gpu-guidellm/site && touch /tmp/gpu-guidellm/.done
-fi
-cat > /tmp/gpu-guidellm/guidellm <<'EXE'
-#!/usr/bin/env bash
-PYTHONPATH=/tmp/gpu-guidellm/site exec python3 -m guidellm "$@"
-EXE
-chmod +x /tmp/gpu-guidellm/guidellm
-echo /tmp/gpu-guidellm/guidellm
-INSTALL
-du -sh "$OUT"/site.tar.xz
+bundle_pack
