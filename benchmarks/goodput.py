@@ -94,6 +94,7 @@ from benchmarks.serve import (  # noqa: E402
     Workload,
     _from_each,
     build_bodies,
+    config_file,
     deep_merge,
     encoder_delta,
     entry_points,
@@ -748,11 +749,18 @@ def crosscheck_guidellm(url: str, rate: float, ramp_s: float, window_s: float, i
     report = json.loads(path.read_text())
     _compress(path)  # tens of MB of JSON: the device returns files of at most 16 MiB
     sent, own = guidellm_sent(report)
+    return tool_result("guidellm", cmd, t, own, sent, ramp_s, window_s)
+
+
+def tool_result(tool: str, cmd: list[str], started: float, own: dict, sent: list[Sent], ramp_s: float,
+                window_s: float) -> dict:
+    """A cross-check tool's run: its requests through `analyse` over our window, its own summary, and its
+    arrival gaps' coefficient of variation (Poisson: 1), which says whether it offered what it was asked."""
     gaps = sorted(s.sched_s for s in sent)
     gaps = [b - a for a, b in zip(gaps, gaps[1:])]
     mean = sum(gaps) / len(gaps) if gaps else float("nan")
     cv = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean if gaps and mean > 0 else float("nan")
-    return {"tool": "guidellm", "seconds": time.perf_counter() - t, "command": cmd, "own_summary": own,
+    return {"tool": tool, "seconds": time.perf_counter() - started, "command": cmd, "own_summary": own,
             "arrival_gap_cv": cv, "point": analyse(sent, ramp_s, ramp_s + window_s)}
 
 
@@ -848,12 +856,7 @@ def crosscheck_aiperf(url: str, rate: float, ramp_s: float, window_s: float, ima
     if summary.exists():
         p = json.loads(summary.read_text())
         own = {k: p.get(k) for k in ("request_throughput", "time_to_first_token", "request_count", "error_request_count")}
-    gaps = sorted(s.sched_s for s in sent)
-    gaps = [b - a for a, b in zip(gaps, gaps[1:])]
-    mean = sum(gaps) / len(gaps) if gaps else float("nan")
-    cv = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean if gaps and mean > 0 else float("nan")
-    return {"tool": "aiperf", "seconds": time.perf_counter() - t, "command": cmd, "own_summary": own,
-            "arrival_gap_cv": cv, "point": analyse(sent, ramp_s, ramp_s + window_s)}
+    return tool_result("aiperf", cmd, t, own, sent, ramp_s, window_s)
 
 
 def _compress(path: Path) -> None:
@@ -1335,20 +1338,16 @@ def closed_loop(url: str, wl, a, concurrency: int, n: int, offset: int) -> dict:
             "resources": {k: res.get(k) for k in ("gpu_mean", "host_busy", "groups", "verdict")} if res else {}}
 
 
-def served_checkpoint(a) -> str:
-    """The served checkpoint's folder (built first where it is an embedded preset), from --model, --app-args
-    and --serve-config as `main` deploys them."""
-    import yaml
-
+def served_checkpoint(a, app_args: dict) -> str:
+    """The served checkpoint's folder (built first where it is an embedded preset): the config file's args
+    deep-merged with `main`'s `app_args` (--app-args, --model), as `main` deploys them."""
     from app.checkpoints.model_builder import resolve_model
 
-    args = yaml.safe_load(Path(a.serve_config).read_text())["applications"][0].get("args", {}) if a.serve_config else {}
-    args = deep_merge(args, json.loads(a.app_args))
-    model = a.model or args.get("model") or "embedded:tiny"
-    return str(resolve_model(model, args.get("cache_dir")))
+    args = deep_merge(config_file(a)[1], app_args)
+    return str(resolve_model(args.get("model") or "embedded:tiny", args.get("cache_dir")))
 
 
-def run_crosscheck(bench: Bench, a, first: dict, out_dir: Path) -> dict:
+def run_crosscheck(bench: Bench, a, first: dict, out_dir: Path, app_args: dict) -> dict:
     """Our point and the tool's (GuideLLM's or AIPerf's) at the same rate and request shape, one after the
     other on the warm app."""
     import importlib.util
@@ -1371,7 +1370,7 @@ def run_crosscheck(bench: Bench, a, first: dict, out_dir: Path) -> dict:
         theirs = crosscheck_guidellm(bench.url, rate, a.ramp_s, a.window_s, a.image_size, a.output_tokens, out_dir, exe)
     else:
         theirs = crosscheck_aiperf(bench.url, rate, a.ramp_s, a.window_s, a.image_size, a.output_tokens, out_dir, exe,
-                                   a.crosscheck_tokenizer or served_checkpoint(a))
+                                   a.crosscheck_tokenizer or served_checkpoint(a, app_args))
     out = {"rate": rate, "shape": f"{a.image_size}^2 noise JPEG, {text}, {a.output_tokens} tokens", "ours": ours,
            **theirs}
     if ours and "point" in theirs:
@@ -1806,7 +1805,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{'complete' if s['complete'] else 'INCOMPLETE'}", flush=True)
             save()
         if a.crosscheck:
-            results["crosscheck"] = run_crosscheck(bench, a, results["workloads"][workloads[0].label], out_dir)
+            results["crosscheck"] = run_crosscheck(bench, a, results["workloads"][workloads[0].label], out_dir,
+                                                   app_args)
             save()
         cold_rates = [(None, r) for r in a.cold_rate] if a.cold_rate else []
         goodput = results["workloads"][workloads[0].label]["search"]["goodput"]

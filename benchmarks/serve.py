@@ -550,14 +550,19 @@ def wait_listening(port: int, host: str = "127.0.0.1", timeout_s: float = 180.0)
             time.sleep(0.2)
 
 
-def entry_points(a, app_args: dict) -> tuple[int, str]:
-    """With --start: (Ray Serve's proxy port, the URL the load goes to). The Routers' own port
-    (router_http_port, from the config file's args or --router-port) takes the load unless --via proxy."""
+def config_file(a) -> tuple[dict, dict]:
+    """--serve-config's contents and its first application's args (both {} without one)."""
     import yaml
 
     conf = yaml.safe_load(Path(a.serve_config).read_text()) if a.serve_config else {}
+    return conf, (conf["applications"][0].get("args") or {}) if conf else {}
+
+
+def entry_points(a, app_args: dict) -> tuple[int, str]:
+    """With --start: (Ray Serve's proxy port, the URL the load goes to). The Routers' own port
+    (router_http_port, from the config file's args or --router-port) takes the load unless --via proxy."""
+    conf, file_args = config_file(a)
     proxy_port = a.port or conf.get("http_options", {}).get("port", 8000)
-    file_args = (conf["applications"][0].get("args") or {}) if conf else {}
     router_port = deep_merge(file_args, app_args).get("router_http_port")
     if router_port == proxy_port:
         raise SystemExit(f"the Routers' port and Ray Serve's proxy port are both {proxy_port}")
