@@ -180,6 +180,8 @@ def test_a_kept_choice_is_applied_whole_or_not_at_all(tmp_path):
     keys = {(1, 6, 4), (2, 6, 4)}
     applied = G.GemvTable()
     assert applied.apply(cache.load(), keys) and applied.choices == timed.choices  # times exact, not rounded
+    in_order = G.GemvTable()  # in the order timed, whatever the order asked for: the stats read the same
+    assert in_order.apply(cache.load(), sorted(keys, reverse=True)) and list(in_order.choices) == list(timed.choices)
     assert [c.used for c in applied.choices.values()] == [True, False]  # the second's disagreement kept
     edge = _table_from({"cublas": 10.0, **{t: 12.0 for t in G.TILES}, G.TILES[1]: 9.5001})  # just above MIN_GAIN
     again = G.GemvTable()

@@ -14,7 +14,7 @@ keeps a tile only below MIN_GAIN of cuBLAS and only if its output then matches F
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -221,7 +221,7 @@ class GemvTable:
         return [{"rows": c.rows, "n": c.n, "k": c.k, "cublas_us": c.cublas_us, "kernel_us": c.kernel_us,
                  "tile": list(c.tile), "agrees": c.agrees} for c in self.choices.values()]
 
-    def apply(self, table: list[dict], keys: set[tuple[int, int, int]], tiles=TILES) -> bool:
+    def apply(self, table: list[dict], keys: Collection[tuple[int, int, int]], tiles=TILES) -> bool:
         """Another replica's choice (`as_dict`'s rows, from tune_cache.TuneCache), if it holds a valid row
         for every (rows, N, K) of `keys` with a tile among `tiles`: kept as if timed here, its agreement
         check included (same GPU model and code by the cache's key). False, nothing changed, otherwise."""
@@ -235,9 +235,9 @@ class GemvTable:
                 got[(c.rows, c.n, c.k)] = c
         except (KeyError, TypeError, ValueError):
             return False
-        if not keys <= set(got):
+        if not set(keys) <= set(got):
             return False
-        self.choices.update({key: got[key] for key in keys})
+        self.choices.update({key: c for key, c in got.items() if key in keys})  # the file's order, as timed
         return True
 
 
