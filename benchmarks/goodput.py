@@ -740,7 +740,7 @@ def crosscheck_guidellm(url: str, rate: float, ramp_s: float, window_s: float, i
            f"output_tokens={output_tokens}", "--output", f"kind=json,path={path}", "--disable-console-interactive"]
     t = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ramp_s + window_s + 300)
+        proc, cpu = run_tool(cmd, ramp_s + window_s + 300)
     except subprocess.TimeoutExpired as e:
         return {"tool": "guidellm", "command": cmd, "error": f"did not finish in {e.timeout:g} s"}
     (out_dir / "guidellm.log").write_text(proc.stdout + proc.stderr)
@@ -749,19 +749,52 @@ def crosscheck_guidellm(url: str, rate: float, ramp_s: float, window_s: float, i
     report = json.loads(path.read_text())
     _compress(path)  # tens of MB of JSON: the device returns files of at most 16 MiB
     sent, own = guidellm_sent(report)
-    return tool_result("guidellm", cmd, t, own, sent, ramp_s, window_s)
+    return tool_result("guidellm", cmd, t, own, sent, ramp_s, window_s, cpu)
+
+
+def _host_cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, all) clock ticks of the host's CPUs so far (/proc/stat's first line), or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
+    return sum(ticks[:8]) - idle, sum(ticks[:8])
+
+
+def run_tool(cmd: list[str], timeout: float, env: dict | None = None):
+    """Run a cross-check tool to its end: (CompletedProcess, cpu), where cpu says what the tool and the host
+    used meanwhile: `tool_cores`, the CPU time of the tool and of every process it waited for, over the wall
+    time (getrusage of this process's children), and `host_busy_cores` of `host_cores`. A tool whose
+    clients share the host's cores with the server can time its own queue, not the server's
+    (RESULTS.md: GuideLLM's one process at 140 req/s); these say whether that happened."""
+    import resource
+    import subprocess
+
+    before, host0, t = resource.getrusage(resource.RUSAGE_CHILDREN), _host_cpu_jiffies(), time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    after, host1, wall = resource.getrusage(resource.RUSAGE_CHILDREN), _host_cpu_jiffies(), time.perf_counter() - t
+    used = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    cpu = {"wall_s": wall, "tool_cpu_s": used, "tool_cores": used / wall if wall > 0 else float("nan"),
+           "host_cores": os.cpu_count()}
+    if host0 and host1 and wall > 0:
+        busy, total = host1[0] - host0[0], host1[1] - host0[1]
+        cpu["host_busy_cores"] = busy / total * os.cpu_count() if total else float("nan")
+    return proc, cpu
 
 
 def tool_result(tool: str, cmd: list[str], started: float, own: dict, sent: list[Sent], ramp_s: float,
-                window_s: float) -> dict:
-    """A cross-check tool's run: its requests through `analyse` over our window, its own summary, and its
-    arrival gaps' coefficient of variation (Poisson: 1), which says whether it offered what it was asked."""
+                window_s: float, cpu: dict | None = None) -> dict:
+    """A cross-check tool's run: its requests through `analyse` over our window, its own summary, the CPU it
+    and the host used (`run_tool`), and its arrival gaps' coefficient of variation (Poisson: 1), which says
+    whether it offered what it was asked."""
     gaps = sorted(s.sched_s for s in sent)
     gaps = [b - a for a, b in zip(gaps, gaps[1:])]
     mean = sum(gaps) / len(gaps) if gaps else float("nan")
     cv = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean if gaps and mean > 0 else float("nan")
     return {"tool": tool, "seconds": time.perf_counter() - started, "command": cmd, "own_summary": own,
-            "arrival_gap_cv": cv, "point": analyse(sent, ramp_s, ramp_s + window_s)}
+            "cpu": cpu or {}, "arrival_gap_cv": cv, "point": analyse(sent, ramp_s, ramp_s + window_s)}
 
 
 def aiperf_sent(lines: list[str]) -> list[Sent]:
@@ -842,7 +875,7 @@ def crosscheck_aiperf(url: str, rate: float, ramp_s: float, window_s: float, ima
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     t = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ramp_s + window_s + 300, env=env)
+        proc, cpu = run_tool(cmd, ramp_s + window_s + 300, env)
     except subprocess.TimeoutExpired as e:
         return {"tool": "aiperf", "command": cmd, "error": f"did not finish in {e.timeout:g} s"}
     (out_dir / "aiperf.log").write_text(proc.stdout[-200_000:] + proc.stderr[-200_000:])
@@ -850,13 +883,13 @@ def crosscheck_aiperf(url: str, rate: float, ramp_s: float, window_s: float, ima
     if proc.returncode != 0 or not records.exists():
         return {"tool": "aiperf", "command": cmd, "error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-500:]}"}
     sent = aiperf_sent(records.read_text().splitlines())
-    _compress(records)
     own = {}
     summary = artifacts / "profile_export_aiperf.json"
     if summary.exists():
         p = json.loads(summary.read_text())
         own = {k: p.get(k) for k in ("request_throughput", "time_to_first_token", "request_count", "error_request_count")}
-    return tool_result("aiperf", cmd, t, own, sent, ramp_s, window_s)
+    pack_folder(artifacts, skip={"inputs.json"})  # its requests' payloads: tens of MB of base64 JPEGs
+    return tool_result("aiperf", cmd, t, own, sent, ramp_s, window_s, cpu)
 
 
 def _compress(path: Path) -> None:
@@ -866,6 +899,21 @@ def _compress(path: Path) -> None:
     with open(path, "rb") as src, lzma.open(str(path) + ".xz", "wb", preset=6) as dst:
         dst.write(src.read())
     path.unlink()
+
+
+def pack_folder(folder: Path, skip: set[str] = frozenset()) -> Path:
+    """Replace `folder` by one `folder.tar.xz` of its files but `skip` (names): the device returns only
+    a few files a call (AIPerf writes a dozen, in sub-folders), so its records come back whole."""
+    import shutil
+    import tarfile
+
+    packed = folder.with_name(folder.name + ".tar.xz")
+    with tarfile.open(packed, "w:xz") as tar:
+        for path in sorted(folder.rglob("*")):
+            if path.is_file() and path.name not in skip:
+                tar.add(path, arcname=str(path.relative_to(folder.parent)))
+    shutil.rmtree(folder)
+    return packed
 
 
 def agreement(ours: dict, theirs: dict) -> dict:
@@ -1378,10 +1426,19 @@ def run_crosscheck(bench: Bench, a, first: dict, out_dir: Path, app_args: dict) 
         d = out["difference"]
         print(f"cross-check at {rate:g} req/s: {tool} / ours - 1: offered {100 * d['offered_rps']:+.1f}%, served "
               f"{100 * d['served_rps']:+.1f}%, TTFT p50 {100 * d['ttft_p50']:+.1f}%, p99 {100 * d['ttft_p99']:+.1f}% "
-              f"(its arrival gaps' CV {theirs['arrival_gap_cv']:.2f}; Poisson: 1)", flush=True)
+              f"(its arrival gaps' CV {theirs['arrival_gap_cv']:.2f}; Poisson: 1){cpu_text(theirs.get('cpu'))}",
+              flush=True)
     else:
         print(f"cross-check at {rate:g} req/s failed: {theirs.get('error')}", flush=True)
     return out
+
+
+def cpu_text(cpu: dict | None) -> str:
+    """`; its processes 4.1 cores, the host 13.2 of 16 busy` (run_tool's figures), or ''."""
+    if not cpu or "tool_cores" not in cpu:
+        return ""
+    host = f", the host {cpu['host_busy_cores']:.1f} of {cpu['host_cores']} busy" if "host_busy_cores" in cpu else ""
+    return f"; its processes {cpu['tool_cores']:.1f} cores{host}"
 
 
 def coarse_rates(a, saturation: float | None) -> list[float]:

@@ -436,6 +436,39 @@ def test_aiperfs_records_are_read_as_per_request_records():
     assert "ignore_eos:true" in cmd and "min_tokens:16" in cmd
 
 
+def test_a_cross_check_tool_run_counts_its_own_cpu_and_the_hosts(tmp_path):
+    """run_tool: the CPU time of the tool and of the processes it started and waited for (here a child that
+    spins 0.4 s of CPU in a grandchild), over the wall time; the host's busy cores beside it."""
+    from benchmarks.goodput import cpu_text, run_tool
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass"
+    child = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}], check=True); print('done')"
+    proc, cpu = run_tool([sys.executable, "-c", child], timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "done"
+    assert 0.4 <= cpu["tool_cpu_s"] <= cpu["wall_s"] * os.cpu_count() and cpu["tool_cores"] > 0
+    assert 0 < cpu["host_busy_cores"] <= cpu["host_cores"] == os.cpu_count()
+    assert cpu_text(cpu).startswith("; its processes ") and cpu_text({}) == ""
+
+
+def test_a_tools_artifact_folder_travels_as_one_file(tmp_path):
+    """pack_folder: the device returns a few files a call, so AIPerf's dozen (in sub-folders) travel as one
+    archive, without the payloads it was told to skip."""
+    import tarfile
+
+    from benchmarks.goodput import pack_folder
+
+    folder = tmp_path / "aiperf"
+    (folder / "logs").mkdir(parents=True)
+    (folder / "profile_export.jsonl").write_text('{"metadata": {}}\n')
+    (folder / "logs" / "aiperf.log").write_text("log")
+    (folder / "inputs.json").write_text("x" * 1000)
+    packed = pack_folder(folder, skip={"inputs.json"})
+    assert packed == tmp_path / "aiperf.tar.xz" and not folder.exists()
+    with tarfile.open(packed) as tar:
+        assert sorted(tar.getnames()) == ["aiperf/logs/aiperf.log", "aiperf/profile_export.jsonl"]
+        assert tar.extractfile("aiperf/profile_export.jsonl").read() == b'{"metadata": {}}\n'
+
+
 def test_gpu_time_counters_are_summed_over_replicas():
     assert gpu_totals({"replicas": [{"encoder_gpu_ms_total": 5.0, "batches": 3}, {"encoder_gpu_ms_total": 2.5}]}) == \
         {"encoder_gpu_ms_total": 7.5}
