@@ -845,11 +845,12 @@ def _aiperf_seconds(metric: dict | None) -> float | None:
 
 
 def aiperf_command(exe: list[str], url: str, model: str, tokenizer: str, rate: float, seconds: float,
-                   image_size: int, output_tokens: int, artifacts: Path) -> list[str]:
+                   image_size: int, output_tokens: int, artifacts: Path, workers: int | None = None) -> list[str]:
     """`aiperf profile`: Poisson arrivals at `rate` for `seconds`, one streamed chat request each with one
     noise JPEG of `image_size`^2, a one-token text prompt (AIPerf's synthetic prompts need at least one)
-    and exactly `output_tokens` answer tokens, counted by the server; no warm-up of its own (ours ran)."""
-    return [*exe, "profile", "-m", model, "--url", url, "--endpoint-type", "chat", "--streaming",
+    and exactly `output_tokens` answer tokens, counted by the server; no warm-up of its own (ours ran).
+    `workers`: its worker processes (`--workers-max`); None: its default, (cores x 0.75) - 1 up to 32."""
+    return [*exe, "profile", *(["--workers-max", str(workers)] if workers else []), "-m", model, "--url", url, "--endpoint-type", "chat", "--streaming",
             "--tokenizer", tokenizer, "--request-rate", f"{rate:g}", "--arrival-pattern", "poisson",
             "--benchmark-duration", f"{seconds:g}", "--benchmark-grace-period", "60", "--random-seed", "0",
             "--prompt-input-tokens-mean", "1", "--prompt-input-tokens-stddev", "0",
@@ -860,17 +861,18 @@ def aiperf_command(exe: list[str], url: str, model: str, tokenizer: str, rate: f
 
 
 def crosscheck_aiperf(url: str, rate: float, ramp_s: float, window_s: float, image_size: int, output_tokens: int,
-                      out_dir: Path, exe: list[str], tokenizer: str) -> dict:
+                      out_dir: Path, exe: list[str], tokenizer: str, workers: int | None = None) -> dict:
     """NVIDIA AIPerf's Poisson run at `rate` for ramp + window seconds (`aiperf_command`): its per-request
     records through `analyse`, and its own summary. AIPerf sends from several worker processes, where
-    GuideLLM's one process saturated at 140 req/s (2026-12-02)."""
+    GuideLLM's one process saturated at 140 req/s (2026-12-02); `workers` sets how many."""
     import subprocess
     import urllib.request
 
     with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as resp:
         model = json.loads(resp.read())["data"][0]["id"]
-    artifacts = out_dir / "aiperf"
-    cmd = aiperf_command(exe, url, model, tokenizer, rate, ramp_s + window_s, image_size, output_tokens, artifacts)
+    artifacts = out_dir / (f"aiperf_w{workers}" if workers else "aiperf")
+    cmd = aiperf_command(exe, url, model, tokenizer, rate, ramp_s + window_s, image_size, output_tokens, artifacts,
+                         workers)
     # AIPerf 0.13 fails to load a local tokenizer folder under HF_HUB_OFFLINE=1 (HFValidationError)
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     t = time.perf_counter()
@@ -878,7 +880,7 @@ def crosscheck_aiperf(url: str, rate: float, ramp_s: float, window_s: float, ima
         proc, cpu = run_tool(cmd, ramp_s + window_s + 300, env)
     except subprocess.TimeoutExpired as e:
         return {"tool": "aiperf", "command": cmd, "error": f"did not finish in {e.timeout:g} s"}
-    (out_dir / "aiperf.log").write_text(proc.stdout[-200_000:] + proc.stderr[-200_000:])
+    (out_dir / f"{artifacts.name}.log").write_text(proc.stdout[-200_000:] + proc.stderr[-200_000:])
     records = artifacts / "profile_export.jsonl"
     if proc.returncode != 0 or not records.exists():
         return {"tool": "aiperf", "command": cmd, "error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-500:]}"}
@@ -889,7 +891,7 @@ def crosscheck_aiperf(url: str, rate: float, ramp_s: float, window_s: float, ima
         p = json.loads(summary.read_text())
         own = {k: p.get(k) for k in ("request_throughput", "time_to_first_token", "request_count", "error_request_count")}
     pack_folder(artifacts, skip={"inputs.json"})  # its requests' payloads: tens of MB of base64 JPEGs
-    return tool_result("aiperf", cmd, t, own, sent, ramp_s, window_s, cpu)
+    return {**tool_result("aiperf", cmd, t, own, sent, ramp_s, window_s, cpu), "workers": workers}
 
 
 def _compress(path: Path) -> None:
@@ -1413,23 +1415,30 @@ def run_crosscheck(bench: Bench, a, first: dict, out_dir: Path, app_args: dict) 
     text = "no text" if tool == "guidellm" else "a one-token text prompt"
     shape = Workload("image", a.image_size, prompt_words=0 if tool == "guidellm" else 1, output_tokens=a.output_tokens)
     ours = bench.point(shape, rate, a.ramp_s, a.window_s, monitor=False)
-    asyncio.run(settle(bench.url))
-    if tool == "guidellm":
-        theirs = crosscheck_guidellm(bench.url, rate, a.ramp_s, a.window_s, a.image_size, a.output_tokens, out_dir, exe)
-    else:
-        theirs = crosscheck_aiperf(bench.url, rate, a.ramp_s, a.window_s, a.image_size, a.output_tokens, out_dir, exe,
-                                   a.crosscheck_tokenizer or served_checkpoint(a, app_args))
+    runs = []
+    for workers in (a.crosscheck_workers or [0]) if tool == "aiperf" else [0]:
+        asyncio.run(settle(bench.url))
+        if tool == "guidellm":
+            theirs = crosscheck_guidellm(bench.url, rate, a.ramp_s, a.window_s, a.image_size, a.output_tokens,
+                                         out_dir, exe)
+        else:
+            theirs = crosscheck_aiperf(bench.url, rate, a.ramp_s, a.window_s, a.image_size, a.output_tokens, out_dir,
+                                       exe, a.crosscheck_tokenizer or served_checkpoint(a, app_args), workers or None)
+        if ours and "point" in theirs:
+            theirs["difference"] = d = agreement(ours, theirs["point"])
+            who = f"{tool} ({workers} workers)" if workers else tool
+            print(f"cross-check at {rate:g} req/s: {who} / ours - 1: offered {100 * d['offered_rps']:+.1f}%, served "
+                  f"{100 * d['served_rps']:+.1f}%, TTFT p50 {100 * d['ttft_p50']:+.1f}%, p99 "
+                  f"{100 * d['ttft_p99']:+.1f}% (its arrival gaps' CV {theirs['arrival_gap_cv']:.2f}; Poisson: 1)"
+                  f"{cpu_text(theirs.get('cpu'))}", flush=True)
+        else:
+            print(f"cross-check at {rate:g} req/s failed: {theirs.get('error')}", flush=True)
+        runs.append(theirs)
+    # the first run's fields at the top, as before; every run (one per --crosscheck-workers) in `runs`
     out = {"rate": rate, "shape": f"{a.image_size}^2 noise JPEG, {text}, {a.output_tokens} tokens", "ours": ours,
-           **theirs}
-    if ours and "point" in theirs:
-        out["difference"] = agreement(ours, theirs["point"])
-        d = out["difference"]
-        print(f"cross-check at {rate:g} req/s: {tool} / ours - 1: offered {100 * d['offered_rps']:+.1f}%, served "
-              f"{100 * d['served_rps']:+.1f}%, TTFT p50 {100 * d['ttft_p50']:+.1f}%, p99 {100 * d['ttft_p99']:+.1f}% "
-              f"(its arrival gaps' CV {theirs['arrival_gap_cv']:.2f}; Poisson: 1){cpu_text(theirs.get('cpu'))}",
-              flush=True)
-    else:
-        print(f"cross-check at {rate:g} req/s failed: {theirs.get('error')}", flush=True)
+           **runs[0]}
+    if len(runs) > 1:
+        out["runs"] = runs
     return out
 
 
@@ -1720,6 +1729,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--crosscheck-rate", type=float, default=None)
     p.add_argument("--crosscheck-exe", default=None,
                    help="the tool's command (default: `python -m TOOL` when importable, else `TOOL`)")
+    p.add_argument("--crosscheck-workers", type=int, nargs="+", default=None, metavar="N",
+                   help="aiperf: one run per value against the same app, with N worker processes (0: its default, "
+                        "(cores x 0.75) - 1): whether its TTFT is the server's or its workers' own")
     p.add_argument("--crosscheck-tokenizer", default=None,
                    help="aiperf: the tokenizer folder for its synthetic prompts (default: the served checkpoint's, "
                         "from --model, --app-args and --serve-config)")

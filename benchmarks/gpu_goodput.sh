@@ -19,7 +19,8 @@
 #              is carried (benchmarks/bundle_aiperf.sh, bundle_guidellm.sh; neither fits beside .gpu-deps,
 #              so it goes in a call of its own on a machine an earlier call left with .gpu-deps unpacked:
 #              STAGES=crosscheck CROSSCHECK_RATE=R); otherwise it writes why it was skipped to
-#              $OUT/crosscheck.txt.
+#              $OUT/crosscheck.txt. CROSSCHECK_WORKERS="0 4": AIPerf once per value against the same app, with
+#              that many worker processes (0: its default), each its own line and `runs` entry.
 # Environment (defaults in brackets):
 #   WORKLOADS [image]        goodput.py --workload, e.g. "image mix" (the mix's TTFT bound: --ttft-p99-ms-mix)
 #   CLOSED_ONE [512 2048]    closed loop on 1 GPU: concurrency and requests (per workload); about 8 s at saturation
@@ -167,6 +168,7 @@ for s in $ALL_STAGES; do
       # our point of the first workload at the goodput, then ours and the tool's of the same shape
       stage crosscheck "$OUT/crosscheck_1gpu" 1 $(( $(left) - 20 )) --rates "$g" --no-search --closed-loop 0 0 \
         --crosscheck "$tool" --crosscheck-rate "$g" ${exe:+--crosscheck-exe "$exe"} \
+        ${CROSSCHECK_WORKERS:+--crosscheck-workers $CROSSCHECK_WORKERS} \
         --load-processes "${LOAD_ONE:-2}" "$@" ;;
   esac
 done

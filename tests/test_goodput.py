@@ -526,6 +526,10 @@ class FakeServer:
     async def health(self, request):
         return web.json_response({"status": "ok"}, status=200 if time.monotonic() >= self.ready_at else 503)
 
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]},
+                                 status=200 if time.monotonic() >= self.ready_at else 503)
+
 
 @pytest.fixture
 def fake():
@@ -535,7 +539,7 @@ def fake():
     app.router.add_get("/v1/llm/load", server.load)
     app.router.add_get("/v1/encoder/stats", server.encoder_stats)
     app.router.add_get("/health", server.health)
-    app.router.add_get("/v1/models", server.health)
+    app.router.add_get("/v1/models", server.models)
     for url in serve_aiohttp(app):
         yield server, url
 
@@ -590,6 +594,63 @@ def test_the_closed_loop_reads_the_replicas_load_beside_it(fake):
     assert r["failed"] == 0 and r["request_throughput"] > 0
     (bal,) = r["replica_balance"]  # 60 requests at 20 req/s: about 3 s, a sample a second
     assert bal["replica"] == "r0" and bal["gpu"] == "0" and bal["samples"] >= 1 and bal["running_mean"] == 2
+
+
+FAKE_AIPERF = """
+import json, sys, time
+from pathlib import Path
+args = sys.argv[1:]
+arg = lambda name: args[args.index(name) + 1]
+out = Path(arg("--artifact-dir")); out.mkdir(parents=True)
+rate, seconds = float(arg("--request-rate")), float(arg("--benchmark-duration"))
+workers = int(arg("--workers-max")) if "--workers-max" in args else 0
+ttft_ms = 20.0 + 10.0 * workers  # a made-up client whose TTFT grows with its workers
+t0 = time.time_ns()
+with open(out / "profile_export.jsonl", "w") as f:
+    for i in range(int(rate * seconds)):
+        at = t0 + int(i / rate * 1e9)
+        md = {"credit_issued_ns": at, "request_start_ns": at, "request_end_ns": at + 100_000_000,
+              "benchmark_phase": "profiling", "was_cancelled": False}
+        f.write(json.dumps({"metadata": md, "metrics": {
+            "time_to_first_token": {"value": ttft_ms, "unit": "ms"},
+            "output_sequence_length": {"value": 5, "unit": "tokens"}}}) + "\\n")
+(out / "profile_export_aiperf.json").write_text(json.dumps({"request_count": {"avg": int(rate * seconds)}}))
+(out / "inputs.json").write_text("payloads")
+print("workers", workers, "args", " ".join(args[:2]))
+"""
+
+
+def test_a_cross_check_runs_aiperf_once_per_worker_count_against_one_app(fake, tmp_path):
+    """run_crosscheck with --crosscheck-workers 0 3: our point once, then the tool once per value, each
+    with its own command (`--workers-max` only where asked), records read through `analyse`, difference
+    against ours, CPU record, and its artifacts packed without the payloads; the first run's fields stay
+    at the top of the result."""
+    import tarfile
+
+    from benchmarks.goodput import Bench, parse_args, run_crosscheck
+
+    server, url = fake
+    tool = tmp_path / "fake_aiperf.py"
+    tool.write_text(FAKE_AIPERF)
+    a = parse_args(["--url", url, "--no-monitor", "--image-size", "32", "--ramp-s", "0.5", "--window-s", "2",
+                    "--output-tokens", "5", "--crosscheck", "aiperf", "--crosscheck-rate", "10",
+                    "--crosscheck-exe", f"{sys.executable} {tool}", "--crosscheck-tokenizer", "/ckpt",
+                    "--crosscheck-workers", "0", "3"])
+    out = run_crosscheck(Bench(url, a, None), a, {}, tmp_path, {})
+    assert [r["workers"] for r in out["runs"]] == [None, 3] and out["workers"] is None
+    assert "--workers-max" not in out["runs"][0]["command"]
+    cmd = out["runs"][1]["command"]
+    assert cmd[cmd.index("--workers-max") + 1] == "3" and cmd[cmd.index("--request-rate") + 1] == "10"
+    assert out["ours"]["window_completions"] > 0 and out["difference"] == out["runs"][0]["difference"]
+    # the made-up TTFTs (20 and 50 ms) read back exactly, and compared with our own client's
+    assert [r["point"]["ttft_ms"]["p50"] for r in out["runs"]] == pytest.approx([20.0, 50.0])
+    for r in out["runs"]:
+        assert r["difference"]["ttft_p50"] == pytest.approx(r["point"]["ttft_ms"]["p50"] / out["ours"]["ttft_ms"]["p50"] - 1)
+        assert r["cpu"]["tool_cpu_s"] > 0 and r["own_summary"]["request_count"] == {"avg": 25}
+    for name in ("aiperf", "aiperf_w3"):
+        assert (tmp_path / f"{name}.log").read_text().startswith("workers")
+        with tarfile.open(tmp_path / f"{name}.tar.xz") as tar:
+            assert sorted(tar.getnames()) == [f"{name}/profile_export.jsonl", f"{name}/profile_export_aiperf.json"]
 
 
 def test_a_cold_start_waits_for_ready_then_starts_the_clock(fake, tmp_path):
