@@ -77,7 +77,7 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -850,7 +850,8 @@ def aiperf_command(exe: list[str], url: str, model: str, tokenizer: str, rate: f
     noise JPEG of `image_size`^2, a one-token text prompt (AIPerf's synthetic prompts need at least one)
     and exactly `output_tokens` answer tokens, counted by the server; no warm-up of its own (ours ran).
     `workers`: its worker processes (`--workers-max`); None: its default, (cores x 0.75) - 1 up to 32."""
-    return [*exe, "profile", *(["--workers-max", str(workers)] if workers else []), "-m", model, "--url", url, "--endpoint-type", "chat", "--streaming",
+    return [*exe, "profile", *(["--workers-max", str(workers)] if workers else []),
+            "-m", model, "--url", url, "--endpoint-type", "chat", "--streaming",
             "--tokenizer", tokenizer, "--request-rate", f"{rate:g}", "--arrival-pattern", "poisson",
             "--benchmark-duration", f"{seconds:g}", "--benchmark-grace-period", "60", "--random-seed", "0",
             "--prompt-input-tokens-mean", "1", "--prompt-input-tokens-stddev", "0",
@@ -903,7 +904,7 @@ def _compress(path: Path) -> None:
     path.unlink()
 
 
-def pack_folder(folder: Path, skip: set[str] = frozenset()) -> Path:
+def pack_folder(folder: Path, skip: Collection[str] = ()) -> Path:
     """Replace `folder` by one `folder.tar.xz` of its files but `skip` (names): the device returns only
     a few files a call (AIPerf writes a dozen, in sub-folders), so its records come back whole."""
     import shutil
