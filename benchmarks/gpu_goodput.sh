@@ -47,7 +47,8 @@
 # STAGES=all WORKLOADS="image mix" RAMP=4 in another.
 # Results: $OUT/goodput_1gpu and $OUT/goodput_<N>gpu (goodput.json, goodput.md, goodput.png, cold_start.png,
 # the stage's log; with --pyspy, pyspy_<point>.txt summed per point and pyspy_raw.tgz of the raw stacks),
-# $OUT/summary.md with every stage's table, $OUT/env.txt.
+# $OUT/summary.md with every stage's table, $OUT/env.txt. The device returns at most 8 files a call: where $OUT
+# holds more, the stages' folders travel as one $OUT/stages.tar.xz (PACK=0: never), beside summary.md and env.txt.
 set -uo pipefail
 source benchmarks/gpu_env.sh
 CONFIG=${1:-configs/qwen3-vl-2b-gpu.yaml}; shift || true
@@ -173,4 +174,10 @@ for s in $ALL_STAGES; do
   esac
 done
 cat "$OUT/summary.md"
+stage_dirs=$(cd "$OUT" && ls -d goodput_* crosscheck_* 2>/dev/null | tr "\n" " ")
+if [ "${PACK:-1}" != 0 ] && [ -n "$stage_dirs" ] && [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  # shellcheck disable=SC2086
+  tar -cJf "$OUT/stages.tar.xz" -C "$OUT" $stage_dirs && (cd "$OUT" && rm -rf $stage_dirs) &&
+    echo "more than 8 files under \$OUT: the stages' folders ($stage_dirs) are in stages.tar.xz"
+fi
 echo "script seconds: $(( $(date +%s) - T0 ))"
