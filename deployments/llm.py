@@ -12,7 +12,6 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import asdict
 
 from ray import serve
 
@@ -55,7 +54,7 @@ class TextOnly:
 
     async def stream(self, gen: dict, payload: list):
         async for chunk in self.streams.generate(GenerationRequest.from_router(gen, [])):
-            yield asdict(chunk)
+            yield chunk.as_dict()
 
 
 # answers in flight finish when the replica is stopped: the Router's grace, that of a long answer
@@ -112,7 +111,7 @@ class LLM:
         """Async generator of chunk dicts; `encoded` arrives resolved from the encoder's response."""
         stream = self.streams.generate(GenerationRequest.from_router(gen, encoded))
         async for chunk in self._observed(gen, stream):
-            yield asdict(chunk)
+            yield chunk.as_dict()
 
     async def generate_from_media(self, gen: dict, payload: list):
         """`fused` placement: the request's encoder payload (object-store references of prepared
@@ -129,7 +128,7 @@ class LLM:
                 # when it began and ended by the wall clock, which the Router turns into the hops' times
                 chunk.timing = {**chunk.timing, "payload_s": resolved - t0, "replica_s": time.perf_counter() - t0,
                                 "replica_in_at": entered, "replica_out_at": time.time()}
-            yield asdict(chunk)
+            yield chunk.as_dict()
 
     def encoder_stats(self) -> dict:
         """`fused`: this replica's encoder counters (`/v1/encoder/stats` merges every replica's)."""

@@ -195,6 +195,28 @@ def test_output_stream_pairs_entries_with_tokens_across_held_back_text(world):
     assert got == ids and [e[0] for c in chunks for e in c.logprobs] == [-float(i) for i in range(len(ids))]
 
 
+def test_a_chunk_streams_as_asdict_would_give_it_and_later_tokens_leave_it_alone(world):
+    """Chunk.as_dict (what backends yield) equals dataclasses.asdict's deep copy, field for field, with
+    logprobs and timing; what the stream does after a chunk is made (more tokens, more log-probabilities)
+    changes no dict already yielded."""
+    import copy
+    from dataclasses import asdict
+
+    from app.llm.sampling import SamplingParams
+
+    tok = world["tok"]
+    ids = tok.encode("hello there")
+    stream = OutputStream(tok, SamplingParams(logprobs=1), 3, 2)
+    first = stream.push([TokenDelta(ids[:2], logprobs=[(-0.5, [ids[0]], [-0.5]), (-1.5, [ids[1]], [-1.5])],
+                                    cached_tokens=1, timing={"queue_s": 0.01, "prefill_s": 0.02})])
+    out = first.as_dict()
+    assert out == asdict(first) and list(out) == list(asdict(first))
+    kept = copy.deepcopy(out)
+    last = stream.push([TokenDelta(ids[2:], "length", logprobs=[(-2.0, [t], [-2.0]) for t in ids[2:]])])
+    assert out == kept and last.as_dict() == asdict(last) and last.as_dict()["finish_reason"] == "length"
+    assert [t for c in (out, last.as_dict()) for t in c["token_ids"]] == ids
+
+
 # ---------------------------------------------------------------- OpenAI's form
 def test_byte_level_alphabet_equals_transformers_bytes_to_unicode():
     from transformers.convert_slow_tokenizer import bytes_to_unicode

@@ -19,7 +19,7 @@ import logging
 import os
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..api.answer import Answer
 from ..api.chat import ChatService
@@ -221,7 +221,7 @@ class LLMWorker:
                         prepared.req.token_ids_as_text, self.prompt_tokens_details)
         try:
             async for chunk in chunks():
-                answer.add(asdict(chunk))
+                answer.add(chunk.as_dict())
         except ClientError as e:
             if e.status >= 500:
                 raise  # overloaded: the driver retries it

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 
 from ..config import AppConfig
 from ..llm.async_engine import AsyncEngine
@@ -76,7 +75,7 @@ class FusedBackend:
     async def stream(self, gen: dict, payload: list) -> AsyncIterator[dict]:
         """app.api.chat.Backend: chunks as dicts."""
         async for chunk in self.chunks(gen, payload):
-            yield asdict(chunk)
+            yield chunk.as_dict()
 
 
 def gemv_tune_dir(cfg: AppConfig) -> str | None:

@@ -8,7 +8,6 @@ whole pipeline in one process for debugging.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict
 
 from ..llm.engine import Engine
 from ..llm.sequence import GenerationRequest
@@ -23,4 +22,4 @@ class LocalBackend:
         encoded = self.encoder.encode([(px, grid) for px, grid, _ in payload]) if payload else []
         it = self.engine.generate(GenerationRequest.from_router(gen, encoded))
         while (chunk := await asyncio.to_thread(next, it, None)) is not None:
-            yield asdict(chunk)
+            yield chunk.as_dict()
