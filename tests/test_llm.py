@@ -96,6 +96,40 @@ def test_incremental_detokenization_equals_decoding_everything(world):
         assert "".join(out) == tok.decode(ids, skip_special_tokens=True)
 
 
+def test_the_backend_decode_is_used_only_where_it_equals_transformers_decode(world, tiny_checkpoint, tmp_path):
+    """backend_decode: for the tokenizers the engine loads (app/checkpoints/tokenizer_loader.py: the
+    Qwen presets' and MiniCPM-V's) and AutoTokenizer's, the Rust decode gives exactly `tokenizer.decode`'s
+    text, special tokens kept or skipped, random ids and real text; a tokenizer that cleans up spaces, or
+    whose class decodes its own way, keeps transformers' decode."""
+    from transformers import AutoTokenizer
+
+    from app.checkpoints.model_builder import build_checkpoint
+    from app.checkpoints.tokenizer_loader import load_tokenizer
+    from app.llm.stream import backend_decode
+
+    minicpmv = build_checkpoint(tmp_path / "minicpmv", "tiny-minicpm-v-4.5", with_weights=False)
+    rng = np.random.default_rng(1)
+    for tok in (world["tok"], load_tokenizer(tiny_checkpoint), load_tokenizer(minicpmv)):
+        fast = backend_decode(tok)
+        assert fast is not None and backend_decode(tok) is fast  # decided once per tokenizer
+        cases = [rng.integers(0, len(tok), int(rng.integers(0, 40))).tolist() for _ in range(50)]
+        cases += [tok.encode("Naïve café 猫 🐈 <|im_start|>user") + tok.all_special_ids]
+        for ids in cases:
+            for skip in (True, False):
+                assert fast(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+    tok = world["tok"]
+    cleaning = AutoTokenizer.from_pretrained(tok.name_or_path, clean_up_tokenization_spaces=True)
+    assert cleaning.clean_up_tokenization_spaces and backend_decode(cleaning) is None
+
+    class OwnDecode(type(tok)):
+        def decode(self, *a, **kw):
+            return "mine"
+
+    own = AutoTokenizer.from_pretrained(tok.name_or_path)
+    own.__class__ = OwnDecode
+    assert backend_decode(own) is None and Detokenizer(own)._decode([5]) == "mine"
+
+
 def test_output_stream_cuts_at_a_stop_string_and_counts_the_tokens_that_made_it(world):
     tok = world["tok"]
     from app.llm.sampling import SamplingParams

@@ -14,6 +14,8 @@ The engine thread only hands over token ids, once per step; text is made by whoe
 from __future__ import annotations
 
 import queue
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .sampling import SamplingParams
@@ -62,16 +64,58 @@ class Cancelled(Exception):
     """Raised to a reader of a request that was cancelled."""
 
 
+def backend_decode(tokenizer) -> Callable[[list[int], bool], str] | None:
+    """The `tokenizers` library's own decode where it gives exactly what `tokenizer.decode` does, else
+    None. A request's detokenizer decodes twice per chunk; transformers' wrapper around the Rust decode
+    (argument conversion, clean-up checks) took about 2 of every 3.5 us a call on the CPU machine, and a
+    16-token answer's chunks 0.050 against 0.094 ms of CPU with the Rust decode called directly. Used
+    only for a fast tokenizer whose `decode` and `_decode` are transformers' own, with no clean-up of
+    spaces, and once it decoded a sample (every special token, the first and last ids, both settings)
+    as `decode` does; decided once per tokenizer."""
+    try:
+        return _BACKEND_DECODE[tokenizer]
+    except (KeyError, TypeError):  # not decided yet, or a tokenizer that cannot be a weak key
+        pass
+    fn = None
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and not tokenizer.clean_up_tokenization_spaces \
+                and type(tokenizer).decode is PreTrainedTokenizerBase.decode \
+                and type(tokenizer)._decode is PreTrainedTokenizerFast._decode:
+            n = len(tokenizer)
+            sample = sorted(set(tokenizer.all_special_ids) | {0, 1, 2, n // 2, n - 2, n - 1})
+            samples = [sample, sample[::-1], [i for i in sample if i not in tokenizer.all_special_ids], []]
+            if all(backend.decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+                   for ids in samples for skip in (True, False)):
+                fn = backend.decode
+    except Exception:  # noqa: BLE001 - any doubt: transformers' decode
+        fn = None
+    try:
+        _BACKEND_DECODE[tokenizer] = fn
+    except TypeError:
+        pass
+    return fn
+
+
+_BACKEND_DECODE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its decode, or None
+
+
 class Detokenizer:
     """Incremental detokenization: the concatenated deltas equal `decode(all ids)`."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tok, self.skip = tokenizer, skip_special_tokens
+        self.fast = backend_decode(tokenizer)
         self.ids: list[int] = []
         self.prefix_offset = 0  # ids before this are settled text
         self.read_offset = 0  # ids before this have been turned into text
 
     def _decode(self, ids: list[int]) -> str:
+        if self.fast is not None:
+            return self.fast(ids, skip_special_tokens=self.skip)
         return self.tok.decode(ids, skip_special_tokens=self.skip)
 
     def feed(self, ids: list[int], final: bool = False) -> str:
