@@ -36,6 +36,32 @@ def test_mrope_positions_equal_get_rope_index(world):
     assert torch.equal(ref[:, 0], pos) and int(ref_delta) == delta
 
 
+def test_a_sequence_counts_image_and_video_placeholders_against_the_embeddings():
+    """Sequence(): the prompt's image and video placeholders together must equal the embeddings' rows
+    (here 4 + 8 against 12, then against 11: refused), and its positions are mrope_positions' as int32."""
+    from app.llm.mrope import Rope
+    from app.llm.sampling import SamplingParams
+    from app.llm.sequence import GenerationRequest, Sequence, VisionInput
+
+    img, vid = 900, 901
+    ids = [5, 6, img, img, img, img, 7, vid, vid, vid, vid, 9, vid, vid, vid, vid, 8]  # a video's two groups
+    types = [0, 0, 1, 1, 1, 1, 0, 2, 2, 2, 2, 0, 2, 2, 2, 2, 0]
+    grids = [(1, 4, 4), (2, 4, 4)]
+    kw = dict(rope=Rope("qwen3_vl"), vision_ids=(img, vid), max_model_len=64, block_size=4,
+              device=torch.device("cpu"), dtype=torch.float32)
+
+    def request(rows):
+        vision = [VisionInput(g, torch.zeros(n, 8), [], key=f"k{i}") for i, (g, n) in enumerate(zip(grids, rows))]
+        return GenerationRequest(ids, types, vision, SamplingParams(max_tokens=4))
+
+    seq = Sequence(request([4, 8]), **kw)
+    want, delta = mrope_positions(types, grids, 2)
+    assert seq.prompt_positions.dtype == np.int32 and np.array_equal(seq.prompt_positions, want.numpy())
+    assert seq.rope_delta == delta and seq.block_keys[0] == (5, 6, ("k0", 0), ("k0", 1))
+    with pytest.raises(ValueError, match="12 vision placeholders but the encoder produced 11"):
+        Sequence(request([4, 7]), **kw)
+
+
 def test_prompt_placeholders_match_the_grids(world):
     _, items, prompt = make_request(world, ["image", "video"])
     img, vid = items

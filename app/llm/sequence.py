@@ -76,7 +76,10 @@ class Sequence:
         types = np.asarray(req.mm_token_type_ids, dtype=np.int8)
         self.is_vision = types != 0
         ids = np.asarray(self.token_ids)
-        placeholders = int(np.isin(ids, vision_ids).sum())
+        placeholder = ids == vision_ids[0]
+        for v in vision_ids[1:]:
+            placeholder |= ids == v
+        placeholders = int(np.count_nonzero(placeholder))
         rows = sum(v.main.shape[0] for v in req.vision)
         if placeholders != rows or int(self.is_vision.sum()) != rows:
             raise ValueError(f"prompt has {placeholders} vision placeholders but the encoder produced {rows} embeddings")
@@ -237,7 +240,7 @@ def _block_keys(token_ids: list[int], is_vision: np.ndarray, vision: list[Vision
             content = v.key if v.key is not None else f"unkeyed-{random.getrandbits(64)}"
             if v.seconds_per_group is not None:  # Qwen2.5-VL: the same frames at another pace rotate differently
                 content = (content, v.seconds_per_group)
-            for j, t in enumerate(vis_idx[i:i + n]):
+            for j, t in enumerate(vis_idx[i:i + n].tolist()):
                 keys[t] = (content, j)
             i += n
     full = len(keys) // block_size
