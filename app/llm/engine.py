@@ -83,9 +83,10 @@ class Engine:
         # before anything is timed or captured: both see the launches as they will be (app/llm/pdl.py)
         pdl.enable(cfg.pdl, self.device)
         tune = cfg.decode_gemv and self.device.type == "cuda"
-        gemv_cache = gemv_cache_for(tune_dir, path, self.device, self.dtype, f"{tp.size} {tp.moe}",
-                                    cfg.decode_gemv_split) \
-            if tune and tune_dir and path else None
+        gemv_cache = None
+        if tune and tune_dir and path:
+            gemv_cache = gemv_cache_for(tune_dir, path, self.device, self.dtype, f"{tp.size} {tp.moe}",
+                                        cfg.decode_gemv_split)
         gemv = choose_gemv(self.model, cfg.decode_gemv_split, gemv_cache) if tune else None
         self.rope = Rope.from_config(loaded.config)
         self.vision_ids = vision_token_ids(loaded.config, self.tokenizer)

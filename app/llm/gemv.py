@@ -222,7 +222,7 @@ class GemvTable:
                  "tile": list(c.tile), "agrees": c.agrees} for c in self.choices.values()]
 
     def apply(self, table: list[dict], keys: Collection[tuple[int, int, int]], tiles=TILES) -> bool:
-        """Another replica's choice (`as_dict`'s rows, from tune_cache.TuneCache), if it holds a valid row
+        """Another replica's choice (`file_rows`' rows, from tune_cache.TuneCache), if it holds a valid row
         for every (rows, N, K) of `keys` with a tile among `tiles`: kept as if timed here, its agreement
         check included (same GPU model and code by the cache's key). False, nothing changed, otherwise."""
         got = {}
@@ -316,6 +316,7 @@ def gemv_cache_for(folder, checkpoint: str, device, dtype, ranks: str, split: bo
     shapes), the split tiles and the engine's kernel code."""
     from ..gpu.tune_cache import ENGINE_CODE, TuneCache, checkpoint_parts, library_versions, source_digest
 
-    parts = {**checkpoint_parts(checkpoint, device, dtype), "ranks": ranks, "split": split, "pdl": pdl.on(),  # PDL changes every launch's overlap, so its times
+    parts = {**checkpoint_parts(checkpoint, device, dtype), "ranks": ranks, "split": split,
+             "pdl": pdl.on(),  # PDL changes how each launch overlaps the one before it, and so the times
              "code": source_digest(ENGINE_CODE), **library_versions(("triton",))}
     return TuneCache(folder, parts, "matrix-vector choice")

@@ -30,7 +30,8 @@ def tune_cache_for(cfg: AppConfig, checkpoint: str, device, dtype, settings: Gra
     under `cache_dir`."""
     from ..checkpoints.model_builder import cache_root
 
-    parts = {**checkpoint_parts(checkpoint, device, dtype), "budgets": sorted(set(settings.budgets)), "uniform": sorted(settings.uniform_shapes),
+    parts = {**checkpoint_parts(checkpoint, device, dtype),
+             "budgets": sorted(set(settings.budgets)), "uniform": sorted(settings.uniform_shapes),
              "items": settings.max_items_per_batch, "frames": settings.max_frames_per_batch,
              "uint8": settings.uint8_pixels, "pinned": settings.pinned_staging, "flash4": tower.flash4,
              "tower": type(tower).__name__, "ranks": getattr(getattr(tower, "tp", None), "size", 1),
