@@ -23,6 +23,7 @@ from .logprobs import token_logprobs
 from .sampling import MAX_STOP_TOKEN_IDS
 
 HELD_IDS = MAX_STOP_TOKEN_IDS + 16  # per row: a request's stop_token_ids and up to 16 end-of-sequence ids
+TIE_ROOM = 256  # candidates beyond the largest top_k, for the tokens tied with a row's k-th logit
 
 _M64 = (1 << 64) - 1
 
@@ -49,8 +50,13 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """[S, vocab] float32 in (0, 1), a pure function of (seed, step, token id)."""
+    return noise_at(seeds, steps, torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :])
+
+
+def noise_at(seeds: torch.Tensor, steps: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`uniform_noise`'s values at the token ids `ids` ([S, n] int64, or [1, n] for every row) alone."""
     key = _mix(_mix(seeds) ^ steps)[:, None]
-    return unit_interval(_mix(key ^ torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :] * _MIX2))
+    return unit_interval(_mix(key ^ ids * _MIX2))
 
 
 def unit_interval(bits: torch.Tensor) -> torch.Tensor:
@@ -66,11 +72,15 @@ def top_p_filter(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     reaches top_p) at -inf. The most likely token always stays; top_p 1 keeps every token (a float32
     cumsum over 152k tokens ends above 1, which cut a top_p=1 row's tail when another row of the step
     used top_p)."""
-    ordered = x.sort(dim=-1, descending=True).values
+    return x.masked_fill(x < nucleus_floor(x.sort(dim=-1, descending=True).values, top_p), float("-inf"))
+
+
+def nucleus_floor(ordered: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[S, 1]: the lowest logit each row's nucleus keeps, from its logits sorted in descending order
+    (every token at or above it stays: ties with the last one kept are kept)."""
     probs = ordered.softmax(-1)
     keep = (probs.cumsum(-1) - probs < top_p[:, None]) | (top_p[:, None] >= 1)
-    floor = ordered.masked_fill(~keep, float("inf")).min(-1, keepdim=True).values
-    return x.masked_fill(x < floor, float("-inf"))
+    return ordered.masked_fill(~keep, float("inf")).min(-1, keepdim=True).values
 
 
 @dataclass
@@ -96,6 +106,9 @@ class SamplingBatch:
     any_repetition: bool = False
     any_min_p: bool = False
     any_min_tokens: bool = False
+    # every row that samples has a top_k: they are all drawn from their top-k candidates alone (`Sampler`);
+    # False (the safe default) also runs the whole-vocabulary draw, for the rows without one
+    all_top_k: bool = False
 
 
 # SamplingBatch's tensors, in order: the step's host arrays (`host_sampling_arrays`) by these names
@@ -113,9 +126,12 @@ def host_sampling_flags(seqs, holds_back) -> tuple[dict, bool]:
     of plain greedy rows). `holds_back(seq)`: whether min_tokens still holds tokens back for it. One
     pass over the rows: this is host time of every step."""
     greedy, penalty, repetition, min_p, top_p, held, top_k = True, False, False, False, False, False, 0
+    all_top_k = True  # every row that samples has a top_k (Sampler.drawn_from_top_k alone)
     for s in seqs:
         p = s.params
         greedy = greedy and p.temperature == 0
+        if p.temperature > 0 and p.top_k <= 0:
+            all_top_k = False
         if p.frequency_penalty or p.presence_penalty:
             penalty = True
         if p.repetition_penalty != 1.0:
@@ -128,7 +144,8 @@ def host_sampling_flags(seqs, holds_back) -> tuple[dict, bool]:
     flags = {"all_greedy": greedy, "any_penalty": penalty, "any_min_tokens": held}
     if greedy and not penalty and not held:
         return flags, False
-    return flags | {"any_repetition": repetition, "max_top_k": top_k, "any_top_p": top_p, "any_min_p": min_p}, True
+    return flags | {"any_repetition": repetition, "max_top_k": top_k, "any_top_p": top_p, "any_min_p": min_p,
+                    "all_top_k": all_top_k}, True
 
 
 def host_sampling_arrays(seqs, holds_back=None) -> dict[str, np.ndarray]:
@@ -155,7 +172,9 @@ def worst_case_batch(rows: int, device: torch.device) -> SamplingBatch:
     """Every transform on `rows` rows (the memory profile of the largest step)."""
     f = torch.full((rows,), 0.5, device=device)
     zeros = torch.zeros(rows, dtype=torch.int64, device=device)
-    return SamplingBatch(f, torch.full((rows,), 50, dtype=torch.int32, device=device), f, zeros, zeros, f, f, zeros,
+    top_k = torch.full((rows,), 50, dtype=torch.int32, device=device)
+    top_k[::2] = 0  # rows with and without a top_k: both draws run (all_top_k False)
+    return SamplingBatch(f, top_k, f, zeros, zeros, f, f, zeros,
                          repetition_penalty=f, min_p=f, min_tokens=torch.ones(rows, dtype=torch.int32, device=device),
                          all_greedy=False, max_top_k=50, any_top_p=True, any_penalty=True, any_repetition=True,
                          any_min_p=True, any_min_tokens=True)
@@ -242,10 +261,45 @@ class Sampler:
         greedy = logits.argmax(-1)
         if b.all_greedy:
             return greedy
-        x = self.filtered(logits, b)
-        noise = uniform_noise(b.seeds, b.steps, x.shape[-1])
-        sampled = (x - torch.log(-torch.log(noise))).argmax(-1)
+        if not b.max_top_k:
+            sampled = self.drawn(logits, b)
+        elif b.all_top_k:
+            sampled = self.drawn_from_top_k(logits, b)
+        else:  # rows with and rows without a top_k: each row's draw is made the way its own settings ask
+            sampled = torch.where(b.top_k > 0, self.drawn_from_top_k(logits, b), self.drawn(logits, b))
         return torch.where(b.temperature > 0, sampled, greedy)
+
+    def drawn(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+        """The sampled ids [S] over the whole vocabulary: argmax of the `filtered` logits plus Gumbel
+        noise (a draw from their softmax)."""
+        x = self.filtered(logits, b)
+        return (x - torch.log(-torch.log(uniform_noise(b.seeds, b.steps, x.shape[-1])))).argmax(-1)
+
+    def drawn_from_top_k(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+        """`drawn` for rows with a top_k, from their `max_top_k + TIE_ROOM` highest logits alone: top-k
+        keeps nothing outside them, so min-p, top-p and the noise need only those, already sorted. Over
+        Qwen3-VL's 151,936 tokens the whole-vocabulary draw sorts every row for top-p and hashes noise for
+        every token: 619 against 2.9 ms a greedy step of 64 rows on the CPU machine.
+
+        The same draw as `drawn`, token for token, where a row has fewer than TIE_ROOM tokens tied with its
+        k-th logit beyond the k (ties are kept, as transformers' and vLLM's top-k keep them); past that
+        the ties kept are those `topk` returned first. Top-p's probabilities are summed over the
+        candidates rather than the vocabulary, so a row whose nucleus ends within float32 rounding of
+        top_p may keep one token more or fewer. Among perturbed logits equal to the last bit the lowest
+        id wins, as argmax over the vocabulary picks it."""
+        k = min(b.max_top_k, self.vocab)
+        vals, ids = logits.topk(min(self.vocab, k + TIE_ROOM), dim=-1)  # sorted, highest first
+        temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
+        x = vals / temp[:, None]
+        if b.any_min_p:
+            x = x.masked_fill(x < x[:, :1] + torch.log(b.min_p)[:, None], float("-inf"))
+        kth = x.gather(1, (b.top_k.long().clamp(1, k) - 1)[:, None])
+        x = x.masked_fill((x < kth) & (b.top_k[:, None] > 0), float("-inf"))
+        if b.any_top_p:
+            x = x.masked_fill(x < nucleus_floor(x, b.top_p), float("-inf"))
+        z = x - torch.log(-torch.log(noise_at(b.seeds, b.steps, ids)))
+        best = z.max(-1, keepdim=True).values
+        return ids.masked_fill(z != best, self.vocab).min(-1).values
 
     def penalized(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         """What every row's choice reads, greedy or sampled: float32 logits [S, vocab] with min_tokens'
