@@ -100,3 +100,15 @@ def test_a_step_takes_the_top_k_draw_alone_only_where_every_sampled_row_has_a_to
     assert flags({"temperature": 0.7, "top_k": 20}, {"temperature": 0.0})["all_top_k"]  # greedy rows do not draw
     assert not flags({"temperature": 0.7, "top_k": 20}, {"temperature": 1.0})["all_top_k"]
     assert flags({"temperature": 0.7, "top_k": 20, "top_p": 0.8})["max_top_k"] == 20
+
+
+def test_the_sampler_benchmark_times_the_three_steps_and_checks_they_agree(tmp_path):
+    import json
+
+    from benchmarks.sampler import main
+
+    out = main(["--rows", "2", "8", "--vocab", "3000", "--repeats", "1", "--device", "cpu",
+                "--json", str(tmp_path / "s.json")])
+    assert [r["rows"] for r in out["rows"]] == [2, 8] and out["device"] == "cpu"
+    assert all(r[k] > 0 for r in out["rows"] for k in ("greedy", "whole_vocabulary", "top_k_candidates"))
+    assert json.loads((tmp_path / "s.json").read_text()) == out
