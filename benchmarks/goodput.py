@@ -106,7 +106,7 @@ from benchmarks.serve import (  # noqa: E402
 )
 from benchmarks.serve_timeline import deploy_timeline  # noqa: E402
 from benchmarks.stats import pct  # noqa: E402
-from benchmarks.workloads import ARRIVALS, MixWorkload, arrival_times  # noqa: E402
+from benchmarks.workloads import ARRIVALS, SAMPLINGS, MixWorkload, arrival_times, sampling_fields  # noqa: E402
 
 TTFT_BOUNDS_MS = {"image": 200.0, "video": 500.0, "mix": 1000.0}
 
@@ -727,13 +727,14 @@ def guidellm_sent(report: dict) -> tuple[list[Sent], dict]:
 
 
 def crosscheck_guidellm(url: str, rate: float, ramp_s: float, window_s: float, image_size: int, output_tokens: int,
-                        out_dir: Path, exe: list[str]) -> dict:
+                        out_dir: Path, exe: list[str], sampling: str = "greedy") -> dict:
     """GuideLLM's Poisson profile at `rate` for ramp + window seconds, 448-style noise JPEGs with no text and
     `output_tokens` (ignore_eos): its per-request timings through `analyse`, and its own summary."""
     import subprocess
 
     path = out_dir / "guidellm.json"
-    backend = {"kind": "openai_http", "target": url, "model": "bench", "extras": GUIDELLM_EXTRAS}
+    extras = {"body": {**GUIDELLM_EXTRAS["body"], **sampling_fields(sampling)}}
+    backend = {"kind": "openai_http", "target": url, "model": "bench", "extras": extras}
     cmd = [*exe, "run", "--backend", json.dumps(backend), "--profile", f"kind=poisson,rate={rate}",
            "--constraint", f"kind=max_duration,seconds={ramp_s + window_s:g}",
            "--data", f"kind=synthetic_image,width={image_size},height={image_size},content=noise,"
@@ -845,7 +846,8 @@ def _aiperf_seconds(metric: dict | None) -> float | None:
 
 
 def aiperf_command(exe: list[str], url: str, model: str, tokenizer: str, rate: float, seconds: float,
-                   image_size: int, output_tokens: int, artifacts: Path, workers: int | None = None) -> list[str]:
+                   image_size: int, output_tokens: int, artifacts: Path, workers: int | None = None,
+                   sampling: str = "greedy") -> list[str]:
     """`aiperf profile`: Poisson arrivals at `rate` for `seconds`, one streamed chat request each with one
     noise JPEG of `image_size`^2, a one-token text prompt (AIPerf's synthetic prompts need at least one)
     and exactly `output_tokens` answer tokens, counted by the server; no warm-up of its own (ours ran).
@@ -857,12 +859,14 @@ def aiperf_command(exe: list[str], url: str, model: str, tokenizer: str, rate: f
             "--prompt-input-tokens-mean", "1", "--prompt-input-tokens-stddev", "0",
             "--prompt-output-tokens-mean", str(output_tokens), "--prompt-output-tokens-stddev", "0",
             "--extra-inputs", f"min_tokens:{output_tokens}", "--extra-inputs", "ignore_eos:true",
+            *[x for k, v in sampling_fields(sampling).items() for x in ("--extra-inputs", f"{k}:{v}")],
             "--image-width-mean", str(image_size), "--image-height-mean", str(image_size), "--image-format", "jpeg",
             "--use-server-token-count", "--ui", "none", "--artifact-dir", str(artifacts)]
 
 
 def crosscheck_aiperf(url: str, rate: float, ramp_s: float, window_s: float, image_size: int, output_tokens: int,
-                      out_dir: Path, exe: list[str], tokenizer: str, workers: int | None = None) -> dict:
+                      out_dir: Path, exe: list[str], tokenizer: str, workers: int | None = None,
+                      sampling: str = "greedy") -> dict:
     """NVIDIA AIPerf's Poisson run at `rate` for ramp + window seconds (`aiperf_command`): its per-request
     records through `analyse`, and its own summary. AIPerf sends from several worker processes, where
     GuideLLM's one process saturated at 140 req/s (2026-12-02); `workers` sets how many."""
@@ -873,7 +877,7 @@ def crosscheck_aiperf(url: str, rate: float, ramp_s: float, window_s: float, ima
         model = json.loads(resp.read())["data"][0]["id"]
     artifacts = out_dir / (f"aiperf_w{workers}" if workers else "aiperf")
     cmd = aiperf_command(exe, url, model, tokenizer, rate, ramp_s + window_s, image_size, output_tokens, artifacts,
-                         workers)
+                         workers, sampling)
     # AIPerf 0.13 fails to load a local tokenizer folder under HF_HUB_OFFLINE=1 (HFValidationError)
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     t = time.perf_counter()
@@ -933,12 +937,12 @@ def agreement(ours: dict, theirs: dict) -> dict:
 def workload_of(spec: str, a) -> Workload | MixWorkload:
     """`image`, `image@<size>`, `video` (serve.py's fixed workloads, noise media) or `mix`."""
     if spec == "mix" or spec.startswith("mix@"):
-        return MixWorkload(int(spec.partition("@")[2] or 0))
+        return MixWorkload(int(spec.partition("@")[2] or 0), sampling=a.sampling)
     kind, _, size = spec.partition("@")
     if kind not in ("image", "video"):
         raise SystemExit(f"unknown workload {spec!r}: image, image@<size>, video, mix, mix@<seed>")
     return Workload(kind, int(size) if size and kind == "image" else a.image_size, a.video_size, a.video_frames,
-                    2, a.prompt_words, a.output_tokens)
+                    2, a.prompt_words, a.output_tokens, a.sampling)
 
 
 def bound_of(wl, a) -> float:
@@ -1414,17 +1418,21 @@ def run_crosscheck(bench: Bench, a, first: dict, out_dir: Path, app_args: dict) 
     exe = shlex.split(a.crosscheck_exe) if a.crosscheck_exe else \
         [sys.executable, "-m", tool] if importlib.util.find_spec(tool) else [tool]
     text = "no text" if tool == "guidellm" else "a one-token text prompt"
-    shape = Workload("image", a.image_size, prompt_words=0 if tool == "guidellm" else 1, output_tokens=a.output_tokens)
+    # the tool's request shape: its text, and for AIPerf its JPEG encoding (quality 85, no chroma subsampling:
+    # 1.8x the bytes of ours, 1.7x the decode on the CPU machine); the same sampling both ways (`--sampling`)
+    shape = Workload("image", a.image_size, prompt_words=0 if tool == "guidellm" else 1, output_tokens=a.output_tokens,
+                     sampling=a.sampling, jpeg=(85, 0) if tool == "aiperf" else (90, None))
     ours = bench.point(shape, rate, a.ramp_s, a.window_s, monitor=False)
     runs = []
     for workers in (a.crosscheck_workers or [0]) if tool == "aiperf" else [0]:
         asyncio.run(settle(bench.url))
         if tool == "guidellm":
             theirs = crosscheck_guidellm(bench.url, rate, a.ramp_s, a.window_s, a.image_size, a.output_tokens,
-                                         out_dir, exe)
+                                         out_dir, exe, a.sampling)
         else:
             theirs = crosscheck_aiperf(bench.url, rate, a.ramp_s, a.window_s, a.image_size, a.output_tokens, out_dir,
-                                       exe, a.crosscheck_tokenizer or served_checkpoint(a, app_args), workers or None)
+                                       exe, a.crosscheck_tokenizer or served_checkpoint(a, app_args), workers or None,
+                                       a.sampling)
         if ours and "point" in theirs:
             theirs["difference"] = d = agreement(ours, theirs["point"])
             who = f"{tool} ({workers} workers)" if workers else tool
@@ -1669,6 +1677,10 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--video-frames", type=int, default=8)
     p.add_argument("--prompt-words", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--sampling", choices=SAMPLINGS, default="greedy",
+                   help="greedy: every request (ours and the cross-check tool's) sends temperature 0; defaults: none "
+                        "does, so the checkpoint's generation_config applies (Qwen3-VL: temperature 0.7, top_k 20, "
+                        "top_p 0.8), as for clients that leave it out; the workloads' labels say so")
     p.add_argument("--arrival", choices=ARRIVALS, default="poisson")
     p.add_argument("--cv", type=float, default=2.0, help="--arrival gamma: coefficient of variation of the gaps")
     p.add_argument("--seed", type=int, default=0)

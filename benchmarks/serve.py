@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.media.synthetic import image_bytes, mp4_bytes  # noqa: E402
 from benchmarks.stats import pct  # noqa: E402
 from benchmarks.ttft_tail import parse_parts  # noqa: E402
+from benchmarks.workloads import sampling_fields, sampling_suffix  # noqa: E402
 
 
 @dataclass
@@ -58,11 +59,16 @@ class Workload:
     video_fps: int = 2  # of the generated mp4; at the server's 2 fps sampling every frame is kept
     prompt_words: int = 32
     output_tokens: int = 16
+    # "greedy": temperature 0; "defaults": no temperature sent, so the checkpoint's generation_config
+    # applies (Qwen3-VL: temperature 0.7, top_k 20, top_p 0.8), as for clients that leave it out
+    sampling: str = "greedy"
+    jpeg: tuple[int, int | None] = (90, None)  # the images' JPEG quality and chroma subsampling (image_bytes)
 
     @property
     def label(self) -> str:
-        return {"image": f"image {self.image_size}^2",
+        name = {"image": f"image {self.image_size}^2",
                 "video": f"video {self.video_size}^2 x{self.video_frames}f"}.get(self.kind, self.kind)
+        return name + sampling_suffix(self.sampling)
 
     def body(self, i: int, image_url: str | None = None) -> dict:
         """Request i's body; `image_url` names an image instead of the data URL of image i's JPEG."""
@@ -70,7 +76,7 @@ class Workload:
         if kind == "image":
             part = {"type": "image_url", "image_url": {
                 "url": image_url or "data:image/jpeg;base64," + base64.b64encode(
-                    image_bytes(self.image_size, self.image_size, i, "JPEG")).decode()}}
+                    image_bytes(self.image_size, self.image_size, i, "JPEG", *self.jpeg)).decode()}}
         else:
             part = {"type": "video_url", "video_url": {
                 "url": "data:video/mp4;base64," + base64.b64encode(
@@ -78,8 +84,9 @@ class Workload:
         text = " ".join(random.Random(i).choice(["describe", "the", "scene", "colors", "objects", "now"])
                         for _ in range(self.prompt_words))
         return {"model": "bench", "messages": [{"role": "user", "content": [part, {"type": "text", "text": text}]}],
-                "max_tokens": self.output_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+                "max_tokens": self.output_tokens, **sampling_fields(self.sampling), "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
+
 
 
 # ---------------------------------------------------------------------------- client

@@ -30,7 +30,7 @@ The realistic mix (`MixWorkload`, seed S, default 0)
       parts come first, then the text.
     - output: max_tokens lognormal with median 64 and sigma 0.8, rounded, clipped to [4, 512] (about
       0.5% reach the 512 cap); `ignore_eos` so every request generates exactly that many tokens;
-      temperature 0; streamed with usage.
+      temperature 0 (`sampling="defaults"`: none, the checkpoint's own); streamed with usage.
     `python benchmarks/workloads.py --describe 10000` prints the drawn proportions and ranges.
 """
 
@@ -126,6 +126,21 @@ def video_bytes(frames: int, w: int, h: int, rng: np.random.Generator, fps: int 
     return buf.getvalue()
 
 
+SAMPLINGS = ("greedy", "defaults")
+
+
+def sampling_fields(sampling: str) -> dict:
+    """A body's sampling fields: temperature 0, or none (the server's defaults)."""
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"sampling {sampling!r}: one of {', '.join(SAMPLINGS)}")
+    return {"temperature": 0} if sampling == "greedy" else {}
+
+
+def sampling_suffix(sampling: str) -> str:
+    """What a workload's label says of its sampling: nothing for greedy (every earlier result's label)."""
+    return "" if sampling == "greedy" else f", {sampling} sampling"
+
+
 @dataclass(frozen=True)
 class MixWorkload:
     """The realistic mix (module doc). Duck-types serve.Workload (`kind`, `label`, `body(i)`), so
@@ -142,12 +157,13 @@ class MixWorkload:
     output_median: float = 64.0
     output_sigma: float = 0.8
     output_tokens: tuple[int, int] = (4, 512)
+    sampling: str = "greedy"  # as serve.Workload's
 
     kind = "mix"
 
     @property
     def label(self) -> str:
-        return "mix" if self.seed == 0 else f"mix{self.seed}"
+        return ("mix" if self.seed == 0 else f"mix{self.seed}") + sampling_suffix(self.sampling)
 
     def draw(self, i: int) -> dict:
         """Request i's shape, without its media: {"kind": image|images|video, "images": [(w, h), ...],
@@ -191,7 +207,7 @@ class MixWorkload:
         text = " ".join(WORDS[k] for k in rng.integers(len(WORDS), size=shape["prompt_words"]))
         parts.append({"type": "text", "text": text})
         return {"model": "bench", "messages": [{"role": "user", "content": parts}],
-                "max_tokens": shape["max_tokens"], "temperature": 0, "ignore_eos": True, "stream": True,
+                "max_tokens": shape["max_tokens"], **sampling_fields(self.sampling), "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
 
 

@@ -434,6 +434,39 @@ def test_aiperfs_records_are_read_as_per_request_records():
     assert cmd[cmd.index("--request-rate") + 1] == "140" and cmd[cmd.index("--arrival-pattern") + 1] == "poisson"
     assert cmd[cmd.index("--benchmark-duration") + 1] == "21" and cmd[cmd.index("--image-width-mean") + 1] == "448"
     assert "ignore_eos:true" in cmd and "min_tokens:16" in cmd
+    # greedy by default, as our own requests; with the checkpoint's sampling neither sends a temperature
+    assert cmd[cmd.index("temperature:0") - 1] == "--extra-inputs"
+    sampled = aiperf_command(["aiperf"], "http://h:8000", "m", "/ckpt", 140.0, 21.0, 448, 16, ROOT / "a",
+                             sampling="defaults")
+    assert not any(x.startswith("temperature") for x in sampled) and len(sampled) == len(cmd) - 2
+
+
+def test_workloads_send_greedy_or_the_checkpoint_s_sampling_and_say_which():
+    import io
+
+    from PIL import Image, JpegImagePlugin
+
+    from benchmarks.serve import Workload
+    from benchmarks.workloads import MixWorkload
+
+    greedy, sampled = Workload("image", 64), Workload("image", 64, sampling="defaults")
+    assert greedy.body(0)["temperature"] == 0 and "temperature" not in sampled.body(0)
+    assert greedy.label == "image 64^2" and sampled.label == "image 64^2, defaults sampling"
+    assert MixWorkload(sampling="defaults").label == "mix, defaults sampling"
+    assert "temperature" not in MixWorkload(sampling="defaults").body(1) and MixWorkload().body(1)["temperature"] == 0
+    with pytest.raises(ValueError):
+        Workload("image", 64, sampling="hot").body(0)
+
+    def jpeg(wl):
+        import base64
+
+        url = wl.body(3)["messages"][0]["content"][0]["image_url"]["url"]
+        return base64.b64decode(url.partition(",")[2])
+
+    ours, theirs = jpeg(Workload("image", 448)), jpeg(Workload("image", 448, jpeg=(85, 0)))  # AIPerf's encoding
+    assert JpegImagePlugin.get_sampling(Image.open(io.BytesIO(theirs))) == 0  # 4:4:4
+    assert JpegImagePlugin.get_sampling(Image.open(io.BytesIO(ours))) == 2  # 4:2:0
+    assert len(theirs) > 1.5 * len(ours)
 
 
 def test_a_cross_check_tool_run_counts_its_own_cpu_and_the_hosts(tmp_path):

@@ -7,12 +7,16 @@ import io
 import numpy as np
 
 
-def image_bytes(h: int = 64, w: int = 96, seed: int = 0, fmt: str = "PNG") -> bytes:
+def image_bytes(h: int = 64, w: int = 96, seed: int = 0, fmt: str = "PNG", quality: int = 90,
+                subsampling: int | None = None) -> bytes:
+    """Noise in `fmt`; a JPEG at `quality`, with Pillow's chroma `subsampling` (None: its default, 4:2:0;
+    0: none, as AIPerf encodes its images)."""
     from PIL import Image
 
     arr = (np.random.default_rng(seed).random((h, w, 3)) * 255).astype(np.uint8)
     buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    jpeg = {"quality": quality, **({} if subsampling is None else {"subsampling": subsampling})}
+    Image.fromarray(arr).save(buf, format=fmt, **(jpeg if fmt == "JPEG" else {}))
     return buf.getvalue()
 
 
