@@ -6,6 +6,7 @@ top_k in one step; ties at the k-th logit; and the flag that lets a step skip th
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from transformers import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
@@ -112,3 +113,27 @@ def test_the_sampler_benchmark_times_the_three_steps_and_checks_they_agree(tmp_p
     assert [r["rows"] for r in out["rows"]] == [2, 8] and out["device"] == "cpu"
     assert all(r[k] > 0 for r in out["rows"] for k in ("greedy", "whole_vocabulary", "top_k_candidates"))
     assert json.loads((tmp_path / "s.json").read_text()) == out
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_top_k_draw_gives_the_whole_vocabulary_draw_s_tokens_and_the_cpu_s():
+    """On CUDA, 256 rows at Qwen3-VL's defaults and 64 with random settings: the top-k draw equals the
+    whole-vocabulary draw on the same GPU, and the CPU's draws over the same logits (the noise is integer
+    arithmetic; the logits are bf16-rounded, so the float32 sums differ little)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(320, QWEN_VOCAB, generator=g) * 4).bfloat16().float()
+    temperature = torch.cat([torch.full((256,), 0.7), torch.rand(64, generator=g) + 0.1])
+    top_k = torch.cat([torch.full((256,), 20), torch.randint(1, 200, (64,), generator=g)])
+    top_p = torch.cat([torch.full((256,), 0.8), torch.rand(64, generator=g)])
+    cpu = batch(temperature, top_k, top_p, all_top_k=True)
+    gpu = SamplingBatch(*(getattr(cpu, f).to(dev) for f in ("temperature", "top_k", "top_p", "seeds", "steps",
+                                                             "frequency_penalty", "presence_penalty", "rows")),
+                        min_p=cpu.min_p.to(dev), all_greedy=False, max_top_k=cpu.max_top_k, any_top_p=True,
+                        all_top_k=True)
+    s_gpu, s_cpu = Sampler(QWEN_VOCAB, 320, dev), Sampler(QWEN_VOCAB, 320, torch.device("cpu"))
+    on_gpu = s_gpu(logits.to(dev), gpu)
+    assert torch.equal(on_gpu, s_gpu.drawn(logits.to(dev), gpu))
+    assert torch.equal(on_gpu.cpu(), s_cpu(logits, cpu))
