@@ -18,7 +18,9 @@ Measures (the LLM-engine issue's targets):
   rollouts) as one request with `n=N` against N requests of that prompt, sent one after another and
   all at once, alternating: wall time, first and last choice's TTFT, and the prompt tokens computed;
 - with --structured-cost (only this phase): 64 streams with and without a JSON schema (`response_format`),
-  alternating: what a format costs in tok/s and host time per decode step.
+  alternating: what a format costs in tok/s and host time per decode step;
+- with --sampling-cost (only this phase): 64 streams greedy and at Qwen3-VL's sampling defaults (temperature
+  0.7, top_k 20, top_p 0.8, what clients that leave them out get), alternating: what sampling costs.
 
     python benchmarks/llm.py --out $OUT/llm.json
 """
@@ -48,10 +50,17 @@ from benchmarks.stats import pct  # noqa: E402
 RNG = np.random.default_rng(0)
 
 
-def request(tokens: int, new: int, vocab: int, logprobs: int | None = None) -> GenerationRequest:
+QWEN3_VL_SAMPLING = {"temperature": 0.7, "top_k": 20, "top_p": 0.8}  # its generation_config: what clients that
+# leave the settings out get
+
+
+def request(tokens: int, new: int, vocab: int, logprobs: int | None = None, sampling: dict | None = None
+            ) -> GenerationRequest:
+    """Random prompt ids, `new` tokens (ignore_eos); greedy, or `sampling`'s settings (seeded per request)."""
     ids = RNG.integers(0, min(vocab, 150000), tokens).tolist()  # below the special tokens (vision placeholders)
-    return GenerationRequest(ids, [0] * tokens, [], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True,
-                                                                   logprobs=logprobs))
+    settings = {"temperature": 0} if sampling is None else {**sampling, "seed": int(RNG.integers(1 << 31))}
+    return GenerationRequest(ids, [0] * tokens, [], SamplingParams(max_tokens=new, ignore_eos=True, logprobs=logprobs,
+                                                                   **settings))
 
 
 class Reader:
@@ -112,10 +121,10 @@ def finish(reader: Reader, req: GenerationRequest) -> dict:
 
 
 def run_streams(engine: Engine, reader: Reader, n: int, prompt: int, new: int, vocab: int,
-                logprobs: int | None = None) -> dict:
+                logprobs: int | None = None, sampling: dict | None = None) -> dict:
     """n concurrent requests: aggregate generated tokens per second, and per-stream decode rates."""
     t0 = time.perf_counter()
-    recs = [reader.submit(request(prompt, new, vocab, logprobs)) for _ in range(n)]
+    recs = [reader.submit(request(prompt, new, vocab, logprobs, sampling)) for _ in range(n)]
     for r in recs:
         r["done"].wait(600)
     wall = max(r["end"] for r in recs) - t0
@@ -278,6 +287,20 @@ def logprobs_cost(engine: Engine, reader: Reader, streams: int, vocab: int, roun
     return out
 
 
+def sampling_cost(engine: Engine, reader: Reader, streams: int, vocab: int, rounds: int = 3) -> dict:
+    """`streams` streams of 256 tokens, greedy and at Qwen3-VL's sampling defaults (top_k 20: the sampler's
+    top-k draw, app/llm/sampler.py), alternating: aggregate tok/s, and host and wall ms per graph decode
+    step at that batch (medians). Every other benchmark here is greedy."""
+    out: dict = {"greedy": [], "qwen3_vl_defaults": []}
+    for _ in range(rounds):
+        for name, sampling in (("greedy", None), ("qwen3_vl_defaults", QWEN3_VL_SAMPLING)):
+            engine.step_log.clear()
+            res = run_streams(engine, reader, streams, 64, 256, vocab, sampling=sampling)
+            rows = [r for r in engine.step_log if r[0] == streams and r[2] == "decode"]
+            out[name].append({"aggregate_tok_s": round(res["aggregate_tok_s"], 1)} | _step_medians(rows))
+    return out
+
+
 def _step_medians(rows: list) -> dict:
     """Step-log rows -> their count and median host and wall ms per step."""
     return {"steps": len(rows), "host_ms_median": round(1e3 * float(np.median([r[3] for r in rows])), 3),
@@ -429,6 +452,8 @@ def main() -> None:
     p.add_argument("--logprobs-cost", action="store_true", help="run only the log-probabilities phase")
     p.add_argument("--rollouts", type=int, default=0, help="run only the rollouts phase, with n = this")
     p.add_argument("--structured-cost", action="store_true", help="run only the structured-output phase")
+    p.add_argument("--sampling-cost", action="store_true",
+                   help="run only the sampling phase: greedy against Qwen3-VL's defaults, alternating")
     p.add_argument("--out", default="benchmarks/llm_results.json")
     a = p.parse_args()
     cfg = AutoConfig.for_model(**load_preset(a.preset))
@@ -466,6 +491,8 @@ def main() -> None:
         phases = [("rollouts", lambda: rollouts(engine, reader, a.rollouts, a.ttft_prompt, a.new, vocab))]
     if a.structured_cost:
         phases = [("structured_cost", lambda: structured_cost(engine, reader, a.streams, vocab))]
+    if a.sampling_cost:
+        phases = [("sampling_cost", lambda: sampling_cost(engine, reader, a.streams, vocab))]
     if a.profile:
         phases += [("prefill_attention_ab", lambda: prefill_attention_ab(engine)),
                    ("profile_b1", lambda: profile_decode(engine, reader, 1, vocab)),
@@ -475,7 +502,7 @@ def main() -> None:
         print(name, json.dumps(res[name])[:400], flush=True)
         out.write_text(json.dumps(res, indent=1))
     engine.shutdown()
-    if a.logprobs_cost or a.rollouts or a.structured_cost:
+    if a.logprobs_cost or a.rollouts or a.structured_cost or a.sampling_cost:
         return
     if not a.skip_transformers:
         res["transformers"] = transformers_rates(model, a.prompt, 64, a.ttft_prompt, vocab)
