@@ -29,6 +29,8 @@ else
 fi
 tar -C "$W" -cf - . | xz -T0 -9 > "$OUT/site.tar.xz"
 bundle=$(stat -c %s "$OUT/site.tar.xz")
-tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
-echo "bundle $bundle B, tracked tree $tree B, together $(( bundle + tree )) of $(( 64 * 1024 * 1024 )) B"
+# The tree weighed as a tar of the tracked files (each file's 512-byte header and padding count, erring high):
+# the plain sum of sizes passed a 55.5 MB bundle beside a 10.9 MB tree that the device tool refused (2026-12-05).
+tree=$(git ls-files -z | xargs -0 tar -cf - | wc -c)
+echo "bundle $bundle B, tracked tree $tree B (as a tar), together $(( bundle + tree )) of $(( 64 * 1024 * 1024 )) B"
 [ $(( bundle + tree )) -lt $(( 64 * 1024 * 1024 - 512 * 1024 )) ] || { echo "over the carry limit"; exit 1; }
