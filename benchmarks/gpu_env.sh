@@ -2,7 +2,6 @@
 # GPU and core count in $OUT/env.txt.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -f .gpu-deps/activate ]; then source .gpu-deps/activate
-elif [ -f .gpu-prof/activate ]; then source .gpu-prof/activate  # PROFILE=1 bundle_gpu_deps.sh .gpu-prof (py-spy, no llguidance)
 elif [ -f /tmp/gpu-site/.done ]; then  # a call that carried another bundle, on a machine an earlier call unpacked
   export PYTHONPATH=/tmp/gpu-site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/gpu-site/bin:$PATH
 fi

@@ -39,8 +39,8 @@
 #   AB_RESERVE [150]         and AB_RESERVE to `ab`; ONE_RESERVE [200]: what `ab` leaves to a `one` after it
 #                            (STAGES="ab one")
 # goodput.py's --pyspy EXE --pyspy-rate R (in the args) samples every serving process inside the window of
-# the point at R: carry a bundle built with `PROFILE=1 bash benchmarks/bundle_gpu_deps.sh` (py-spy on its
-# PATH in place of llguidance, which only the structured-output GPU test needs) and pass --pyspy py-spy.
+# the point at R: carry the bundle built by `bash benchmarks/bundle_gpu_deps.sh` (.gpu-deps, py-spy on its
+# PATH) and pass --pyspy py-spy.
 # What fits: with the defaults (image only) about 550 s on the 2B preset if an app deploys in about 60 s;
 # what does not fit is skipped and said so, a stage's last steps first (the 0.9 cold start, then the 0.5).
 # The mix on both sides does not fit beside it: run STAGES=one WORKLOADS="image mix" in one call and

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: serve a fixed-concurrency load and sample every serving process with py-spy while
 # it runs, to see where each process's CPU goes under load (the host path, issue 12). From the
-# repository root with a bundle built by `PROFILE=1 bash benchmarks/bundle_gpu_deps.sh` carried (py-spy on
-# its PATH), or .gpu-deps and .gpu-tools/py-spy.xz (py-spy's static binary from its PyPI wheel, `xz -9`).
+# repository root with the bundle built by `bash benchmarks/bundle_gpu_deps.sh` carried (.gpu-deps: py-spy
+# on its PATH).
 # Results in $OUT/profile.tgz: raw stacks per process, all threads and the GIL holder
 # (benchmarks/pyspy_sampler.py; summed by benchmarks/pyspy_summary.py):
 #   bash benchmarks/gpu_profile_serving.sh CONFIG [serve.py args ...]
