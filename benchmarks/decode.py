@@ -127,6 +127,10 @@ def rank_main(rank: int, a, path: str, port: int, out: str) -> None:
 
         tiles, pick = json.loads(Path(a.direct_config).read_text()), fused_moe.moe_config
         fused_moe.moe_config = lambda t, *rest: dict(tiles) if t <= fused_moe.DIRECT_MAX_TOKENS else pick(t, *rest)
+    if a.no_weight_prefetch:
+        from app.llm import gemv
+
+        gemv.PREFETCH = False
     if a.legacy_moe:
         from app.llm import fused_moe, moe_routing
 
@@ -147,7 +151,8 @@ def rank_main(rank: int, a, path: str, port: int, out: str) -> None:
                     decode_gemv=not a.no_gemv, decode_gemv_split=a.gemv_split, pdl=a.pdl,
                     **({"decode_kv_splits": 1} if a.no_kv_split else {}))
     res = {"preset": a.preset, "layers": engine.spec.layers, "tp": a.tp, "moe": a.moe, "legacy_moe": a.legacy_moe,
-           "no_kv_split": a.no_kv_split, "no_gemv": a.no_gemv, "gemv_split": a.gemv_split, "pdl": a.pdl,
+           "no_kv_split": a.no_kv_split, "no_gemv": a.no_gemv, "no_weight_prefetch": a.no_weight_prefetch,
+           "gemv_split": a.gemv_split, "pdl": a.pdl,
            "gemv": engine.model.gemv.as_dict(), "symm_all_reduce": a.tp > 1 and tp.fast is not None,
            "direct_config": json.loads(Path(a.direct_config).read_text()) if a.direct_config else None,
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -205,6 +210,9 @@ def main() -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--cache", default=os.environ.get("VLM_SERVE_CACHE", "/tmp/vlm-serve-decode"))
     p.add_argument("--out", default="benchmarks/decode_results.json")
+    p.add_argument("--no-weight-prefetch", action="store_true",
+                   help="the matrix-vector kernel loads its first weight tile after its PDL wait, not before "
+                        "(app/llm/gemv.py PREFETCH, as before 2026-12-06): an A/B in one device call")
     p.add_argument("--legacy-moe", action="store_true",
                    help="the MoE path before the routing kernel and the unsorted decode path (torch's router ops, "
                         "always sorted by expert): an A/B against today's in one device call")

@@ -11,7 +11,9 @@
 # Programmatic dependent launch (app/llm/pdl.py): pdl_ab (its GPU tests, then 30B-A3B and 8B with and without);
 # pdl_split (30B-A3B with PDL, the split-K tiles off and on, A B A B); direct_sweep (the 1-2 token MoE kernels swept
 # one at a time, BW: the card's TB/s for the floor); profile_nopdl (30B-A3B's kernels without PDL, each its own time);
-# tiles_ab (the few-token MoE path's tiles against the earlier ones, A B twice).
+# tiles_ab (the few-token MoE path's tiles against the earlier ones, A B twice); prefetch_ab (the matrix-vector
+# kernel's first weight tile loaded before its PDL wait or after it: the GPU tests of gemv and PDL, then 30B-A3B
+# A B A B and 8B A B).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source .gpu-deps/activate
@@ -66,6 +68,16 @@ for s in $STAGES; do case $s in
               run moe30b_oldtiles_$r timeout 120 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 \
                 --direct-config benchmarks/variants/moe_direct_tiles_2026-11-27.json --out "$OUT/moe30b_oldtiles_$r.json"
             done ;;
+  prefetch_ab) run prefetch_tests timeout 200 python3 -m pytest -q -rs -m gpu tests/test_gemv.py tests/test_pdl.py -p no:cacheprovider
+               for r in a b; do
+                 run moe30b_prefetch_$r timeout 150 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 \
+                   --out "$OUT/moe30b_prefetch_$r.json"
+                 run moe30b_noprefetch_$r timeout 150 python3 benchmarks/decode.py --preset qwen3-vl-30b-a3b --new 128 \
+                   --no-weight-prefetch --out "$OUT/moe30b_noprefetch_$r.json"
+               done
+               run dense8b_prefetch timeout 120 python3 benchmarks/decode.py --preset qwen3-vl-8b --new 128 --out "$OUT/dense8b_prefetch.json"
+               run dense8b_noprefetch timeout 120 python3 benchmarks/decode.py --preset qwen3-vl-8b --new 128 \
+                 --no-weight-prefetch --out "$OUT/dense8b_noprefetch.json" ;;
   sweep64) run sweep64 timeout ${SWEEP_S:-200} python3 benchmarks/moe_kernel.py --tokens 64 --sweep --bandwidth 4.8 \
              --out "$OUT/moe_kernel_sweep64.json" ;;
   kernel) run kernel timeout 200 python3 benchmarks/moe_kernel.py --out "$OUT/moe_kernel.json" ;;

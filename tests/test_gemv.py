@@ -123,6 +123,59 @@ def test_gemv_replays_in_a_cuda_graph(tile):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or G.triton is None or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a Hopper GPU (PDL)")
+@pytest.mark.parametrize("tile", [G.TILES[0], G.TILES[2], *G.SPLIT_TILES])
+def test_the_weight_prefetch_sees_the_kernel_before_it_write_x(tile, monkeypatch):
+    """Under PDL each program loads its first weight tile before it waits on the kernel before it. In a
+    graph, as decode replays it, behind an add+RMSNorm that writes x just before: the product is that of
+    the new x on every replay, and the same bits as with the load after the wait (the sums are the same)."""
+    from app.llm import pdl
+    from app.llm.kernels import add_rmsnorm
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    k = 2048
+    w = (torch.randn(4096, k, device="cuda", generator=g) * k ** -0.5).bfloat16()
+    norm = torch.rand(k, device="cuda", generator=g).bfloat16() + 0.5
+    inputs = [(torch.randn(2, k, device="cuda", generator=g).bfloat16(),
+               torch.randn(2, k, device="cuda", generator=g).bfloat16()) for _ in range(4)]
+    got = {}
+    try:
+        assert pdl.enable(True, torch.device("cuda"))
+        for prefetch in (True, False):
+            monkeypatch.setattr(G, "PREFETCH", prefetch)
+            residual, delta = torch.zeros(2, k, device="cuda", dtype=torch.bfloat16), torch.zeros_like(inputs[0][0])
+
+            def step(residual=residual, delta=delta):  # the sum is written into `residual` in place
+                _, h = add_rmsnorm(residual, delta, norm, 1e-6)
+                return h, G.gemv(h, w, None, tile)
+
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                h, out = step()
+            got[prefetch] = []
+            for r, d in inputs:
+                residual.copy_(r)
+                delta.copy_(d)
+                graph.replay()
+                torch.cuda.synchronize()
+                want_h = add_rmsnorm(r.clone(), d, norm, 1e-6)[1]
+                assert torch.equal(h, want_h)
+                want = F.linear(want_h.double(), w.double())
+                assert (out.double() - want).abs().max().item() <= 1.5 * (F.linear(want_h, w).double() - want
+                                                                          ).abs().max().item() + 1e-2
+                got[prefetch].append(out.clone())
+    finally:
+        pdl.enable(False)
+    assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))
+
+
+@pytest.mark.gpu
 @needs_cuda
 def test_engine_tunes_its_projections_and_answers_as_with_cublas(tmp_path):
     """A tiny MoE engine in float32 on CUDA: the start-up times every projection shape, and greedy

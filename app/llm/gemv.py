@@ -37,14 +37,18 @@ MAX_ROWS = 2  # token rows the kernel takes; steps with more go to cuBLAS
 TUNED_ROWS = (1, 2)  # the step sizes timed at start-up
 MIN_GAIN = 0.95  # the kernel is used where it takes at most this share of cuBLAS's time
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT) timed per shape: the three of six unsplit tiles that won
-# a shape on an H200 (2026-12-01)
-TILES = ((4, 512, 4, 3, 1), (8, 256, 4, 3, 1), (8, 512, 8, 3, 1))
+# a shape on an H200 (2026-12-01), and one whose program reads its rows in one K tile, which the weight
+# prefetch (PREFETCH) then loads whole before the PDL wait (2026-12-06)
+TILES = ((4, 512, 4, 3, 1), (8, 256, 4, 3, 1), (8, 512, 8, 3, 1), (4, 2048, 4, 1, 1))
 # Split-K candidates (`llm.decode_gemv_split`, on since the engine's GPU tests passed with them, one H100,
 # 2026-12-02): K divided among SPLIT programs per column tile, as cuBLAS's split-K plan for the o-projection
 # does, the float32 parts summed in the same launch by the tile's last program, in split order. Meant for
 # layers with few column tiles: 2048 x 4096 has 512 of 4 rows, and there the unsplit kernel's 9.12 us against
 # cuBLAS's 9.53 missed MIN_GAIN.
-SPLIT_TILES = ((8, 256, 4, 3, 4), (16, 256, 4, 3, 4))
+SPLIT_TILES = ((8, 256, 4, 3, 4), (16, 256, 4, 3, 4), (8, 1024, 4, 1, 4))  # the last: one K tile per split
+# Each program's first weight tile is loaded before the kernel's PDL wait (`_gemv_kernel`); False puts it after,
+# as before 2026-12-06, for benchmarks/decode.py --no-weight-prefetch's A/B.
+PREFETCH = True
 # per (device, rows, N, BLOCK_N, SPLIT): the split tiles' float32 parts and per-tile counters. Made once,
 # outside any CUDA graph (GemvTable.tune makes them before the engine captures its graphs), so the graphs
 # replay with fixed addresses; each call leaves its counters at zero again.
@@ -73,7 +77,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n), split)](
         x, weight, bias if bias is not None else weight, y, parts, counts, n, k, chunk, x.stride(0),
         weight.stride(0), y.stride(0), ROWS=rows, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=warps, num_stages=stages, **pdl.args())
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, PREFETCH=PREFETCH, num_warps=warps, num_stages=stages,
+        **pdl.args())
     return y
 
 
@@ -82,37 +87,35 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, parts_ptr, counts_ptr, n, width, chunk, stride_xt, stride_wn,
                      stride_yt, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
-        enter(PDL)
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+                     PDL: tl.constexpr):
         # y[r, cols] = x[r] @ w[cols]^T (+ b[cols]) for the ROWS token rows, BLOCK_N weight rows per program;
         # with SPLIT > 1, program (tile, s) takes K's s-th `chunk` and the tile's last program sums the parts
         pid_n = tl.program_id(0)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n
         k_begin = tl.program_id(1) * chunk
-        k_end = tl.minimum(width, k_begin + chunk)
+        k_end = tl.minimum(width, k_begin + chunk)  # every split holds at least one K tile (gemv's `chunk`)
         ks = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + (k_begin + ks)[None, :]
         x_ptrs = x_ptr + k_begin + ks
+        if PREFETCH:
+            # No kernel writes a weight, so the first K tile's load may be issued before the wait (`enter`):
+            # under PDL this program starts while the kernel before it still runs (a one-program add+RMSNorm,
+            # an attention merge) and its first bytes are on the way when that one ends. Only x waits.
+            w = _gemv_load_w(w_ptrs, col_ok, ks, k_end - k_begin, EVEN_K)
+            enter(PDL)
+        else:
+            enter(PDL)
+            w = _gemv_load_w(w_ptrs, col_ok, ks, k_end - k_begin, EVEN_K)
         acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
-                x0 = tl.load(x_ptrs).to(tl.float32)
-            else:
-                k_ok = ks < k_end - k0
-                w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                x0 = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            acc0 += tl.sum(w * x0[None, :], 1)
-            if ROWS == 2:
-                if EVEN_K:
-                    x1 = tl.load(x_ptrs + stride_xt).to(tl.float32)
-                else:
-                    x1 = tl.load(x_ptrs + stride_xt, mask=ks < k_end - k0, other=0.0).to(tl.float32)
-                acc1 += tl.sum(w * x1[None, :], 1)
+        acc0, acc1 = _gemv_accumulate(w, x_ptrs, stride_xt, ks, k_end - k_begin, acc0, acc1, ROWS, EVEN_K)
+        for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+            w = _gemv_load_w(w_ptrs, col_ok, ks, k_end - k0, EVEN_K)
+            acc0, acc1 = _gemv_accumulate(w, x_ptrs, stride_xt, ks, k_end - k0, acc0, acc1, ROWS, EVEN_K)
         if SPLIT > 1:
             # this program's part, then the tile's count; the program that makes it SPLIT sums every part in
             # split order (the same float32 sums whichever program is last) and sets the count back to 0
@@ -136,6 +139,30 @@ if triton is not None:
                 tl.store(counts_ptr + pid_n, 0)
         else:
             _gemv_store(y_ptr, b_ptr, cols, col_ok, acc0, acc1, stride_yt, ROWS, HAS_BIAS)
+
+    @triton.jit
+    def _gemv_load_w(w_ptrs, col_ok, ks, left, EVEN_K: tl.constexpr):
+        """One [BLOCK_N, BLOCK_K] weight tile, `left` columns of K from its start still in range."""
+        if EVEN_K:
+            return tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+        return tl.load(w_ptrs, mask=col_ok[:, None] & (ks < left)[None, :], other=0.0)
+
+    @triton.jit
+    def _gemv_accumulate(w, x_ptrs, stride_xt, ks, left, acc0, acc1, ROWS: tl.constexpr, EVEN_K: tl.constexpr):
+        """The tile's products with each token row's K slice, summed into that row's float32 accumulator."""
+        w = w.to(tl.float32)
+        if EVEN_K:
+            x0 = tl.load(x_ptrs).to(tl.float32)
+        else:
+            x0 = tl.load(x_ptrs, mask=ks < left, other=0.0).to(tl.float32)
+        acc0 += tl.sum(w * x0[None, :], 1)
+        if ROWS == 2:
+            if EVEN_K:
+                x1 = tl.load(x_ptrs + stride_xt).to(tl.float32)
+            else:
+                x1 = tl.load(x_ptrs + stride_xt, mask=ks < left, other=0.0).to(tl.float32)
+            acc1 += tl.sum(w * x1[None, :], 1)
+        return acc0, acc1
 
     @triton.jit
     def _gemv_store(y_ptr, b_ptr, cols, col_ok, acc0, acc1, stride_yt, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr):

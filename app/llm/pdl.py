@@ -5,9 +5,10 @@ A single-stream decode step of 30B-A3B is about 600 kernels of a few microsecond
 kernels, a kernel may start once every block of that one has started (after cuBLAS's or torch's, at
 its end), and waits on the device (`griddepcontrol.wait`) until it has finished and its writes are
 visible: the launch latency overlaps, no work does.
-Every taking-part kernel calls `enter(PDL)` first, before it reads anything and before any program may
-return, so no grid ends before the grid it depends on and the chain holds two kernels back too;
-others launch as usual. `enable` sets the switch for the process (the engine, before it times or
+Every taking-part kernel calls `enter(PDL)` before it reads anything a kernel may have written and before
+any program may return, so no grid ends before the grid it depends on and the chain holds two kernels
+back too; ahead of it come only offsets and reads of what no kernel writes (gemv's first weight tile,
+which so overlaps the kernel before). Others launch as usual. `enable` sets the switch for the process (the engine, before it times or
 captures anything); each launch passes `args()` (docs/concepts/engine.md, "Steps of one token").
 """
 
