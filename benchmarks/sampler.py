@@ -1,6 +1,5 @@
 """What one step's sampling costs over Qwen3-VL's vocabulary: greedy, the whole-vocabulary draw, and the draw
-from each row's top-k candidates (app/llm/sampler.py), at several row counts; and that draw's candidates found in
-two passes (`sampler.highest`, the default on CUDA) and in one `topk` over each row (the CPU's default).
+from each row's top-k candidates (app/llm/sampler.py), at several row counts.
 
 Requests that leave out `temperature` take the checkpoint's generation_config, which for Qwen3-VL is
 temperature 0.7, top_k 20, top_p 0.8: most real traffic samples. Every serving benchmark sends temperature 0,
@@ -24,7 +23,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.llm import sampler as sampler_module  # noqa: E402
 from app.llm.sampler import Sampler, SamplingBatch  # noqa: E402
 
 QWEN3_VL_DEFAULTS = {"temperature": 0.7, "top_k": 20, "top_p": 0.8}
@@ -74,18 +72,9 @@ def time_rows(rows: int, vocab: int, device: torch.device, repeats: int) -> dict
     greedy, whole, cand = (make_batch(rows, device, True, False), make_batch(rows, device, False, False),
                            make_batch(rows, device, False, True))
     assert torch.equal(whole_vocabulary_step(sampler, logits, whole), sampler(logits, cand))  # the same tokens
-    out = {"greedy": median_ms(lambda: sampler(logits, greedy), device, repeats),
-           "whole_vocabulary": median_ms(lambda: whole_vocabulary_step(sampler, logits, whole), device, repeats),
-           "top_k_candidates": median_ms(lambda: sampler(logits, cand), device, repeats)}
-    tokens = sampler(logits, cand)
-    for name, two_pass in (("top_k_two_pass", True), ("top_k_one_pass", False)):  # the default is one of them
-        sampler_module.TWO_PASS_TOP_K = two_pass
-        try:
-            assert torch.equal(sampler(logits, cand), tokens)
-            out[name] = median_ms(lambda: sampler(logits, cand), device, repeats)
-        finally:
-            sampler_module.TWO_PASS_TOP_K = None
-    return out
+    return {"greedy": median_ms(lambda: sampler(logits, greedy), device, repeats),
+            "whole_vocabulary": median_ms(lambda: whole_vocabulary_step(sampler, logits, whole), device, repeats),
+            "top_k_candidates": median_ms(lambda: sampler(logits, cand), device, repeats)}
 
 
 def main(argv=None) -> dict:
@@ -99,16 +88,14 @@ def main(argv=None) -> dict:
     device = torch.device(a.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     out = {"device": name, "vocab": a.vocab, "sampling": QWEN3_VL_DEFAULTS, "rows": []}
-    print(f"| rows | greedy ms | whole vocabulary ms | top-k candidates ms | whole / candidates | "
-          f"candidates in two passes ms | in one topk ms |  ({name})")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| rows | greedy ms | whole vocabulary ms | top-k candidates ms | whole / candidates |  ({name})")
+    print("|---|---|---|---|---|")
     with torch.inference_mode():
         for rows in a.rows:
             ms = time_rows(rows, a.vocab, device, a.repeats)
             out["rows"].append({"rows": rows, **{k: round(v, 4) for k, v in ms.items()}})
             print(f"| {rows} | {ms['greedy']:.3f} | {ms['whole_vocabulary']:.3f} | {ms['top_k_candidates']:.3f} | "
-                  f"{ms['whole_vocabulary'] / ms['top_k_candidates']:.1f}x | {ms['top_k_two_pass']:.3f} | "
-                  f"{ms['top_k_one_pass']:.3f} |", flush=True)
+                  f"{ms['whole_vocabulary'] / ms['top_k_candidates']:.1f}x |", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return out

@@ -10,8 +10,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
-from app.llm import sampler as sampler_module
-from app.llm.sampler import TIE_ROOM, Sampler, SamplingBatch, highest, host_sampling_flags
+from app.llm.sampler import TIE_ROOM, Sampler, SamplingBatch, host_sampling_flags
 from app.llm.sampling import SamplingParams
 
 QWEN_VOCAB = 151936
@@ -40,37 +39,6 @@ def test_the_top_k_draw_gives_the_whole_vocabulary_draw_s_tokens():
                   torch.where(torch.rand(32, generator=g) < 0.3, torch.rand(32, generator=g) * 0.2, torch.zeros(32)),
                   seed0=100 * case, step=case)
         assert torch.equal(s.drawn_from_top_k(logits, b), s.drawn(logits, b)), case
-
-
-@pytest.mark.parametrize("vocab", [QWEN_VOCAB, 151_643, 10_000, 300])
-def test_the_two_pass_top_n_is_topk_s(vocab):
-    """Distinct logits (a permutation, so no ties), some rows mostly -inf (grammar masks), vocabularies that
-    the chunks divide and that they do not (the padded last chunk), and one too short to cut: the same
-    values in the same order, and the same ids, as one `topk` over the row."""
-    g = torch.Generator().manual_seed(vocab)
-    rows = 6
-    x = torch.stack([torch.randperm(vocab, generator=g).float() / vocab for _ in range(rows)])
-    x[4, torch.randperm(vocab, generator=g)[:vocab - 40]] = float("-inf")  # 40 tokens allowed
-    for n in (1, 21, 276):
-        n = min(n, vocab)
-        want_v, want_i = x.topk(n, dim=-1)
-        got_v, got_i = highest(x, n)
-        finite = torch.isfinite(want_v)
-        assert torch.equal(got_v, want_v), n
-        assert torch.equal(got_i[finite], want_i[finite]), n
-        assert int(got_i.max()) < vocab
-
-
-def test_the_draw_is_the_same_with_one_pass_or_two(monkeypatch):
-    """bf16-rounded logits (many ties below the top) at Qwen3-VL's defaults: the same tokens either way."""
-    s = Sampler(QWEN_VOCAB, 16, torch.device("cpu"))
-    g = torch.Generator().manual_seed(3)
-    logits = (torch.randn(16, QWEN_VOCAB, generator=g) * 3).bfloat16().float()
-    b = batch(torch.full((16,), 0.7), torch.full((16,), 20), torch.full((16,), 0.8), seed0=5, step=2)
-    monkeypatch.setattr(sampler_module, "TWO_PASS_TOP_K", True)
-    two = s.drawn_from_top_k(logits, b)
-    monkeypatch.setattr(sampler_module, "TWO_PASS_TOP_K", False)
-    assert torch.equal(s.drawn_from_top_k(logits, b), two)
 
 
 def test_ties_with_the_k_th_logit_are_kept_as_transformers_keeps_them():
@@ -143,8 +111,7 @@ def test_the_sampler_benchmark_times_the_three_steps_and_checks_they_agree(tmp_p
     out = main(["--rows", "2", "8", "--vocab", "3000", "--repeats", "1", "--device", "cpu",
                 "--json", str(tmp_path / "s.json")])
     assert [r["rows"] for r in out["rows"]] == [2, 8] and out["device"] == "cpu"
-    assert all(r[k] > 0 for r in out["rows"] for k in ("greedy", "whole_vocabulary", "top_k_candidates",
-                                                                     "top_k_two_pass", "top_k_one_pass"))
+    assert all(r[k] > 0 for r in out["rows"] for k in ("greedy", "whole_vocabulary", "top_k_candidates"))
     assert json.loads((tmp_path / "s.json").read_text()) == out
 
 

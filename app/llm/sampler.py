@@ -25,11 +25,6 @@ from .sampling import MAX_STOP_TOKEN_IDS
 HELD_IDS = MAX_STOP_TOKEN_IDS + 16  # per row: a request's stop_token_ids and up to 16 end-of-sequence ids
 TIE_ROOM = 256  # candidates beyond the largest top_k, for the tokens tied with a row's k-th logit
 
-# Rows longer than CHUNK_WIDTH * n take their n highest logits in two passes (`highest`)
-CHUNK_WIDTH = 16
-# Two passes on CUDA, one on the CPU, where the chunks' partial sorts cost more than they save (3.4x slower
-# at 64 rows on the CPU machine, 2026-12-06); True or False for either everywhere (benchmarks/sampler.py's A/B)
-TWO_PASS_TOP_K: bool | None = None
 _M64 = (1 << 64) - 1
 
 
@@ -78,24 +73,6 @@ def top_p_filter(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     cumsum over 152k tokens ends above 1, which cut a top_p=1 row's tail when another row of the step
     used top_p)."""
     return x.masked_fill(x < nucleus_floor(x.sort(dim=-1, descending=True).values, top_p), float("-inf"))
-
-
-def highest(x: torch.Tensor, n: int, two_pass: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """x.topk(n, dim=-1) for x [S, V] (values highest first, and their ids), the order of tied values
-    aside. A few rows of 151,936 logits give `topk` a few long slices, one block of the GPU each; cut
-    into chunks of about CHUNK_WIDTH * n, every chunk's n highest are found side by side, and the row's n
-    highest are the n highest of those (each of them is among its own chunk's n highest)."""
-    s, v = x.shape
-    chunks = v // (CHUNK_WIDTH * n)
-    if not two_pass or chunks < 2:
-        return x.topk(n, dim=-1)
-    width = -(-v // chunks)
-    if width * chunks != v:  # the last chunk padded with -inf, which no real logit ranks below
-        x = torch.nn.functional.pad(x, (0, width * chunks - v), value=float("-inf"))
-    vals, ids = x.view(s * chunks, width).topk(n, dim=-1, sorted=False)
-    ids = ids + (torch.arange(chunks, device=x.device) * width).repeat(s)[:, None]
-    vals, pick = vals.view(s, chunks * n).topk(n, dim=-1)
-    return vals, ids.view(s, chunks * n).gather(1, pick).clamp_(max=v - 1)
 
 
 def nucleus_floor(ordered: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -312,8 +289,7 @@ class Sampler:
         top_p may keep one token more or fewer. Among perturbed logits equal to the last bit the lowest
         id wins, as argmax over the vocabulary picks it."""
         k = min(b.max_top_k, self.vocab)
-        two_pass = logits.is_cuda if TWO_PASS_TOP_K is None else TWO_PASS_TOP_K
-        vals, ids = highest(logits, min(self.vocab, k + TIE_ROOM), two_pass)  # sorted, highest first
+        vals, ids = logits.topk(min(self.vocab, k + TIE_ROOM), dim=-1)  # sorted, highest first
         temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
         x = vals / temp[:, None]
         if b.any_min_p:
