@@ -77,6 +77,27 @@ def time_rows(rows: int, vocab: int, device: torch.device, repeats: int) -> dict
             "top_k_candidates": median_ms(lambda: sampler(logits, cand), device, repeats)}
 
 
+def profile_draw(rows: int, vocab: int, device: torch.device) -> str:
+    """Where a top-k draw's time goes: torch.profiler's table of 10 draws, by device time (host time on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sampler = Sampler(vocab, rows, device)
+    logits = (torch.randn(rows, vocab, device=device) * 3).bfloat16().float()
+    cand = make_batch(rows, device, False, True)
+    for _ in range(3):
+        sampler(logits, cand)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(10):
+            sampler(logits, cand)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    table = prof.key_averages().table(sort_by="cuda_time_total" if device.type == "cuda" else "cpu_time_total",
+                                      row_limit=25)
+    print(table, flush=True)
+    return table
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256])
@@ -84,6 +105,8 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="also profile 10 top-k draws of ROWS rows (torch.profiler): the ops by device and host time")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -96,6 +119,8 @@ def main(argv=None) -> dict:
             out["rows"].append({"rows": rows, **{k: round(v, 4) for k, v in ms.items()}})
             print(f"| {rows} | {ms['greedy']:.3f} | {ms['whole_vocabulary']:.3f} | {ms['top_k_candidates']:.3f} | "
                   f"{ms['whole_vocabulary'] / ms['top_k_candidates']:.1f}x |", flush=True)
+        if a.profile:
+            out["profile"] = profile_draw(a.profile, a.vocab, device)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return out

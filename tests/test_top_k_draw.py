@@ -109,7 +109,8 @@ def test_the_sampler_benchmark_times_the_three_steps_and_checks_they_agree(tmp_p
     from benchmarks.sampler import main
 
     out = main(["--rows", "2", "8", "--vocab", "3000", "--repeats", "1", "--device", "cpu",
-                "--json", str(tmp_path / "s.json")])
+                "--json", str(tmp_path / "s.json"), "--profile", "4"])
+    assert "aten::topk" in out["profile"]  # the draw's candidates, in the profile's table
     assert [r["rows"] for r in out["rows"]] == [2, 8] and out["device"] == "cpu"
     assert all(r[k] > 0 for r in out["rows"] for k in ("greedy", "whole_vocabulary", "top_k_candidates"))
     assert json.loads((tmp_path / "s.json").read_text()) == out
