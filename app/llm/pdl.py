@@ -8,9 +8,8 @@ visible: the launch latency overlaps, no work does.
 Every taking-part kernel calls `enter(PDL)` before it reads anything a kernel may have written and before
 any program may return, so no grid ends before the grid it depends on and the chain holds two kernels
 back too; ahead of it come only offsets and reads of what no kernel writes (gemv's first weight tile,
-which so overlaps the kernel before). Others launch as usual. `enable` sets the switch for the process
-(the engine, before it times or captures anything); each launch passes `args()` (docs/concepts/engine.md,
-"Steps of one token").
+which so overlaps the kernel before). Others launch as usual. `enable` sets the process's switch (the engine,
+before it times or captures anything); each launch passes `args()` (docs/concepts/engine.md).
 """
 
 from __future__ import annotations
