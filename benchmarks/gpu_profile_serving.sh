@@ -14,8 +14,7 @@ set -uo pipefail
 source benchmarks/gpu_env.sh
 CONFIG=$1; shift
 dir="$OUT/profile"; mkdir -p "$dir"
-PYSPY=$(command -v py-spy || true)
-if [ -z "$PYSPY" ]; then PYSPY=/tmp/py-spy; xz -dc .gpu-tools/py-spy.xz > $PYSPY && chmod +x $PYSPY; fi
+PYSPY=$(command -v py-spy) || { echo "py-spy is not on PATH: carry .gpu-deps (benchmarks/bundle_gpu_deps.sh)"; exit 1; }
 (
   # serve.py prints "application ready" once every replica answers. It then builds its request bodies
   # and warms up; timed requests carry a tag (workload-c<concurrency>-<seed>-<i>) that the replicas log.
