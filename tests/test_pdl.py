@@ -110,12 +110,10 @@ def test_every_engine_kernel_waits_first_and_every_launch_passes_the_switch(name
 
 def test_the_weight_prefetch_reads_only_weights():
     """gemv's pre-wait helper loads from the pointer it is given; the kernel gives it the weight's."""
-    tree = ast.parse((ROOT / "app" / "llm" / "gemv.py").read_text())
-    calls = [n for n in ast.walk(_jit_functions(tree)["_gemv_kernel"]) if isinstance(n, ast.Call)
-             and ast.unparse(n.func) in READS_BEFORE_WAIT]
+    kernel = list(ast.walk(_jit_functions(ast.parse((ROOT / "app" / "llm" / "gemv.py").read_text()))["_gemv_kernel"]))
+    calls = [n for n in kernel if isinstance(n, ast.Call) and ast.unparse(n.func) in READS_BEFORE_WAIT]
     assert calls and all(ast.unparse(c.args[0]) == "w_ptrs" for c in calls)
-    w_ptrs = [n for n in ast.walk(_jit_functions(tree)["_gemv_kernel"]) if isinstance(n, ast.Assign)
-              and ast.unparse(n.targets[0]) == "w_ptrs"]
+    w_ptrs = [n for n in kernel if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "w_ptrs"]
     assert len(w_ptrs) == 1 and ast.unparse(w_ptrs[0].value).startswith("w_ptr +")
 
 
